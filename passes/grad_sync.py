@@ -1,0 +1,152 @@
+"""Decide every collective of the backward pass from the forward placements.
+
+Reads:  meta[PLACEMENT] of every node, which parameters require grad
+Writes: the ``grad`` mode of each all-gather ("reduce_scatter" or "slice");
+        grad_all_reduce nodes (identity forward, all-reduce of the gradient backward);
+        meta[REQUIRES_GRAD] on every node; the axes over which each parameter's gradient
+        must be summed after backward (returned)
+Keeps:  forward placements and values unchanged
+
+Why: a tensor replicated on an axis whose ranks then compute different things (other
+tokens, other output columns) receives only a partial gradient on each rank. Where that
+partial gradient must be summed decides the communication: summing it at a weight's
+all-gather makes that all-gather's backward a reduce-scatter (Algorithm 1, line 14);
+at an activation feeding a GEMM it is the all-reduce of dI (line 12); at a parameter it is
+the data-parallel reduction. The analysis walks the graph backwards once per axis and
+puts each sum as late (as close to the source) as it can while contributions that are
+already whole are never summed twice.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from shardc.context import (COMM, GLOBAL_VAL, KIND, PARAM, PLACEMENT, PROGRAM, REQUIRES_GRAD,
+                            CompileContext)
+from shardc.mesh import AXES
+from shardc.placement import Layout, Replicate
+from shardc.runtime import collectives as C
+from shardc.runtime import ops as R
+
+# local ops whose output never carries a gradient
+_NO_GRAD = {R.row_max, R.valid_count}
+
+
+def _floating(v: object) -> bool:
+    if isinstance(v, torch.Tensor):
+        return v.dtype.is_floating_point or v.dtype.is_complex
+    if isinstance(v, (list, tuple)):
+        return any(_floating(x) for x in v)
+    return False
+
+
+def requires_grad(gm: fx.GraphModule, trainable: set[str]) -> None:
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            n.meta[REQUIRES_GRAD] = n.meta.get(KIND) == "param" and n.meta.get(PARAM) in trainable
+        elif n.op == "call_function":
+            val = n.meta.get(GLOBAL_VAL)
+            floating = _floating(val) if val is not None else True
+            if n.target is C.all_gather_start or n.target is C.wait:
+                floating = True
+            n.meta[REQUIRES_GRAD] = (floating and n.target not in _NO_GRAD and
+                                     any(a.meta.get(REQUIRES_GRAD) for a in n.all_input_nodes))
+        else:
+            n.meta[REQUIRES_GRAD] = False
+
+
+def _is_replicated(n: fx.Node, axis: str) -> bool:
+    lay = n.meta.get(PLACEMENT)
+    if isinstance(lay, Layout):
+        return isinstance(lay.placement(axis), Replicate)
+    if n.op == "call_function":  # a tuple: look at its elements
+        users = [u for u in n.users if isinstance(u.meta.get(PLACEMENT), Layout)]
+        return bool(users) and all(_is_replicated(u, axis) for u in users)
+    return False
+
+
+def grad_sync_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    requires_grad(gm, set(ctx.trainable))
+    reduce_params: dict[str, list[str]] = {}
+    for axis in AXES:
+        if ctx.mesh.size(axis) == 1:
+            continue
+        kind: dict[fx.Node, str] = {}
+        for n in reversed(list(gm.graph.nodes)):
+            if n.op == "output" or not n.meta.get(REQUIRES_GRAD) or not _is_replicated(n, axis):
+                continue
+            contrib: list[tuple[fx.Node, str]] = []
+            for u in list(n.users):
+                if u.op == "output":
+                    contrib.append((u, "R"))
+                elif not u.meta.get(REQUIRES_GRAD):
+                    continue
+                elif not _is_replicated(u, axis):
+                    contrib.append((u, "P"))
+                elif u in kind:
+                    contrib.append((u, kind[u]))
+            kinds = {k for _, k in contrib}
+            if not kinds:
+                continue
+            if kinds == {"R"}:
+                kind[n] = "R"
+                continue
+            if kinds == {"R", "P"}:
+                # One all-reduce serves every partial use: autograd sums their gradients
+                # into it first. The whole ones bypass it, or they would be counted G times.
+                partial_users = [u for u, k in contrib if k == "P"]
+                f = _insert_grad_all_reduce(gm, n, ctx, axis, before=partial_users[0])
+                for u in partial_users:
+                    u.replace_input_with(n, f)
+                kind[n] = "R"
+                continue
+            # every contribution is partial: sum it at the source if the source can
+            if n.target is C.all_gather_start and n.args[2] == axis:
+                n.update_arg(3, "reduce_scatter")
+                kind[n] = "P"
+            elif n.op == "placeholder":
+                reduce_params.setdefault(n.meta[PARAM], []).append(axis)
+                kind[n] = "P"
+            elif n.target is C.wait and n.args[0].target is C.all_reduce_start \
+                    and n.args[0].args[2] == axis:
+                # the output of an all-reduce over this axis, used where its ranks diverge:
+                # sum the gradient right here (Algorithm 1's all-reduce of dI)
+                users = list(n.users)
+                f = _insert_grad_all_reduce(gm, n, ctx, axis, before=users[0])
+                for u in users:
+                    u.replace_input_with(n, f)
+                kind[n] = "R"
+            elif n.op == "call_function" and len(_grad_inputs(n)) == 1 and \
+                    _is_replicated(_grad_inputs(n)[0], axis):
+                # one differentiable input: let the partial flow up to it, so that a sum at
+                # a weight's all-gather or a parameter can absorb it. With several inputs
+                # (q, k, v into attention; x and the weight into a norm) the sum is cheaper
+                # here, once, than on each of them.
+                kind[n] = "P"
+            else:
+                users = list(n.users)
+                f = _insert_grad_all_reduce(gm, n, ctx, axis, before=None)
+                for u in users:
+                    u.replace_input_with(n, f)
+                kind[n] = "R"
+    gm.meta[PROGRAM].reduce_params = reduce_params
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _grad_inputs(n: fx.Node) -> list[fx.Node]:
+    return [a for a in n.all_input_nodes if a.meta.get(REQUIRES_GRAD)]
+
+
+def _insert_grad_all_reduce(gm: fx.GraphModule, n: fx.Node, ctx: CompileContext, axis: str,
+                            before: fx.Node | None) -> fx.Node:
+    with gm.graph.inserting_after(n):
+        f = gm.graph.call_function(C.grad_all_reduce, (n, ctx.rt, axis))
+    f.meta.update({PLACEMENT: n.meta.get(PLACEMENT), GLOBAL_VAL: n.meta.get(GLOBAL_VAL),
+                   KIND: "grad_collective", REQUIRES_GRAD: True,
+                   COMM: {"collective": "all_reduce", "axis": axis},
+                   "shardc_source": n.meta.get("shardc_source")})
+    if before is not None and before.meta.get("shardc_source") is not None:
+        f.meta["shardc_source"] = before.meta["shardc_source"]
+    return f

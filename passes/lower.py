@@ -1,0 +1,361 @@
+"""Lower the traced global graph into this rank's program.
+
+Reads:  the exported graph (ATen ops on global shapes, ``node.meta["val"]``), the
+        parameter/input roles of its placeholders, the op rules of ``passes/rules.py``
+Writes: a new graph of local ops on shards, with every collective as a start node and a
+        wait node; each node's ``meta[PLACEMENT]`` (its Layout) and ``meta[GLOBAL_VAL]``;
+        ``meta[FALLBACK]`` where an op had no rule and ran replicated
+Keeps:  every rank builds the same graph, so every rank issues the same collectives in
+        the same order
+
+Why a new graph rather than an in-place rewrite: each op's rule decides the placements
+it needs from the placements its inputs already have, and a redistribution (all-reduce,
+all-gather, local slice) is inserted in front of it when they differ. Walking the old
+graph once in topological order and emitting into a new one keeps that a single pass.
+
+Parameters have no placement until their first use asks for one (lazily): the weight of
+a GEMM gets Algorithm 1's layout from the GEMM, a layer norm's weight the placement of
+the hidden dim it scales. The stored shard is that layout further cut over z (the
+FSDP/ZeRO-3 part), and the first use all-gathers it over z.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from shardc.context import (COMM, FALLBACK, GLOBAL_VAL, KIND, PARAM, PLACEMENT, PROGRAM, SOURCE,
+                            CompileContext)
+from shardc.mesh import BATCH_AXES, Mesh
+from shardc.placement import Layout
+from shardc.runtime import collectives as C
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Val:
+    """A value of the global program as this rank holds it."""
+
+    node: fx.Node | None  # node of the new graph (None: a parameter not yet materialised)
+    layout: Layout | None  # None: a parameter whose layout its first use will choose
+    val: Any  # the global fake tensor (shape, dtype)
+    param: str | None = None  # set when the value is a parameter, maybe transposed
+    ptrans: bool = False  # the value is the parameter transposed (t / permute)
+    pchain: tuple = ()  # dtype casts applied to the parameter, replayed after gathering
+
+    @property
+    def shape(self) -> list[int]:
+        return list(self.val.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.val.shape)
+
+
+@dataclass
+class SourceInfo:
+    op: str
+    module: str
+    line: str
+
+
+@dataclass
+class Fallback:
+    op: str
+    module: str
+    line: str
+    gathered: list[str]
+
+    def __str__(self) -> str:
+        where = f" in {self.module}" if self.module else ""
+        g = f"; gathered {', '.join(self.gathered)}" if self.gathered else ""
+        return f"{self.op}{where} at {self.line}: no sharding rule, ran replicated{g}"
+
+
+@dataclass
+class LowerResult:
+    graph_module: fx.GraphModule
+    storage: dict[str, Layout]  # parameter name -> layout of the stored shard
+    fallbacks: list[Fallback] = field(default_factory=list)
+    reduce_params: dict[str, list[str]] = field(default_factory=dict)  # set by grad_sync
+    decisions: list[str] = field(default_factory=list)  # human-readable choices, for explain
+
+
+def source_of(node: fx.Node) -> SourceInfo:
+    stack = node.meta.get("nn_module_stack") or {}
+    module = ""
+    if stack:
+        module = list(stack.values())[-1][0]
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    line = ""
+    for ln in reversed(trace):
+        ln = ln.strip()
+        if ln.startswith("File "):
+            parts = ln.split(",")
+            f = parts[0][5:].strip().strip('"').split("/")[-1]
+            no = parts[1].strip().replace("line ", "") if len(parts) > 1 else "?"
+            line = f"{f}:{no}"
+            break
+    op = str(node.target)
+    return SourceInfo(op, module, line)
+
+
+class Lowering:
+    """State of one lowering: the new graph, the value of every old node, the choices."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: CompileContext, strip_prefix: str = "") -> None:
+        self.old = gm
+        self.ctx = ctx
+        self.mesh: Mesh = ctx.mesh
+        self.rt = ctx.rt
+        self.roles = ctx.role_map  # placeholder name -> (role, target)
+        self.strip_prefix = strip_prefix
+        self.g = fx.Graph()
+        self.env: dict[fx.Node, Any] = {}
+        self.storage: dict[str, Layout] = {}
+        self.param_ph: dict[str, fx.Node] = {}
+        self.param_val: dict[str, Any] = {}
+        self.cache: dict[tuple, fx.Node] = {}
+        self.fallbacks: list[Fallback] = []
+        self.decisions: list[str] = []
+        self.src = SourceInfo("", "", "")
+        self.cur: fx.Node | None = None
+
+    # ------------------------------------------------------------------ emission
+    def module_name(self, m: str) -> str:
+        if self.strip_prefix and m.startswith(self.strip_prefix):
+            return m[len(self.strip_prefix):]
+        return m
+
+    def emit(self, target: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
+             layout: Layout | None, val: Any, kind: str = "local") -> fx.Node:
+        n = self.g.call_function(target, tuple(args), dict(kwargs or {}))
+        n.meta[PLACEMENT] = layout.clean(self.mesh) if layout is not None else None
+        n.meta[GLOBAL_VAL] = val
+        n.meta[KIND] = kind
+        n.meta[SOURCE] = self.src
+        return n
+
+    def val_of(self, a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return self.env[a]
+        return a
+
+    # ------------------------------------------------------------ redistribution
+    def to_layout(self, v: Val, target: Layout) -> fx.Node:
+        """A node holding ``v`` laid out as ``target`` (inserting collectives as needed)."""
+        target = target.clean(self.mesh)
+        if v.layout is None:
+            return self._param_at(v, target)
+        return self._redistribute(v.node, v.layout.clean(self.mesh), target, v.val)
+
+    def _redistribute(self, node: fx.Node, cur: Layout, target: Layout, gval: Any) -> fx.Node:
+        if cur == target:
+            return node
+        key = (node, target)
+        if key in self.cache:
+            return self.cache[key]
+        lay = cur
+        # 1. partial sums -> replicated (all-reduce)
+        for axis, op in cur.partial:
+            if dict(target.partial).get(axis) == op:
+                continue
+            node = self._all_reduce(node, lay, axis, op, gval)
+            lay = lay.with_replicated(axis)
+        # 2. shards that the target does not keep, innermost first -> all-gather
+        for d in range(lay.ndim):
+            have, want = lay.dims[d], target.dims[d]
+            keep = 0
+            if lay.interleave[d] == target.interleave[d] or not have:
+                while keep < min(len(have), len(want)) and have[keep] == want[keep]:
+                    keep += 1
+            for axis in reversed(have[keep:]):
+                node = self._all_gather(node, lay, axis, d, gval)
+                lay = lay.with_replicated(axis)
+        # 3. shards the target has and we lack -> local slice (no communication)
+        for d in range(lay.ndim):
+            have, want = lay.dims[d], target.dims[d]
+            for axis in want[len(have):]:
+                k = target.interleave[d]
+                new = lay.with_shard(axis, d).with_interleave(d, k)
+                node = self.emit(C.local_chunk, (node, self.rt, axis, d, k), layout=new, val=gval,
+                                 kind="slice")
+                lay = new
+        for axis, op in target.partial:
+            assert dict(lay.partial).get(axis) == op, (cur, target)
+        assert lay == target, (cur, target, lay)
+        self.cache[key] = node
+        return node
+
+    def _all_reduce(self, node: fx.Node, lay: Layout, axis: str, op: str, gval: Any) -> fx.Node:
+        out = lay.with_replicated(axis)
+        buf_lay = out
+        start = self.emit(C.all_reduce_start, (node, self.rt, axis, "max" if op == "max" else "sum"),
+                          layout=buf_lay, val=gval, kind="collective")
+        start.meta[COMM] = {"collective": "all_reduce", "axis": axis, "op": op}
+        done = self.emit(C.wait, (start,), layout=buf_lay, val=gval, kind="wait")
+        if op == "avg":
+            done = self.emit(aten.mul.Tensor, (done, 1.0 / self.mesh.size(axis)), layout=out, val=gval)
+        return done
+
+    def _all_gather(self, node: fx.Node, lay: Layout, axis: str, dim: int, gval: Any) -> fx.Node:
+        out = lay.with_replicated(axis)
+        # the (G, *shard) buffer: its dims are the tensor's shifted by one, axis gathered
+        buf = Layout(lay.ndim + 1, ((),) + out.dims, out.partial, (1,) + out.interleave)
+        start = self.emit(C.all_gather_start, (node, self.rt, axis, "slice"), layout=buf, val=None,
+                          kind="collective")
+        start.meta[COMM] = {"collective": "all_gather", "axis": axis, "dim": dim}
+        done = self.emit(C.wait, (start,), layout=buf, val=None, kind="wait")
+        k = lay.interleave[dim]
+        if k == 1:
+            return self.emit(C.concat_gathered, (done, dim), layout=out, val=gval)
+        return self.emit(C.concat_gathered_interleaved, (done, dim, k), layout=out, val=gval)
+
+    # ---------------------------------------------------------------- parameters
+    def _param_at(self, v: Val, want: Layout) -> fx.Node:
+        """Materialise parameter-derived ``v`` at ``want`` (in v's own dims)."""
+        assert v.param is not None
+        name = v.param
+        pwant = want
+        if v.ptrans:
+            pwant = Layout(want.ndim, tuple(reversed(want.dims)), want.partial,
+                           tuple(reversed(want.interleave)))
+        if name not in self.storage:
+            self.storage[name] = self._storage_for(pwant, list(self.param_val[name].shape))
+        node = self._redistribute(self.param_ph[name], self.storage[name], pwant, self.param_val[name])
+        if v.ptrans:
+            key = (node, "t")
+            if key not in self.cache:
+                self.cache[key] = self.emit(aten.t.default, (node,), layout=want, val=v.val)
+            node = self.cache[key]
+        for target, extra in v.pchain:
+            key = (node, target, extra)
+            if key not in self.cache:
+                self.cache[key] = self.emit(target, (node, *extra), layout=want, val=v.val)
+            node = self.cache[key]
+        return node
+
+    def _storage_for(self, want: Layout, shape: list[int]) -> Layout:
+        """The stored shard: the layout of the first use, cut further over z on the first
+        dim it divides, z innermost (so the all-gather over z yields that use's block)."""
+        want = Layout(want.ndim, want.dims, (), want.interleave)  # a parameter is never partial
+        gz = self.mesh.size("z")
+        if gz == 1 or want.shard_dim("z") is not None or want.ndim == 0:
+            return want.clean(self.mesh)
+        local = want.local_shape(shape, self.mesh)
+        for d in range(want.ndim):
+            k = want.interleave[d] if want.dims[d] else 1
+            if local[d] % (gz * k) == 0:
+                return want.with_shard("z", d).clean(self.mesh)
+        return want.clean(self.mesh)
+
+    def param_layout_hint(self, v: Val) -> Layout | None:
+        return v.layout
+
+    # --------------------------------------------------------------------- driver
+    def run(self) -> LowerResult:
+        from shardc.passes.rules import RULES, fallback_rule  # the table fills on import
+
+        outputs: list[Any] = []
+        for node in self.old.graph.nodes:
+            self.cur = node
+            self.src = source_of(node)
+            self.src.module = self.module_name(self.src.module)
+            if node.op == "placeholder":
+                self.env[node] = self._placeholder(node)
+            elif node.op == "get_attr":
+                t = getattr(self.old, node.target)
+                n = self.g.get_attr(node.target)
+                n.meta[PLACEMENT] = Layout.replicate(t.dim()) if isinstance(t, torch.Tensor) else None
+                n.meta[GLOBAL_VAL] = t
+                n.meta[KIND] = "constant"
+                self.env[node] = Val(n, n.meta[PLACEMENT], t)
+            elif node.op == "call_function":
+                rule = RULES.get(node.target)
+                if rule is None and isinstance(node.target, torch._ops.OpOverload):
+                    rule = RULES.get(node.target.overloadpacket)
+                    if rule is None and torch.Tag.pointwise in node.target.tags:
+                        rule = RULES["pointwise"]
+                self.env[node] = (rule or fallback_rule)(self, node)
+            elif node.op == "output":
+                outputs = list(node.args[0])
+            else:
+                raise NotImplementedError(f"shardc: cannot lower a {node.op} node ({node.format_node()})")
+        out_nodes = [self._output(o) for o in outputs]
+        self.g.output(tuple(out_nodes))
+        gm = fx.GraphModule(self.old, self.g)
+        for name, ph in self.param_ph.items():
+            if name not in self.storage:  # unused parameter: keep it whole (cut over z)
+                v = self.param_val[name]
+                self.storage[name] = self._storage_for(Layout.replicate(v.dim()), list(v.shape))
+            ph.meta[PLACEMENT] = self.storage[name]
+        return LowerResult(gm, self.storage, fallbacks=self.fallbacks, decisions=self.decisions)
+
+    def _placeholder(self, node: fx.Node) -> Any:
+        role, target = self.roles.get(node.name, ("input", node.name))
+        gval = node.meta.get("val")
+        if role == "param":
+            if target in self.param_ph:  # a tied weight: one parameter, one placeholder
+                return Val(None, None, gval, param=target)
+            ph = self.g.placeholder(f"p_{target.replace('.', '_')}")
+            ph.meta.update({KIND: "param", PARAM: target, GLOBAL_VAL: gval})
+            self.param_ph[target] = ph
+            self.param_val[target] = gval
+            return Val(None, None, gval, param=target)
+        ph = self.g.placeholder(node.name)
+        ph.meta[GLOBAL_VAL] = gval
+        ph.meta[KIND] = role
+        if role == "input" and isinstance(gval, torch.Tensor) and gval.dim() > 0:
+            lay = Layout.of(gval.dim(), {a: 0 for a in BATCH_AXES}, order=("data", "z"))
+        elif isinstance(gval, torch.Tensor):
+            lay = Layout.replicate(gval.dim())
+        else:  # a non-tensor input: a constant of the traced program
+            ph.meta[PLACEMENT] = None
+            return gval
+        lay = lay.clean(self.mesh)
+        ph.meta[PLACEMENT] = lay
+        return Val(ph, lay, gval)
+
+    def _output(self, o: Any) -> Any:
+        if not isinstance(o, fx.Node):
+            return o
+        v = self.env[o]
+        if not isinstance(v, Val):
+            return v
+        self.src = SourceInfo("output", "", "")
+        lay = v.layout.clean(self.mesh) if v.layout is not None else Layout.replicate(v.ndim)
+        # What a rank returns: its batch shard (dim 0 over data and z) or, for a loss, its
+        # partial value over the batch axes; everything else whole.
+        want = Layout.replicate(v.ndim)
+        if v.ndim > 0:
+            for a in lay.dims[0]:
+                if a in BATCH_AXES:
+                    want = want.with_shard(a, 0)
+        partial = {a: op for a, op in lay.partial if a in BATCH_AXES}
+        for a, op in partial.items():
+            want = want.with_partial(a, op)
+        assert lay.ndim == v.ndim, (self.cur, lay, v.val.shape)
+        node = self.to_layout(v, want)
+        avg = [a for a, op in partial.items() if op == "avg"]
+        if avg and v.val.dtype.is_floating_point:
+            n = 1
+            for a in avg:
+                n *= self.mesh.size(a)
+            # The loss is the mean of the shards' means: its gradient on each shard is 1/n.
+            node = self.emit(C.grad_scale, (node, 1.0 / n), layout=want, val=v.val)
+        return node
+
+
+def lower_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    """The pass entry point: returns this rank's program; what it decided is in
+    ``gm.meta[PROGRAM]`` (a LowerResult)."""
+    res = Lowering(gm, ctx).run()
+    out = res.graph_module
+    out.meta[PROGRAM] = res
+    out.graph.lint()
+    out.recompile()
+    return out

@@ -1,0 +1,69 @@
+"""Trace a model to an ATen graph with torch.export (non-strict).
+
+Reads:  the user's nn.Module and global-shaped example inputs
+Writes: an ExportedProgram whose ops the sharding rules know (ops with a rule are kept
+        whole, everything else decomposed to core ATen so that e.g. ``mse_loss`` arrives
+        as sub/pow/mean, which have rules)
+
+The trace depends only on the model's code and the inputs' shapes, never on parameter
+values or on the mesh, so one trace serves every mesh a model is compiled for.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any
+
+import torch
+
+from shardc.errors import TraceError
+
+_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, dict[Any, torch.export.ExportedProgram]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _signature(inputs: tuple) -> Any:
+    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else repr(a) for a in inputs)
+
+
+def trace(model: torch.nn.Module, example_inputs: tuple) -> torch.export.ExportedProgram:
+    from shardc.passes.rules import RULES
+
+    key = (_signature(example_inputs), model.training)
+    per_model = _CACHE.setdefault(model, {})
+    if key in per_model:
+        return per_model[key]
+    # The trace must not consume the default generator: a compiled model has to draw the
+    # same dropout masks as the single-device model seeded identically.
+    with torch.random.fork_rng(devices=[]), contextlib.ExitStack():
+        try:
+            ep = torch.export.export(model, tuple(example_inputs), strict=False)
+        except Exception as e:  # noqa: BLE001 - re-raised with the cause named
+            raise TraceError(_explain_trace_failure(model, e)) from e
+        table = torch.export.default_decompositions()
+        for op in list(table):
+            if op in RULES or getattr(op, "overloadpacket", None) in RULES:
+                table.pop(op)
+        ep = ep.run_decompositions(table)
+    per_model[key] = ep
+    return ep
+
+
+def _explain_trace_failure(model: torch.nn.Module, e: Exception) -> str:
+    msg = str(e).strip().splitlines()
+    where = ""
+    tb = e.__traceback__
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for f in reversed(frames):
+        fn = f.f_code.co_filename
+        if "/torch/" not in fn and "/shardc/" not in fn and "/passes/" not in fn:
+            where = f" at {fn}:{f.f_lineno}"
+            break
+    first = msg[0] if msg else type(e).__name__
+    return (f"shardc.compile: torch.export could not trace {type(model).__name__}{where}: "
+            f"{type(e).__name__}: {first}\nshardc needs a model torch.export can trace "
+            "(non-strict): data-dependent Python control flow on tensor values is the usual "
+            "cause; use torch.cond or make the branch depend on shapes.")

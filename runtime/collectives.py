@@ -1,0 +1,239 @@
+"""Collectives as autograd-aware functions that compiled graphs call.
+
+A compiled program issues and waits every forward collective as two separate graph
+nodes (``*_start`` returns a buffer the collective is still filling; ``wait`` blocks on
+it), so later passes can move the issue earlier than the wait (prefetching). Each
+function's backward issues the adjoint collective:
+
+=====================  ==================  ==============================================
+forward                placement change    backward
+=====================  ==================  ==============================================
+all_gather_start       S(d) -> R           reduce-scatter (gradient is a partial sum) or
+                                           the rank's own slice (gradient replicated)
+all_reduce_start       P -> R              identity
+grad_all_reduce        R -> R              all-reduce: the gradient arriving is partial
+grad_scale             P(avg) -> P(avg)    multiply by 1/G: the loss is a mean of means
+=====================  ==================  ==============================================
+
+Every byte handed to torch.distributed is counted per (collective, axis, phase) with
+the ring model of ``volume.ring_bytes``, so tests can compare it with the compile-time
+report byte for byte.
+
+All functions take ``rt``, the key of a :class:`Runtime` (mesh, groups, counters), so
+two compiled programs in one process never share state.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from fractions import Fraction
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardc.mesh import Mesh
+from shardc.runtime.groups import axis_groups
+from shardc.runtime.volume import ring_bytes
+
+_RUNTIMES: dict[str, "Runtime"] = {}
+_ids = itertools.count()
+
+
+class Runtime:
+    """What one compiled program needs at run time on this rank."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.key = f"rt{next(_ids)}"
+        self.measured: dict[tuple[str, str, str], Fraction] = defaultdict(Fraction)
+        self.calls: dict[tuple[str, str, str], int] = defaultdict(int)
+        _RUNTIMES[self.key] = self
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    def coord(self, axis: str) -> int:
+        return self.mesh.coords(self.rank)[axis]
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        g = axis_groups(self.mesh)[axis]
+        assert g is not None, f"no group for axis {axis} of size 1"
+        return g
+
+    def count(self, collective: str, axis: str, phase: str, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        self.measured[(collective, axis, phase)] += ring_bytes(collective, self.mesh.size(axis), nbytes)
+        self.calls[(collective, axis, phase)] += 1
+
+    def reset_counters(self) -> None:
+        self.measured.clear()
+        self.calls.clear()
+
+
+def get_runtime(key: str) -> Runtime:
+    return _RUNTIMES[key]
+
+
+# ---------------------------------------------------------------------------- forward
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, grad: str) -> torch.Tensor:
+        r = get_runtime(rt)
+        g = r.mesh.size(axis)
+        ctx.rt, ctx.axis, ctx.grad = rt, axis, grad
+        x = x.contiguous()
+        flat = x.reshape((-1, *x.shape[1:])) if x.dim() else x.reshape(1)
+        buf = x.new_empty((g, *x.shape))
+        # gloo wants the output as (G*d0, ...): hand it a view, return the base
+        out = buf.view((g * flat.shape[0], *flat.shape[1:]))
+        r.count("all_gather", axis, "forward", x)
+        buf._shardc_work = dist.all_gather_single(out, flat, group=r.group(axis), async_op=True)
+        return buf
+
+    @staticmethod
+    def backward(ctx: Any, g_buf: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        r = get_runtime(ctx.rt)
+        if ctx.grad == "reduce_scatter":
+            # The gathered tensor fed computations that differ across the axis (other
+            # tokens), so each rank's gradient is a partial sum: reduce and keep our shard.
+            shape = g_buf.shape[1:]
+            g_flat = g_buf.contiguous().reshape((-1, *shape[1:]) if len(shape) else (-1,))
+            out = g_flat.new_empty((g_flat.shape[0] // g_buf.shape[0], *g_flat.shape[1:]))
+            r.count("reduce_scatter", ctx.axis, "backward", g_flat)
+            dist.reduce_scatter_single(out, g_flat, group=r.group(ctx.axis))
+            return out.view(shape), None, None, None
+        # The gradient is already the same on every rank of the axis: keep our piece.
+        return g_buf[r.coord(ctx.axis)], None, None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, op: str) -> torch.Tensor:
+        r = get_runtime(rt)
+        # Out of place: the producer of x may have saved it for its own backward.
+        buf = x.detach().clone(memory_format=torch.contiguous_format)
+        r.count("all_reduce", axis, "forward", buf)
+        red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        buf._shardc_work = dist.all_reduce(buf, op=red, group=r.group(axis), async_op=True)
+        return buf
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # d(sum_r x_r)/dx_r = 1: every partial contribution receives the whole gradient.
+        # (A max all-reduce only ever sees detached inputs: it is a shift constant.)
+        return g, None, None, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
+        ctx.rt, ctx.axis = rt, axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        r = get_runtime(ctx.rt)
+        g = g.clone(memory_format=torch.contiguous_format)
+        r.count("all_reduce", ctx.axis, "backward", g)
+        dist.all_reduce(g, group=r.group(ctx.axis))
+        return g, None, None
+
+
+class _GradScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return g * ctx.scale, None
+
+
+# --------------------------------------------------------------- graph-callable ops
+def all_gather_start(x: torch.Tensor, rt: str, axis: str, grad: str) -> torch.Tensor:
+    """Issue an all-gather over ``axis``; returns a (G, *x.shape) buffer being filled.
+    ``grad`` is "reduce_scatter" or "slice", decided by the gradient analysis pass."""
+    return _AllGather.apply(x, rt, axis, grad)
+
+
+def all_reduce_start(x: torch.Tensor, rt: str, axis: str, op: str = "sum") -> torch.Tensor:
+    """Issue an all-reduce ("sum" or "max") over ``axis`` (partial -> replicate); returns
+    the buffer being filled."""
+    return _AllReduce.apply(x, rt, axis, op)
+
+
+def wait(buf: torch.Tensor) -> torch.Tensor:
+    """Block until the collective filling ``buf`` is done; returns ``buf``."""
+    work = buf.__dict__.pop("_shardc_work", None)
+    if work is not None:
+        work.wait()
+    return buf
+
+
+def concat_gathered(buf: torch.Tensor, dim: int) -> torch.Tensor:
+    """(G, *shape) gathered blocks -> one tensor, blocks concatenated along ``dim``."""
+    g = buf.shape[0]
+    if dim == 0:
+        return buf.reshape((g * buf.shape[1], *buf.shape[2:]))
+    moved = buf.movedim(0, dim)  # (*shape[:dim], G, shape[dim], ...)
+    shape = list(buf.shape[1:])
+    shape[dim] *= g
+    return moved.reshape(shape)
+
+
+def concat_gathered_interleaved(buf: torch.Tensor, dim: int, k: int) -> torch.Tensor:
+    """Like ``concat_gathered`` for a dim read as (k, size/k) with the inner part split."""
+    g = buf.shape[0]
+    shape = list(buf.shape[1:])
+    n = shape[dim]
+    parts = buf.reshape([g] + shape[:dim] + [k, n // k] + shape[dim + 1:])
+    parts = parts.movedim(0, dim + 1)  # (..., k, G, n/k, ...)
+    shape[dim] = n * g
+    return parts.reshape(shape)
+
+
+def grad_all_reduce(x: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient over ``axis`` in backward (Megatron's
+    "f"): ``x`` is replicated on the axis but fed computations that differ across it."""
+    return _GradAllReduce.apply(x, rt, axis)
+
+
+def grad_scale(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Identity forward; the gradient is multiplied by ``scale`` in backward."""
+    return _GradScale.apply(x, scale)
+
+
+def local_chunk(x: torch.Tensor, rt: str, axis: str, dim: int, k: int = 1) -> torch.Tensor:
+    """This rank's block of a tensor replicated on ``axis`` (no communication). With
+    ``k > 1`` the dim is read as (k, size/k) and each of the k parts is cut."""
+    r = get_runtime(rt)
+    g, i = r.mesh.size(axis), r.coord(axis)
+    n = x.shape[dim]
+    if k == 1:
+        return x.narrow(dim, i * (n // g), n // g)
+    shape = list(x.shape)
+    v = x.reshape(shape[:dim] + [k, n // k] + shape[dim + 1:])
+    v = v.narrow(dim + 1, i * (n // k // g), n // k // g)
+    return v.reshape(shape[:dim] + [n // g] + shape[dim + 1:])
+
+
+def axis_index(rt: str, axis: str) -> int:
+    """This rank's coordinate on ``axis``."""
+    return get_runtime(rt).coord(axis)
+
+
+def grad_reduce_hook(rt: str, axis: str):
+    """A leaf-tensor hook that sums a parameter's gradient over ``axis`` (the "step"
+    phase: data-parallel reduction, or any axis whose ranks saw different tokens)."""
+    r = get_runtime(rt)
+
+    def hook(g: torch.Tensor) -> torch.Tensor:
+        g = g.clone(memory_format=torch.contiguous_format)
+        r.count("all_reduce", axis, "step", g)
+        dist.all_reduce(g, group=r.group(axis))
+        return g
+
+    return hook

@@ -1,0 +1,82 @@
+"""Local pieces of sharded ops that a compiled graph calls between its collectives.
+
+Each is plain, differentiable torch code on this rank's shards; the collectives between
+them are separate graph nodes (runtime.collectives), so the comm report sees them.
+"""
+from __future__ import annotations
+
+import torch
+
+from shardc.runtime.collectives import get_runtime
+
+
+def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, rt: str, axis: str,
+                             padding_idx: int = -1) -> torch.Tensor:
+    """Look up the ids that fall in this rank's rows of the table, zeros elsewhere: the
+    result is a partial sum over ``axis`` (Megatron's vocabulary-parallel embedding)."""
+    rows = weight.shape[0]
+    start = get_runtime(rt).coord(axis) * rows
+    local = ids - start
+    outside = (local < 0) | (local >= rows)
+    out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def row_max(x: torch.Tensor) -> torch.Tensor:
+    """Max over the class dim (1) of the local logits, detached: it is only a shift that
+    keeps exp() finite, and log-sum-exp does not depend on it."""
+    return x.detach().amax(dim=1)
+
+
+def sum_exp_shifted(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    return torch.exp(x - shift.unsqueeze(1)).sum(dim=1)
+
+
+def target_logit(x: torch.Tensor, target: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
+    """The logit of each row's target class if this rank holds that class, else 0: a
+    partial sum over ``axis``."""
+    classes = x.shape[1]
+    local = target - get_runtime(rt).coord(axis) * classes
+    inside = (local >= 0) & (local < classes)
+    picked = x.gather(1, local.masked_fill(~inside, 0).unsqueeze(1)).squeeze(1)
+    return picked * inside.to(x.dtype)
+
+
+def nll_from_parts(sum_exp: torch.Tensor, shift: torch.Tensor, target_logit: torch.Tensor,
+                   target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    loss = torch.log(sum_exp) + shift - target_logit
+    return loss.masked_fill(target == ignore_index, 0.0)
+
+
+def cross_entropy_sum(x: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(x, target, ignore_index=ignore_index, reduction="sum")
+
+
+def valid_count(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Number of targets that count towards a mean loss, as a float tensor."""
+    return (target != ignore_index).sum().to(torch.float32)
+
+
+def mean_over_shards(local_sum: torch.Tensor, global_count: torch.Tensor, shards: int) -> torch.Tensor:
+    """``local_sum * shards / global_count``: averaging this over the batch shards gives
+    the exact global mean, even when the shards hold different numbers of counted
+    targets; when they hold the same number it equals the local mean."""
+    return local_sum * (shards / global_count).to(local_sum.dtype)
+
+
+def global_dropout(x: torch.Tensor, p: float, train: bool, global_shape: list[int],
+                   rt: str, dims: tuple[tuple[str, ...], ...], interleave: tuple[int, ...]) -> torch.Tensor:
+    """Dropout whose mask is drawn for the whole global tensor from the default generator,
+    exactly as a single device would draw it, then cut to this rank's shard: replicas
+    draw the same mask and training matches the single-device run."""
+    if not train or p == 0.0:
+        return x.clone()
+    if p == 1.0:
+        return x * 0.0
+    mask = torch.empty(global_shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
+    from shardc.placement import Layout, local_slice
+
+    r = get_runtime(rt)
+    layout = Layout(len(global_shape), dims, (), interleave)
+    local = local_slice(mask, layout, r.mesh.coords(r.rank), r.mesh)
+    return x * local * (1.0 / (1 - p))

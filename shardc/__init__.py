@@ -1,0 +1,11 @@
+"""shardc: a sharding compiler for PyTorch training (AxoNN's 4D hybrid parallelism)."""
+from __future__ import annotations
+
+from shardc.compiler import compile, global_mean, shard_batch
+from shardc.errors import ShardcError, TraceError
+from shardc.mesh import Mesh
+from shardc.module import ShardedModule
+from shardc.placement import Layout, Partial, Replicate, Shard
+
+__all__ = ["Mesh", "compile", "shard_batch", "global_mean", "ShardedModule", "ShardcError",
+           "TraceError", "Layout", "Shard", "Replicate", "Partial"]

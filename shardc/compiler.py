@@ -1,0 +1,139 @@
+"""``shardc.compile`` and the small collective helpers around it."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardc.context import CompileContext, Options
+from shardc.errors import ShardcError
+from shardc.mesh import Mesh
+from shardc.module import ShardedModule
+from shardc.passes import run_pipeline
+from shardc.passes.trace import trace
+from shardc.runtime.collectives import Runtime
+
+
+def _check_mesh(mesh: Any, world_size: int | None) -> Mesh:
+    if isinstance(mesh, str):
+        mesh = Mesh.parse(mesh)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"shardc.compile: mesh must be a shardc.Mesh, a spec like 'x2y1z2d2' or "
+                        f"'auto', got {type(mesh).__name__}.")
+    if world_size is not None and mesh.world_size != world_size:
+        raise ShardcError(
+            f"shardc.compile: {mesh} has {mesh.world_size} ranks (sizes multiply to "
+            f"{mesh.world_size}) but torch.distributed's world size is {world_size}. Choose sizes "
+            f"whose product is {world_size}, e.g. one of shardc.Mesh.all({world_size}).")
+    return mesh
+
+
+def _check_batch(example_inputs: tuple, mesh: Mesh) -> None:
+    n = mesh.size("data") * mesh.size("z")
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] % n:
+            raise ShardcError(
+                f"shardc.compile: example input {i} has batch size {x.shape[0]} (dim 0), which "
+                f"data x z = {mesh.size('data')} x {mesh.size('z')} = {n} does not divide. "
+                f"Use a global batch that is a multiple of {n}, or smaller 'data'/'z' axes.")
+
+
+def _canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every name a parameter has in the state dict -> the one named_parameters() uses
+    (tied weights have several)."""
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        first.setdefault(id(p), name)
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = first[id(p)]
+    return out
+
+
+def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | None = None, *,
+            transpose_alternate: bool = True, overlap: bool = True, prefetch_depth: int = 1,
+            gemm_modes: str = "default", machine: Any = None) -> ShardedModule:
+    """Compile ``model`` into this rank's program for ``mesh``. Collective: call it on
+    every rank, after ``torch.distributed.init_process_group``, with the same model and
+    global-shaped ``example_inputs``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shardc.compile: model must be a torch.nn.Module, got {type(model).__name__}.")
+    if not dist.is_available() or not dist.is_initialized():
+        raise ShardcError(
+            "shardc.compile: torch.distributed is not initialised. Call "
+            "torch.distributed.init_process_group(backend, ...) on every rank first "
+            "(gloo on CPU, nccl on CUDA; torchrun sets the rank and world size).")
+    if example_inputs is None:
+        raise ShardcError("shardc.compile: example_inputs is required: the global-shaped inputs a "
+                          "single device would see, e.g. example_inputs=(tokens, targets).")
+    if isinstance(mesh, str) and mesh == "auto":
+        from shardc.planner import plan  # noqa: PLC0415 - optional feature
+
+        if machine is None:
+            raise ShardcError("shardc.compile: mesh='auto' needs machine=shardc.Machine(...) or a preset.")
+        cands = plan(model, world_size=dist.get_world_size(), machine=machine,
+                     example_inputs=tuple(example_inputs))
+        mesh = cands[0].mesh
+    mesh = _check_mesh(mesh, dist.get_world_size())
+    example_inputs = tuple(example_inputs)
+    _check_batch(example_inputs, mesh)
+    options = Options(transpose_alternate=transpose_alternate, overlap=overlap,
+                      prefetch_depth=prefetch_depth, gemm_modes=gemm_modes)
+    return _compile(model, mesh, example_inputs, options, dist.get_rank())
+
+
+def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
+             rank: int) -> ShardedModule:
+    ep = trace(model, example_inputs)
+    canonical = _canonical_names(model)
+    roles: dict[str, tuple[str, str]] = {}
+    sig = ep.graph_signature
+    for spec in sig.input_specs:
+        name = spec.arg.name
+        kind = spec.kind.name
+        if kind == "PARAMETER":
+            roles[name] = ("param", canonical.get(spec.target, spec.target))
+        elif kind == "BUFFER":
+            roles[name] = ("buffer", spec.target)
+        elif kind in ("CONSTANT_TENSOR", "CUSTOM_OBJ"):
+            roles[name] = ("constant", spec.target)
+        else:
+            roles[name] = ("input", name)
+    for spec in sig.output_specs:
+        if spec.kind.name != "USER_OUTPUT":
+            raise ShardcError(
+                f"shardc.compile: the model mutates state during forward ({spec.kind.name} of "
+                f"{spec.target!r}), e.g. BatchNorm running statistics; shardc cannot shard it yet. "
+                "Use a normalisation without running buffers (LayerNorm, RMSNorm).")
+    runtime = Runtime(mesh)
+    trainable = frozenset(canonical[n] for n, p in model.named_parameters() if p.requires_grad)
+    ctx = CompileContext(mesh=mesh, options=options, rt=runtime.key, roles=tuple(roles.items()),
+                         trainable=trainable, rank=rank)
+    program = run_pipeline(ep.graph_module, ctx)
+    return ShardedModule(program, ctx, model, ep, canonical, runtime)
+
+
+def shard_batch(batch: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """This rank's slice of a global batch along dim 0 (split over data, then z)."""
+    if not dist.is_initialized():
+        raise ShardcError("shardc.shard_batch: torch.distributed is not initialised.")
+    n = mesh.size("data") * mesh.size("z")
+    if batch.shape[0] % n:
+        raise ShardcError(
+            f"shardc.shard_batch: a batch of {batch.shape[0]} (dim 0) cannot be split evenly over "
+            f"data x z = {mesh.size('data')} x {mesh.size('z')} = {n} ranks. Use a multiple of {n}.")
+    c = mesh.coords(dist.get_rank())
+    i = c["data"] * mesh.size("z") + c["z"]
+    step = batch.shape[0] // n
+    return batch[i * step:(i + 1) * step]
+
+
+def global_mean(value: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """The mean over the batch shards of a per-rank scalar (e.g. the local mean loss).
+    Ranks that hold the same batch shard hold the same value, so averaging over every
+    rank equals averaging over the shards."""
+    t = value.detach().clone().to(torch.float64)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).to(value.dtype)

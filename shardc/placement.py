@@ -1,0 +1,212 @@
+"""Placements: how one tensor is laid out over the mesh's axes.
+
+Per axis a tensor is sharded along one of its dims (``S(d)``), replicated (``R``) or a
+partial sum (``P(sum)``) / partial mean (``P(avg)``: the true value is the mean of the
+ranks' values, as a local mean loss is over the batch shards). Placements are keyed by
+axis name, never by position (STYLE.md, section 2).
+
+When several axes shard the same dim their order matters: ``dims[d] = ("z", "x")``
+means dim d is cut into ``Gz`` blocks by z and each block into ``Gx`` by x. Gathering
+over the innermost axis of a dim yields a contiguous block, which is why parameter
+storage puts z innermost (its all-gather must produce the x/y block Algorithm 1 uses).
+
+``interleave[d] = k`` says dim d is read as ``(k, size/k)`` and only the second factor is
+split: a fused QKV projection's output columns, so each rank holds matching q, k and v
+heads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from shardc.mesh import AXES, Mesh
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Partial:
+    op: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.op not in ("sum", "avg"):
+            raise ValueError(f"Partial: op must be 'sum' or 'avg', got {self.op!r}")
+
+    def __str__(self) -> str:
+        return f"P({self.op})"
+
+
+Placement = Shard | Replicate | Partial
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The placement of one tensor on every axis of the mesh."""
+
+    ndim: int
+    dims: tuple[tuple[str, ...], ...] = ()  # per tensor dim: sharding axes, outer first
+    partial: tuple[tuple[str, str], ...] = ()  # (axis, "sum"|"avg")
+    interleave: tuple[int, ...] = ()  # per tensor dim: k (1 = plain)
+
+    def __post_init__(self) -> None:
+        if not self.dims:
+            object.__setattr__(self, "dims", tuple(() for _ in range(self.ndim)))
+        if not self.interleave:
+            object.__setattr__(self, "interleave", tuple(1 for _ in range(self.ndim)))
+        assert len(self.dims) == self.ndim and len(self.interleave) == self.ndim, self
+        used = [a for d in self.dims for a in d] + [a for a, _ in self.partial]
+        assert len(used) == len(set(used)), f"axis used twice in {self}"
+        assert all(a in AXES for a in used), self
+
+    # -- constructors -------------------------------------------------------------
+    @classmethod
+    def replicate(cls, ndim: int) -> "Layout":
+        return cls(ndim)
+
+    @classmethod
+    def of(cls, ndim: int, shards: Mapping[str, int] | None = None,
+           partial: Mapping[str, str] | None = None, order: Iterable[str] = ("data", "z", "y", "x"),
+           interleave: Mapping[int, int] | None = None) -> "Layout":
+        """Build from axis -> dim; axes on one dim nest in ``order`` (outer first)."""
+        shards = dict(shards or {})
+        dims: list[list[str]] = [[] for _ in range(ndim)]
+        for a in order:
+            if a in shards:
+                d = shards.pop(a) % ndim if ndim else 0
+                dims[d].append(a)
+        assert not shards, shards
+        il = [1] * ndim
+        for d, k in (interleave or {}).items():
+            il[d % ndim] = k
+        return cls(ndim, tuple(tuple(d) for d in dims), tuple(sorted((partial or {}).items())),
+                   tuple(il))
+
+    # -- queries ------------------------------------------------------------------
+    def placement(self, axis: str) -> Placement:
+        for d, axes in enumerate(self.dims):
+            if axis in axes:
+                return Shard(d)
+        for a, op in self.partial:
+            if a == axis:
+                return Partial(op)
+        return Replicate()
+
+    def shard_dim(self, axis: str) -> int | None:
+        for d, axes in enumerate(self.dims):
+            if axis in axes:
+                return d
+        return None
+
+    def partial_axes(self) -> dict[str, str]:
+        return dict(self.partial)
+
+    def is_replicated(self, axis: str) -> bool:
+        return isinstance(self.placement(axis), Replicate)
+
+    def local_shape(self, shape: Iterable[int], mesh: Mesh) -> list[int]:
+        out = []
+        for d, n in enumerate(shape):
+            f = 1
+            for a in self.dims[d]:
+                f *= mesh.size(a)
+            out.append(n // f)
+        return out
+
+    def divides(self, shape: Iterable[int], mesh: Mesh) -> bool:
+        for d, n in enumerate(shape):
+            f = 1
+            for a in self.dims[d]:
+                f *= mesh.size(a)
+            if n % (f * self.interleave[d]):
+                return False
+        return True
+
+    def clean(self, mesh: Mesh) -> "Layout":
+        """Forget axes of size 1: they hold the whole tensor whatever we call it."""
+        dims = tuple(tuple(a for a in axes if mesh.size(a) > 1) for axes in self.dims)
+        partial = tuple((a, op) for a, op in self.partial if mesh.size(a) > 1)
+        il = tuple(k if dims[d] else 1 for d, k in enumerate(self.interleave))
+        return Layout(self.ndim, dims, partial, il)
+
+    # -- edits (each returns a new Layout) ----------------------------------------
+    def with_replicated(self, axis: str) -> "Layout":
+        dims = tuple(tuple(a for a in axes if a != axis) for axes in self.dims)
+        partial = tuple(p for p in self.partial if p[0] != axis)
+        il = tuple(k if dims[d] else 1 for d, k in enumerate(self.interleave))
+        return Layout(self.ndim, dims, partial, il)
+
+    def with_shard(self, axis: str, dim: int, inner: bool = True) -> "Layout":
+        base = self.with_replicated(axis)
+        dim %= self.ndim
+        dims = list(base.dims)
+        dims[dim] = dims[dim] + (axis,) if inner else (axis,) + dims[dim]
+        return Layout(self.ndim, tuple(dims), base.partial, base.interleave)
+
+    def with_partial(self, axis: str, op: str = "sum") -> "Layout":
+        base = self.with_replicated(axis)
+        return Layout(self.ndim, base.dims, tuple(sorted(base.partial + ((axis, op),))),
+                      base.interleave)
+
+    def with_interleave(self, dim: int, k: int) -> "Layout":
+        il = list(self.interleave)
+        il[dim % self.ndim] = k
+        return Layout(self.ndim, self.dims, self.partial, tuple(il))
+
+    def sharded_axes(self) -> list[str]:
+        return [a for axes in self.dims for a in axes]
+
+    # -- printing -----------------------------------------------------------------
+    def __str__(self) -> str:
+        parts = []
+        for a in ("data", "z", "y", "x"):
+            p = self.placement(a)
+            if isinstance(p, Replicate):
+                continue
+            s = str(p)
+            if isinstance(p, Shard) and self.interleave[p.dim] > 1:
+                s = f"S({p.dim}/{self.interleave[p.dim]})"
+            parts.append(f"{s}@{a}")
+        return "[" + ", ".join(parts) + "]" if parts else "[R]"
+
+
+def shard_offsets(layout: Layout, shape: list[int], coords: Mapping[str, int],
+                  mesh: Mesh) -> list[tuple[int, int, int]]:
+    """(dim, block index, number of blocks) for every sharded dim of this rank."""
+    out = []
+    for d, axes in enumerate(layout.dims):
+        if not axes:
+            continue
+        idx, n = 0, 1
+        for a in axes:
+            idx = idx * mesh.size(a) + coords[a]
+            n *= mesh.size(a)
+        out.append((d, idx, n))
+    return out
+
+
+def local_slice(full, layout: Layout, coords: Mapping[str, int], mesh: Mesh):
+    """This rank's piece of a full tensor (no communication)."""
+    t = full
+    for d, idx, n in shard_offsets(layout, list(full.shape), coords, mesh):
+        k = layout.interleave[d]
+        size = t.shape[d]
+        if k == 1:
+            t = t.narrow(d, idx * (size // n), size // n)
+        else:
+            shape = list(t.shape)
+            v = t.reshape(shape[:d] + [k, size // k] + shape[d + 1:])
+            v = v.narrow(d + 1, idx * (size // k // n), size // k // n)
+            t = v.reshape(shape[:d] + [size // n] + shape[d + 1:])
+    return t
