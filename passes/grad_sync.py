@@ -72,6 +72,7 @@ def grad_sync_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         if ctx.mesh.size(axis) == 1:
             continue
         kind: dict[fx.Node, str] = {}
+        origin: dict[fx.Node, fx.Node] = {}  # the use whose ranks diverge, for the report
         for n in reversed(list(gm.graph.nodes)):
             if n.op == "output" or not n.meta.get(REQUIRES_GRAD) or not _is_replicated(n, axis):
                 continue
@@ -83,8 +84,11 @@ def grad_sync_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                     continue
                 elif not _is_replicated(u, axis):
                     contrib.append((u, "P"))
+                    origin.setdefault(n, u)
                 elif u in kind:
                     contrib.append((u, kind[u]))
+                    if kind[u] == "P" and u in origin:
+                        origin.setdefault(n, origin[u])
             kinds = {k for _, k in contrib}
             if not kinds:
                 continue
@@ -112,7 +116,7 @@ def grad_sync_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 # the output of an all-reduce over this axis, used where its ranks diverge:
                 # sum the gradient right here (Algorithm 1's all-reduce of dI)
                 users = list(n.users)
-                f = _insert_grad_all_reduce(gm, n, ctx, axis, before=users[0])
+                f = _insert_grad_all_reduce(gm, n, ctx, axis, before=origin.get(n, users[0]))
                 for u in users:
                     u.replace_input_with(n, f)
                 kind[n] = "R"
@@ -125,7 +129,7 @@ def grad_sync_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 kind[n] = "P"
             else:
                 users = list(n.users)
-                f = _insert_grad_all_reduce(gm, n, ctx, axis, before=None)
+                f = _insert_grad_all_reduce(gm, n, ctx, axis, before=origin.get(n))
                 for u in users:
                     u.replace_input_with(n, f)
                 kind[n] = "R"

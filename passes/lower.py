@@ -92,8 +92,10 @@ def source_of(node: fx.Node) -> SourceInfo:
         module = list(stack.values())[-1][0]
     trace = (node.meta.get("stack_trace") or "").strip().splitlines()
     line = ""
-    for ln in reversed(trace):
-        ln = ln.strip()
+    # the innermost frame outside torch itself: the model's own line, not nn.Linear's
+    files = [ln.strip() for ln in trace if ln.strip().startswith("File ")]
+    user = [ln for ln in files if "/torch/" not in ln]
+    for ln in reversed(user or files):
         if ln.startswith("File "):
             parts = ln.split(",")
             f = parts[0][5:].strip().strip('"').split("/")[-1]
@@ -164,7 +166,10 @@ class Lowering:
         for axis, op in cur.partial:
             if dict(target.partial).get(axis) == op:
                 continue
+            # the sum completes the op that made the partial: report it there
+            here, self.src = self.src, node.meta.get(SOURCE, self.src)
             node = self._all_reduce(node, lay, axis, op, gval)
+            self.src = here
             lay = lay.with_replicated(axis)
         # 2. shards that the target does not keep, innermost first -> all-gather
         for d in range(lay.ndim):

@@ -659,7 +659,17 @@ def gemm_rule(L: Lowering, node: fx.Node) -> Any:
     w_kn_shape = w.shape[::-1] if t is aten.linear.default else w.shape
     K, N = w_kn_shape
     feat = x.layout.clean(mesh).dims[-1]
-    transposed = L.ctx.options.transpose_alternate and "x" in feat and mesh.size("x") > 1
+    if not L.ctx.options.transpose_alternate:
+        transposed = False
+    elif "x" in feat:
+        transposed = True  # the previous layer left its columns over x: swap roles
+    elif "y" in feat or mesh.size("y") == 1:
+        transposed = False
+    else:
+        # Whole input features on a mesh with y > 1 and x == 1: the transposed layer cuts
+        # nothing over x and leaves its output over y, so the next layer needs no slice;
+        # the normal one would slice this input over y and pay an all-reduce of dI for it.
+        transposed = mesh.size("x") == 1
     k_axis, n_axis = ("x", "y") if transposed else ("y", "x")
     gk, gn = mesh.size(k_axis), mesh.size(n_axis)
     il = _infer_interleave(L, node, N, gn) if gn > 1 else 1

@@ -1,0 +1,128 @@
+"""``shardc.explain``: the compiled program as a person reads it."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from shardc.context import COMM, GLOBAL_VAL, KIND, PARAM, PLACEMENT
+from shardc.report import _fmt_bytes, comm_report
+from shardc.runtime import collectives as C
+from shardc.runtime import ops as R
+
+_NAMES = {
+    C.all_gather_start: "all_gather.start",
+    C.all_reduce_start: "all_reduce.start",
+    C.wait: "wait",
+    C.grad_all_reduce: "grad_all_reduce",
+    C.grad_scale: "grad_scale",
+    C.local_chunk: "local_chunk",
+    C.concat_gathered: "concat_gathered",
+    C.concat_gathered_interleaved: "concat_gathered",
+    R.vocab_parallel_embedding: "vocab_parallel_embedding",
+    R.global_dropout: "dropout",
+}
+
+
+def _target_name(t: Any) -> str:
+    if t in _NAMES:
+        return _NAMES[t]
+    if isinstance(t, torch._ops.OpOverload):
+        name = t.name().replace("aten::", "")
+        return name.replace(".default", "")
+    return getattr(t, "__name__", str(t))
+
+
+def _arg(a: Any) -> str:
+    if isinstance(a, fx.Node):
+        return a.name
+    if isinstance(a, (list, tuple)):
+        return "[" + ", ".join(_arg(x) for x in a) + "]"
+    if isinstance(a, float):
+        return f"{a:g}"
+    return repr(a) if isinstance(a, str) else str(a)
+
+
+def _format(n: fx.Node) -> str:
+    t = n.target
+    if t in (C.all_gather_start, C.all_reduce_start, C.grad_all_reduce, C.local_chunk):
+        args = [_arg(n.args[0]), f"axis={n.args[2]}"]
+        if t is C.local_chunk:
+            args.append(f"dim={n.args[3]}")
+        if t is C.all_reduce_start and n.args[3] != "sum":
+            args.append(f"op={n.args[3]}")
+        if t is C.all_gather_start:
+            args.append(f"backward={n.args[3]}")
+        body = ", ".join(args)
+    elif t is R.vocab_parallel_embedding or t is R.target_logit:
+        body = f"{_arg(n.args[0])}, {_arg(n.args[1])}, axis={n.args[3]}"
+    elif t is R.global_dropout:
+        body = f"{_arg(n.args[0])}, p={n.args[1]:g}"
+    else:
+        parts = [_arg(a) for a in n.args]
+        parts += [f"{k}={_arg(v)}" for k, v in n.kwargs.items()]
+        body = ", ".join(parts)
+    return f"{n.name} = {_target_name(t)}({body})"
+
+
+def explain(sm: Any) -> str:
+    """The transformed program: each node's placement, every collective's axis and
+    bytes forward and backward, the choices the compiler made, and every op that had no
+    sharding rule (run replicated)."""
+    gm: fx.GraphModule = sm.graph_module
+    mesh = sm.mesh
+    rep = comm_report(sm)
+    per_node: dict[str, list[str]] = {}
+    for r in rep.rows:
+        per_node.setdefault(r.node, []).append(f"{r.phase} {r.collective}@{r.axis} {_fmt_bytes(r.bytes)}")
+    lines = [f"shardc program for {mesh} ({mesh.world_size} ranks; byte counts are per rank)", ""]
+    lines.append("parameters: global shape -> stored shard [placement]")
+    for name, gshape, lshape, lay in sm.parameter_report():
+        extra = ""
+        if name in sm.grad_reductions:
+            extra = "  grad summed over " + ", ".join(sm.grad_reductions[name]) + " after backward"
+        lines.append(f"  {name}: {gshape} -> {lshape} {lay}{extra}")
+    lines.append("")
+    lines.append("program (forward; backward collectives are listed on the node that issues them):")
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            if n.meta.get(KIND) != "param":
+                lines.append(f"  {n.name} = input {n.meta.get(PLACEMENT) or ''}".rstrip())
+            continue
+        if n.op == "output":
+            lines.append(f"  return {_arg(n.args[0])}")
+            continue
+        lay = n.meta.get(PLACEMENT)
+        text = f"  {_format(n)}"
+        if lay is not None and n.meta.get(KIND) not in ("collective", "wait"):
+            text += f"  {lay}"
+        comm = per_node.get(n.name)
+        if comm:
+            text += "  | " + "; ".join(comm)
+        fb = n.meta.get("shardc_fallback")
+        if fb is not None:
+            text += "  | no rule: ran replicated"
+        lines.append(text)
+    step_rows = [r for r in rep.rows if r.phase == "step"]
+    if step_rows:
+        lines.append("  after backward: " + "; ".join(
+            f"all_reduce@{r.axis} {r.param} {_fmt_bytes(r.bytes)}" for r in step_rows))
+    lines.append("")
+    if sm.decisions:
+        lines.append("decisions:")
+        lines += [f"  {d}" for d in sm.decisions]
+        lines.append("")
+    lines.append("ops without a sharding rule (inputs gathered, run replicated):")
+    if sm.fallbacks:
+        lines += [f"  {f}" for f in sm.fallbacks]
+    else:
+        lines.append("  none")
+    lines.append("")
+    lines.append("communication per step (bytes one rank sends, ring model):")
+    for phase in ("forward", "backward", "step"):
+        per_axis = [f"{a} {_fmt_bytes(rep.total_bytes(axis=a, phase=phase))}"
+                    for a in ("x", "y", "z", "data") if rep.total_bytes(axis=a, phase=phase)]
+        lines.append(f"  {phase:8s} {_fmt_bytes(rep.total_bytes(phase=phase))}"
+                     + (f"  ({', '.join(per_axis)})" if per_axis else ""))
+    return "\n".join(lines) + "\n"

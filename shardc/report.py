@@ -1,0 +1,290 @@
+"""The communication report: every collective of one training step, from the program.
+
+Built from the compiled graph alone (no communication, works under the "fake" backend
+and on meta tensors). ``bytes`` is what one rank sends under the ring algorithm
+(``runtime.volume``); the runtime counts the same quantity on the tensors it really hands
+to torch.distributed, so a test can hold the two equal byte for byte.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from typing import Any, Iterable
+
+import sympy
+import torch
+import torch.fx as fx
+
+from shardc.context import COMM, GLOBAL_VAL, KIND, PARAM, PLACEMENT, REQUIRES_GRAD, SOURCE
+from shardc.mesh import AXES, Mesh
+from shardc.placement import Layout
+from shardc.runtime import collectives as C
+from shardc.runtime.volume import as_number, ring_bytes
+
+PHASES = ("forward", "backward", "step")
+SYMBOLS = {a: sympy.Symbol(f"G_{a}", positive=True, integer=True) for a in AXES}
+
+
+@dataclass
+class CommRow:
+    node: str
+    op: str
+    module: str
+    param: str | None
+    collective: str
+    axis: str
+    phase: str
+    bytes: int | float
+    formula: Any = field(default=None, compare=False, repr=False)  # sympy expression
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["formula"] = str(self.formula) if self.formula is not None else None
+        return d
+
+
+def _elsize(val: Any) -> int:
+    return torch.empty((), dtype=val.dtype).element_size() if isinstance(val, torch.Tensor) else 4
+
+
+def _local_numel(n: fx.Node, mesh: Mesh) -> int:
+    val, lay = n.meta.get(GLOBAL_VAL), n.meta.get(PLACEMENT)
+    if not isinstance(val, torch.Tensor):
+        raise AssertionError(f"no global value for {n.format_node()}")
+    shape = list(val.shape)
+    if lay is None:
+        return math.prod(shape)
+    return math.prod(lay.local_shape(shape, mesh))
+
+
+def _symbolic_numel(n: fx.Node) -> Any:
+    """Local element count as global dims over the sizes of the axes that cut them."""
+    val, lay = n.meta[GLOBAL_VAL], n.meta.get(PLACEMENT)
+    expr = sympy.Integer(1)
+    for d, size in enumerate(val.shape):
+        expr *= size
+        if lay is not None:
+            for a in lay.dims[d]:
+                expr /= SYMBOLS[a]
+    return expr
+
+
+def _ring_formula(collective: str, axis: str, nbytes: Any) -> Any:
+    g = SYMBOLS[axis]
+    if collective == "all_gather":
+        return (g - 1) * nbytes
+    if collective == "reduce_scatter":
+        return (g - 1) / g * nbytes
+    if collective == "all_reduce":
+        return 2 * (g - 1) / g * nbytes
+    return (g - 1) / g * nbytes
+
+
+def _param_of(n: fx.Node) -> str | None:
+    """The parameter a collective moves: follow its input up through slices and gathers."""
+    seen = 0
+    while n is not None and seen < 12:
+        if n.op == "placeholder":
+            return n.meta.get(PARAM)
+        if n.meta.get(KIND) in ("slice", "collective", "wait") or n.target in (
+                C.concat_gathered, C.concat_gathered_interleaved):
+            n = n.args[0]
+            seen += 1
+            continue
+        return None
+    return None
+
+
+def build_rows(gm: fx.GraphModule, mesh: Mesh, storage: dict[str, Layout],
+               reduce_params: dict[str, list[str]], param_vals: dict[str, Any]) -> list[CommRow]:
+    rows: list[CommRow] = []
+
+    def src(n: fx.Node) -> tuple[str, str]:
+        s = n.meta.get(SOURCE)
+        return (getattr(s, "op", "") or "", getattr(s, "module", "") or "")
+
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        op, module = src(n)
+        if n.target is C.all_gather_start:
+            inp = n.args[0]
+            axis, mode = n.args[2], n.args[3]
+            g = mesh.size(axis)
+            shard = _local_numel(inp, mesh) * _elsize(inp.meta[GLOBAL_VAL])
+            sym = _symbolic_numel(inp) * _elsize(inp.meta[GLOBAL_VAL])
+            param = _param_of(inp)
+            rows.append(CommRow(n.name, op, module, param, "all_gather", axis, "forward",
+                                as_number(ring_bytes("all_gather", g, shard)),
+                                _ring_formula("all_gather", axis, sym)))
+            if mode == "reduce_scatter" and inp.meta.get(REQUIRES_GRAD):
+                rows.append(CommRow(n.name, op, module, param, "reduce_scatter", axis, "backward",
+                                    as_number(ring_bytes("reduce_scatter", g, g * shard)),
+                                    _ring_formula("reduce_scatter", axis, SYMBOLS[axis] * sym)))
+        elif n.target is C.all_reduce_start:
+            inp = n.args[0]
+            axis = n.args[2]
+            nb = _local_numel(inp, mesh) * _elsize(inp.meta[GLOBAL_VAL])
+            sym = _symbolic_numel(inp) * _elsize(inp.meta[GLOBAL_VAL])
+            rows.append(CommRow(n.name, op, module, _param_of(inp), "all_reduce", axis, "forward",
+                                as_number(ring_bytes("all_reduce", mesh.size(axis), nb)),
+                                _ring_formula("all_reduce", axis, sym)))
+        elif n.target is C.grad_all_reduce:
+            inp = n.args[0]
+            axis = n.args[2]
+            nb = _local_numel(inp, mesh) * _elsize(inp.meta[GLOBAL_VAL])
+            sym = _symbolic_numel(inp) * _elsize(inp.meta[GLOBAL_VAL])
+            rows.append(CommRow(n.name, op, module, _param_of(inp), "all_reduce", axis, "backward",
+                                as_number(ring_bytes("all_reduce", mesh.size(axis), nb)),
+                                _ring_formula("all_reduce", axis, sym)))
+    for name, axes in reduce_params.items():
+        val = param_vals[name]
+        lay = storage[name]
+        nb = math.prod(lay.local_shape(list(val.shape), mesh)) * _elsize(val)
+        sym = sympy.Integer(_elsize(val))
+        for d, size in enumerate(val.shape):
+            sym *= size
+            for a in lay.dims[d]:
+                sym /= SYMBOLS[a]
+        module = name.rsplit(".", 1)[0] if "." in name else ""
+        for axis in axes:
+            rows.append(CommRow(f"grad:{name}", "gradient reduction", module, name, "all_reduce",
+                                axis, "step", as_number(ring_bytes("all_reduce", mesh.size(axis), nb)),
+                                _ring_formula("all_reduce", axis, sym)))
+    return rows
+
+
+class CommReport:
+    """Every collective of one training step on one rank (the ring model's bytes)."""
+
+    def __init__(self, rows: Iterable[CommRow], mesh: Mesh | None = None, title: str = "") -> None:
+        self.rows = list(rows)
+        self.mesh = mesh
+        self.title = title
+
+    # ------------------------------------------------------------------- totals
+    def select(self, axis: str | None = None, phase: str | None = None,
+               collective: str | None = None, module: str | None = None) -> list[CommRow]:
+        return [r for r in self.rows if (axis is None or r.axis == axis)
+                and (phase is None or r.phase == phase)
+                and (collective is None or r.collective == collective)
+                and (module is None or r.module == module or r.module.startswith(module + "."))]
+
+    def total_bytes(self, axis: str | None = None, phase: str | None = None,
+                    collective: str | None = None, module: str | None = None) -> int | float:
+        return as_number(sum((Fraction(r.bytes) for r in self.select(axis, phase, collective, module)),
+                             Fraction(0)))
+
+    def by_key(self) -> dict[tuple[str, str, str], int | float]:
+        """(collective, axis, phase) -> bytes: the shape the runtime's counters have."""
+        acc: dict[tuple[str, str, str], Fraction] = defaultdict(Fraction)
+        for r in self.rows:
+            acc[(r.collective, r.axis, r.phase)] += Fraction(r.bytes)
+        return {k: as_number(v) for k, v in acc.items() if v}
+
+    def formula(self, axis: str | None = None, phase: str | None = None) -> Any:
+        """The sum of the selected rows' volumes as one sympy expression."""
+        return sympy.simplify(sum((r.formula for r in self.select(axis, phase)), sympy.Integer(0)))
+
+    # -------------------------------------------------------------------- json
+    def to_json(self) -> str:
+        return json.dumps({"mesh": self.mesh.spec() if self.mesh else None, "title": self.title,
+                           "rows": [r.to_dict() for r in self.rows]}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CommReport":
+        try:
+            d = json.loads(text)
+            rows = []
+            for r in d["rows"]:
+                f = r.pop("formula", None)
+                row = CommRow(**r)
+                row.formula = sympy.sympify(f) if f else None
+                rows.append(row)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"CommReport.from_json: not a shardc comm report ({e}).") from e
+        return cls(rows, Mesh.parse(d["mesh"]) if d.get("mesh") else None, d.get("title", ""))
+
+    # -------------------------------------------------------------------- diff
+    def grouped(self) -> dict[tuple[str, str, str, str], int | float]:
+        """(module, collective, axis, phase) -> bytes."""
+        acc: dict[tuple[str, str, str, str], Fraction] = defaultdict(Fraction)
+        for r in self.rows:
+            acc[(r.module, r.collective, r.axis, r.phase)] += Fraction(r.bytes)
+        return {k: as_number(v) for k, v in acc.items()}
+
+    def diff(self, other: "CommReport") -> list[dict[str, Any]]:
+        """Rows of (module, collective, axis, phase) whose bytes differ: self is "before",
+        other "after"."""
+        a, b = self.grouped(), other.grouped()
+        out = []
+        for key in sorted(set(a) | set(b)):
+            before, after = a.get(key, 0), b.get(key, 0)
+            if before != after:
+                out.append({"module": key[0], "collective": key[1], "axis": key[2], "phase": key[3],
+                            "before": before, "after": after})
+        return out
+
+    # ---------------------------------------------------------------- printing
+    def __rich__(self) -> Any:
+        from rich.table import Table
+
+        t = Table(title=self.title or (f"communication per step, one rank, {self.mesh}" if self.mesh
+                                       else "communication per step, one rank"))
+        t.add_column("module")
+        t.add_column("op")
+        t.add_column("collective")
+        t.add_column("axis")
+        t.add_column("phase")
+        t.add_column("count", justify="right")
+        t.add_column("bytes", justify="right")
+        groups: dict[tuple, list[CommRow]] = defaultdict(list)
+        for r in self.rows:
+            groups[(r.module, r.op, r.collective, r.axis, r.phase)].append(r)
+        for (module, op, coll, axis, phase), rs in groups.items():
+            t.add_row(module or "-", op, coll, axis, phase, str(len(rs)),
+                      _fmt_bytes(sum(Fraction(r.bytes) for r in rs)))
+        t.add_section()
+        for axis in AXES:
+            for phase in PHASES:
+                tot = self.total_bytes(axis=axis, phase=phase)
+                if tot:
+                    t.add_row(f"total over {axis}", "", "", axis, phase,
+                              str(len(self.select(axis, phase))), _fmt_bytes(tot))
+        t.add_row("total", "", "", "", "", str(len(self.rows)), _fmt_bytes(self.total_bytes()),
+                  style="bold")
+        return t
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        console = Console(width=140, record=True, force_terminal=False, color_system=None)
+        with console.capture() as cap:
+            console.print(self)
+        return cap.get()
+
+    def __repr__(self) -> str:
+        return f"CommReport({len(self.rows)} rows, {self.total_bytes()} bytes)"
+
+
+def _fmt_bytes(b: Any) -> str:
+    b = float(b)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(b) < 1024 or unit == "TiB":
+            return f"{b:,.0f} {unit}" if unit == "B" else f"{b:,.2f} {unit}"
+        b /= 1024
+    return str(b)
+
+
+def comm_report(sm: Any) -> CommReport:
+    """The report of a compiled module (no communication)."""
+    gm = sm.graph_module
+    param_vals = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and n.meta.get(KIND) == "param":
+            param_vals[n.meta[PARAM]] = n.meta[GLOBAL_VAL]
+    rows = build_rows(gm, sm.mesh, sm.param_layouts, sm.grad_reductions, param_vals)
+    return CommReport(rows, sm.mesh)

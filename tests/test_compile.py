@@ -1,0 +1,214 @@
+"""One-process tests of the compiler (fake process group): the program's collectives,
+shard sizes, error messages, explain."""
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import shardc
+from shardc.context import SOURCE
+from shardc.runtime import collectives as C
+from models import GPT, MLPChain
+
+MESHES_8 = shardc.Mesh.all(8)
+
+
+def _mlp_inputs(dim: int = 16, batch: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch, dim), torch.randn(batch, dim)
+
+
+def _by_module(gm: torch.fx.GraphModule, target: object) -> Counter:
+    """(module, axis) -> count of collective nodes with this target."""
+    out: Counter = Counter()
+    for n in gm.graph.nodes:
+        if n.target is target:
+            out[(n.meta[SOURCE].module, n.args[2])] += 1
+    return out
+
+
+@pytest.mark.parametrize("mesh", MESHES_8, ids=str)
+def test_mlp_chain_has_exactly_algorithm_1_collectives(fake_world, mesh: shardc.Mesh) -> None:
+    fake_world(8)
+    sm = shardc.compile(MLPChain(dim=16, layers=6), mesh, _mlp_inputs())
+    gm = sm.graph_module
+    ag, ar, gar = (_by_module(gm, t) for t in (C.all_gather_start, C.all_reduce_start,
+                                               C.grad_all_reduce))
+    rs = Counter((n.meta[SOURCE].module, n.args[2]) for n in gm.graph.nodes
+                 if n.target is C.all_gather_start and n.args[3] == "reduce_scatter")
+    normal = []
+    for i in range(6):
+        lay = sm.param_layouts[f"layers.{i}.weight"]  # torch layout (n, k)
+        # normal: k over y, n over x; transposed ("every other layer"): x and y swap
+        normal.append(lay.shard_dim("y") == 1 or lay.shard_dim("x") == 0)
+    if mesh.x > 1 or mesh.y > 1:
+        assert all(a != b for a, b in zip(normal, normal[1:])), normal
+    for i in range(6):
+        layer = f"layers.{i}"
+        fwd_axis, bwd_axis = ("y", "x") if normal[i] else ("x", "y")
+        want = lambda axis: 1 if mesh.size(axis) > 1 else 0  # noqa: E731
+        assert ag[(layer, "z")] == want("z"), (layer, ag)
+        assert rs[(layer, "z")] == want("z"), (layer, rs)
+        assert ar[(layer, fwd_axis)] == want(fwd_axis), (layer, ar)
+        assert ar[(layer, bwd_axis)] == 0, (layer, ar)
+        # the first layer's input is data: it has no gradient, so no all-reduce of dI
+        assert gar[(layer, bwd_axis)] == (want(bwd_axis) if i > 0 else 0), (layer, gar)
+        assert gar[(layer, fwd_axis)] == 0, (layer, gar)
+        assert sm.grad_reductions.get(f"{layer}.weight", []) == (["data"] if mesh.data > 1 else [])
+    # nothing else but the loss's mean over a hidden dim cut over the last layer's n axis
+    linear = {f"layers.{i}" for i in range(6)}
+    others = [(n.target.__name__, n.args[2]) for n in gm.graph.nodes
+              if n.target in (C.all_gather_start, C.all_reduce_start, C.grad_all_reduce)
+              and n.meta[SOURCE].module not in linear]
+    last_n_axis = "x" if normal[-1] else "y"
+    assert others == ([("all_reduce_start", last_n_axis)] if mesh.size(last_n_axis) > 1 else [])
+    # no collective over an axis of size 1
+    for n in gm.graph.nodes:
+        if n.target in (C.all_gather_start, C.all_reduce_start, C.grad_all_reduce):
+            assert mesh.size(n.args[2]) > 1
+
+
+@pytest.mark.parametrize("mesh", MESHES_8, ids=str)
+def test_parameter_shards_are_the_papers_size(fake_world, mesh: shardc.Mesh) -> None:
+    fake_world(8)
+    model = MLPChain(dim=16, layers=4)
+    sm = shardc.compile(model, mesh, _mlp_inputs())
+    for name, p in sm.named_parameters():
+        k, n = model.get_parameter(name).shape
+        assert p.numel() * p.element_size() == k * n * 4 // (mesh.x * mesh.y * mesh.z), name
+    assert [n for n, _ in sm.named_parameters()] == [n for n, _ in model.named_parameters()]
+
+
+def test_special_cases_are_the_known_systems(fake_world) -> None:
+    fake_world(8)
+    ddp = shardc.compile(MLPChain(), shardc.Mesh(data=8), _mlp_inputs())
+    assert not any(n.target in (C.all_gather_start, C.all_reduce_start, C.grad_all_reduce)
+                   for n in ddp.graph_module.graph.nodes)
+    assert all(v == ["data"] for v in ddp.grad_reductions.values())
+    fsdp = shardc.compile(MLPChain(), shardc.Mesh(z=8), _mlp_inputs())
+    kinds = Counter(n.target for n in fsdp.graph_module.graph.nodes if n.target in (
+        C.all_gather_start, C.all_reduce_start, C.grad_all_reduce))
+    assert kinds == Counter({C.all_gather_start: 6})  # gather per layer, reduce-scatter back
+    assert not fsdp.grad_reductions
+    hsdp = shardc.compile(MLPChain(), shardc.Mesh(z=4, data=2), _mlp_inputs())
+    assert all(v == ["data"] for v in hsdp.grad_reductions.values())
+    # Megatron: column-parallel then row-parallel, one all-reduce forward per pair
+    mega = shardc.compile(MLPChain(layers=2), shardc.Mesh(x=8), _mlp_inputs())
+    layouts = {k: str(v) for k, v in mega.param_layouts.items()}
+    assert layouts == {"layers.0.weight": "[S(0)@x]", "layers.1.weight": "[S(1)@x]"}
+
+
+def test_fused_qkv_columns_are_interleaved(fake_world) -> None:
+    fake_world(8)
+    sm = shardc.compile(GPT(), shardc.Mesh(x=4, y=2), (torch.randint(0, 64, (8, 16)),) * 2)
+    assert str(sm.param_layouts["blocks.0.qkv.weight"]) == "[S(1)@y, S(0/3)@x]"
+    assert any("interleaved in 3 groups" in d for d in sm.decisions)
+    assert not sm.fallbacks
+
+
+def test_meta_device_model_compiles_without_weights(fake_world) -> None:
+    fake_world(4096)
+    with torch.device("meta"):
+        model = GPT(vocab=512, dim=256, layers=2, heads=8, seq=64)
+    sm = shardc.compile(model, shardc.Mesh(data=64, z=8, y=4, x=2),
+                        (torch.zeros(512, 64, dtype=torch.long, device="meta"),) * 2)
+    assert all(p.is_meta for p in sm.parameters())
+    assert shardc.comm_report(sm).total_bytes() > 0
+
+
+# ------------------------------------------------------------------------ errors
+def test_error_mesh_does_not_match_world(fake_world) -> None:
+    fake_world(8)
+    with pytest.raises(ValueError, match=r"Mesh\(x=4, y=1, z=1, data=1\) has 4 ranks .* world "
+                                         r"size is 8"):
+        shardc.compile(MLPChain(), shardc.Mesh(x=4), _mlp_inputs())
+
+
+def test_error_dimension_not_divisible(fake_world) -> None:
+    fake_world(8)
+    with pytest.raises(ValueError, match=r"'layers.0.weight' \(aten.linear.default in layers.0 at "
+                                         r"models.py:\d+\) has out_features \(n\)=12, which mesh "
+                                         r"axis 'y' \(size 8\) does not evenly divide.*Pad "
+                                         r"out_features to 16 or change the size of 'y'"):
+        shardc.compile(MLPChain(dim=12), shardc.Mesh(y=8), _mlp_inputs(dim=12))
+
+
+def test_error_batch_not_divisible(fake_world) -> None:
+    fake_world(8)
+    with pytest.raises(ValueError, match=r"batch size 12 .* data x z = 2 x 4 = 8 does not divide"):
+        shardc.compile(MLPChain(), shardc.Mesh(data=2, z=4), _mlp_inputs(batch=12))
+
+
+def test_error_compile_before_process_group() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="torch.distributed is not initialised"):
+        shardc.compile(MLPChain(), shardc.Mesh(), _mlp_inputs())
+
+
+class _DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # a branch on a tensor's value: cannot be traced
+            return self.lin(x).sum()
+        return x.sum()
+
+
+def test_error_untraceable_model_names_cause_and_line(fake_world) -> None:
+    fake_world(1)
+    with pytest.raises(shardc.TraceError, match=r"could not trace _DataDependent at .*test_compile"
+                                                r"\.py:\d+"):
+        shardc.compile(_DataDependent(), shardc.Mesh(), (torch.randn(4, 4),))
+
+
+def test_wrong_local_batch_is_refused(fake_world) -> None:
+    fake_world(2)
+    sm = shardc.compile(MLPChain(), shardc.Mesh(data=2), _mlp_inputs())
+    with pytest.raises(ValueError, match=r"this rank's slice of the example input \[16, 16\] is "
+                                         r"\[8, 16\]"):
+        sm(*_mlp_inputs())
+
+
+# ----------------------------------------------------------------------- explain
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "explain_mlp2_x2y2z2.txt")
+
+
+def test_explain_matches_golden(fake_world) -> None:
+    # If this fails, fix the compiler, not the expectation (unless the change is intended:
+    # then regenerate with SHARDC_UPDATE_GOLDEN=1 and read the diff).
+    fake_world(8)
+    torch.manual_seed(0)
+    sm = shardc.compile(MLPChain(dim=8, layers=2), shardc.Mesh(x=2, y=2, z=2),
+                        (torch.randn(8, 8), torch.randn(8, 8)))
+    text = shardc.explain(sm)
+    if os.environ.get("SHARDC_UPDATE_GOLDEN"):
+        with open(GOLDEN, "w") as f:
+            f.write(text)
+    with open(GOLDEN) as f:
+        assert text == f.read()
+
+
+def test_explain_names_fallback_ops(fake_world) -> None:
+    class Sorter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            return torch.sort(h, dim=-1).values.mean()  # sort has no sharding rule
+
+    fake_world(4)
+    sm = shardc.compile(Sorter(), shardc.Mesh(x=2, data=2), (torch.randn(8, 8),))
+    text = shardc.explain(sm)
+    assert "aten.sort" in text and "no sharding rule, ran replicated" in text
+    assert "test_compile.py" in text  # the source line of the op
+    assert any(r.op.startswith("aten.sort") for r in shardc.comm_report(sm).rows)
+    assert math.isfinite(float(shardc.comm_report(sm).total_bytes()))
