@@ -1,0 +1,3 @@
+from shardc.cli import main
+
+raise SystemExit(main())

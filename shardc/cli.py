@@ -1,0 +1,195 @@
+"""The ``shardc`` command: demo, inspect, comm, plan, profile-machine, bench.
+
+SPEC arguments name a function that returns ``(model, example_inputs)``:
+``path/to/file.py:function`` or ``package.module:function``; ``shardc.specs`` has
+ready-made ones (``shardc.specs:gpt_peer``, ``shardc.specs:gpt_paper_20b``, ...).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+def load_spec(spec: str) -> tuple[torch.nn.Module, tuple]:
+    """``file.py:function`` or ``module:function`` -> (model, example_inputs)."""
+    if ":" not in spec:
+        raise SystemExit(f"shardc: SPEC must be 'path/to/file.py:function' or 'module:function', "
+                         f"got {spec!r}.")
+    where, fn_name = spec.rsplit(":", 1)
+    if where.endswith(".py"):
+        if not os.path.exists(where):
+            raise SystemExit(f"shardc: no file {where!r} (from SPEC {spec!r}).")
+        mod_spec = importlib.util.spec_from_file_location(f"_shardc_spec_{abs(hash(where))}", where)
+        assert mod_spec is not None and mod_spec.loader is not None
+        module = importlib.util.module_from_spec(mod_spec)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
+        mod_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    fn = getattr(module, fn_name, None)
+    if fn is None:
+        raise SystemExit(f"shardc: {where} has no function {fn_name!r}.")
+    out = fn()
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise SystemExit(f"shardc: {spec} must return (model, example_inputs), got {type(out).__name__}.")
+    model, inputs = out
+    return model, tuple(inputs)
+
+
+def compile_offline(model: torch.nn.Module, inputs: tuple, mesh: Any, rank: int = 0, **kw: Any) -> Any:
+    """Compile as one rank of a "fake" process group: no communication, any world size."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import shardc
+
+    mesh = shardc.Mesh.parse(mesh) if isinstance(mesh, str) else mesh
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=mesh.world_size)
+    try:
+        return shardc.compile(model, mesh, inputs, **kw)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- commands
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import shardc
+
+    model, inputs = load_spec(args.spec)
+    sm = compile_offline(model, inputs, args.mesh, rank=args.rank)
+    print(shardc.explain(sm))
+    return 0
+
+
+def cmd_comm(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    import shardc
+    from shardc.gate import check_against_baseline
+
+    model, inputs = load_spec(args.spec)
+    sm = compile_offline(model, inputs, args.mesh)
+    rep = shardc.comm_report(sm)
+    rep.title = f"{args.spec} on {sm.mesh}: bytes one rank sends per training step"
+    console = Console()
+    if not args.quiet:
+        console.print(rep)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(rep.to_json())
+    if args.baseline:
+        if args.update_baseline:
+            with open(args.baseline, "w") as f:
+                f.write(rep.to_json())
+            console.print(f"baseline {args.baseline} written")
+            return 0
+        ok, text = check_against_baseline(rep, args.baseline, tolerance=args.tolerance)
+        console.print(text)
+        if args.check and not ok:
+            return 1
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from shardc.demo import run_demo
+
+    run_demo(ranks=args.ranks, mesh=args.mesh, steps=args.steps)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from shardc.planner import print_plan
+
+    model, inputs = load_spec(args.spec)
+    print_plan(model, inputs, world_size=args.world_size, machine=args.machine, top=args.top)
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from shardc.runtime.profile import profile_machine
+
+    machine = profile_machine(args.ranks, message_bytes=int(args.message_mib * 2**20), iters=args.iters)
+    text = machine.to_json()
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+        print(f"wrote {args.out}")
+    else:
+        print(text)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from shardc.bench import run_bench
+
+    run_bench(args)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="shardc", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("demo", help="train a GPT on CPU ranks (gloo) and summarise its traffic")
+    d.add_argument("--ranks", type=int, default=8)
+    d.add_argument("--mesh", default="x2y2z2d1")
+    d.add_argument("--steps", type=int, default=5)
+    d.set_defaults(fn=cmd_demo)
+
+    i = sub.add_parser("inspect", help="print the compiled program of one rank (shardc.explain)")
+    i.add_argument("spec")
+    i.add_argument("--mesh", required=True)
+    i.add_argument("--rank", type=int, default=0)
+    i.set_defaults(fn=cmd_inspect)
+
+    c = sub.add_parser("comm", help="communication report; --check gates it against a baseline")
+    c.add_argument("spec")
+    c.add_argument("--mesh", required=True)
+    c.add_argument("--json", help="write the report as JSON")
+    c.add_argument("--baseline", help="a report JSON to compare with")
+    c.add_argument("--check", action="store_true", help="exit 1 when volume grew past --tolerance")
+    c.add_argument("--tolerance", type=float, default=0.0,
+                   help="relative growth allowed per row (0.01 = 1%%)")
+    c.add_argument("--update-baseline", action="store_true", help="rewrite --baseline with this report")
+    c.add_argument("--quiet", action="store_true", help="print only the comparison")
+    c.set_defaults(fn=cmd_comm)
+
+    pl = sub.add_parser("plan", help="rank the meshes of a world size by predicted communication time")
+    pl.add_argument("spec")
+    pl.add_argument("--world-size", type=int, required=True)
+    pl.add_argument("--machine", default="local", help="a preset name or a machine JSON file")
+    pl.add_argument("--top", type=int, default=10)
+    pl.set_defaults(fn=cmd_plan)
+
+    pm = sub.add_parser("profile-machine", help="measure the intra-node bandwidth table")
+    pm.add_argument("--ranks", type=int, default=8)
+    pm.add_argument("--message-mib", type=float, default=16.0)
+    pm.add_argument("--iters", type=int, default=5)
+    pm.add_argument("--out", help="write the machine JSON here")
+    pm.set_defaults(fn=cmd_profile)
+
+    b = sub.add_parser("bench", help="measure step times of meshes and compare with the plan")
+    b.add_argument("--ranks", type=int, default=8)
+    b.add_argument("--steps", type=int, default=6)
+    b.add_argument("--machine", default="local")
+    b.add_argument("--out", default="bench")
+    b.add_argument("--meshes", default="", help="comma-separated specs (default: all)")
+    b.set_defaults(fn=cmd_bench)
+
+    args = p.parse_args(argv)
+    fn: Callable[[argparse.Namespace], int] = args.fn
+    return fn(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
