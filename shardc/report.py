@@ -202,7 +202,7 @@ class CommReport:
             for r in d["rows"]:
                 f = r.pop("formula", None)
                 row = CommRow(**r)
-                row.formula = sympy.sympify(f) if f else None
+                row.formula = sympy.sympify(f, locals={str(v): v for v in SYMBOLS.values()}) if f else None
                 rows.append(row)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"CommReport.from_json: not a shardc comm report ({e}).") from e

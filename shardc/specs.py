@@ -24,21 +24,25 @@ def gpt_peer() -> tuple[torch.nn.Module, tuple]:
     return GPT.peer(), lm_batch(16, 64, 512)
 
 
-def _paper(name: str, batch: int) -> tuple[torch.nn.Module, tuple]:
+def paper_gpt(name: str, batch: int = 512, seq: int = 2048) -> tuple[torch.nn.Module, tuple]:
+    """A GPT of the AxoNN paper's Table II in bf16 on the meta device (no weights are
+    allocated), with a global batch of ``batch`` sequences of ``seq`` tokens."""
     with torch.device("meta"):
-        model = GPT.paper(name)
-    tokens = torch.zeros(batch, 2048, dtype=torch.long, device="meta")
+        model = GPT.paper(name, seq=seq).to(torch.bfloat16)
+    tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     return model, (tokens, tokens)
 
 
 def gpt_paper_20b() -> tuple[torch.nn.Module, tuple]:
-    """GPT-20B's shape (32 layers, hidden 7168, 56 heads), meta tensors, batch 4096 x 2048."""
-    return _paper("gpt-20b", 4096)
+    """GPT-20B's shape (32 layers, hidden 7168, 56 heads), bf16, 512 x 2048 tokens."""
+    return paper_gpt("gpt-20b")
 
 
 def gpt_paper_40b() -> tuple[torch.nn.Module, tuple]:
-    return _paper("gpt-40b", 4096)
+    """GPT-40B's shape (38 layers, hidden 9216, 72 heads), bf16, 512 x 2048 tokens."""
+    return paper_gpt("gpt-40b")
 
 
 def gpt_paper_320b() -> tuple[torch.nn.Module, tuple]:
-    return _paper("gpt-320b", 32768)
+    """GPT-320B's shape (96 layers, hidden 16384, 128 heads), bf16, 16384 x 2048 tokens."""
+    return paper_gpt("gpt-320b", batch=16384)
