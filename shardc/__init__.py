@@ -4,11 +4,13 @@ from __future__ import annotations
 from shardc.compiler import compile, global_mean, shard_batch
 from shardc.errors import ShardcError, TraceError
 from shardc.explain import explain
+from shardc.machine import Machine
 from shardc.mesh import Mesh
 from shardc.module import ShardedModule
 from shardc.placement import Layout, Partial, Replicate, Shard
+from shardc.planner import Candidate, plan
 from shardc.report import CommReport, CommRow, comm_report
 
 __all__ = ["Mesh", "compile", "shard_batch", "global_mean", "ShardedModule", "ShardcError",
            "TraceError", "Layout", "Shard", "Replicate", "Partial", "explain", "comm_report",
-           "CommReport", "CommRow"]
+           "CommReport", "CommRow", "Machine", "plan", "Candidate"]

@@ -44,20 +44,15 @@ def load_spec(spec: str) -> tuple[torch.nn.Module, tuple]:
 
 
 def compile_offline(model: torch.nn.Module, inputs: tuple, mesh: Any, rank: int = 0, **kw: Any) -> Any:
-    """Compile as one rank of a "fake" process group: no communication, any world size."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+    """Compile the program of one rank without any process group (nothing communicates
+    at compile time; the runtime makes its groups on first use)."""
     import shardc
+    from shardc.compiler import _check_batch, _compile
+    from shardc.context import Options
 
     mesh = shardc.Mesh.parse(mesh) if isinstance(mesh, str) else mesh
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=mesh.world_size)
-    try:
-        return shardc.compile(model, mesh, inputs, **kw)
-    finally:
-        dist.destroy_process_group()
+    _check_batch(tuple(inputs), mesh)
+    return _compile(model, mesh, tuple(inputs), Options(**kw), rank)
 
 
 # ---------------------------------------------------------------------- commands
