@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from shardc.context import (COMM, FALLBACK, GLOBAL_VAL, KIND, PARAM, PLACEMENT, PROGRAM, SOURCE,
                             CompileContext)
@@ -292,7 +293,8 @@ class Lowering:
                 raise NotImplementedError(f"shardc: cannot lower a {node.op} node ({node.format_node()})")
         out_nodes = [self._output(o) for o in outputs]
         self.g.output(tuple(out_nodes))
-        gm = fx.GraphModule(self.old, self.g)
+        # lazy: the Python code is generated on the first call (planning never calls it)
+        gm = _LazyGraphModule(self.old, self.g)
         for name, ph in self.param_ph.items():
             if name not in self.storage:  # unused parameter: keep it whole (cut over z)
                 v = self.param_val[name]
@@ -362,5 +364,4 @@ def lower_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     out = res.graph_module
     out.meta[PROGRAM] = res
     out.graph.lint()
-    out.recompile()
     return out

@@ -40,13 +40,21 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> torch.export.Exporte
             ep = torch.export.export(model, tuple(example_inputs), strict=False)
         except Exception as e:  # noqa: BLE001 - re-raised with the cause named
             raise TraceError(_explain_trace_failure(model, e)) from e
-        table = torch.export.default_decompositions()
-        for op in list(table):
-            if op in RULES or getattr(op, "overloadpacket", None) in RULES:
-                table.pop(op)
-        ep = ep.run_decompositions(table)
+        if not all(_has_rule(n.target, RULES) for n in ep.graph.nodes if n.op == "call_function"):
+            # decompose what has no rule (re-tracing costs about as much as the export)
+            table = torch.export.default_decompositions()
+            for op in list(table):
+                if _has_rule(op, RULES):
+                    table.pop(op)
+            ep = ep.run_decompositions(table)
     per_model[key] = ep
     return ep
+
+
+def _has_rule(op: Any, rules: dict) -> bool:
+    if op in rules or getattr(op, "overloadpacket", None) in rules:
+        return True
+    return isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags
 
 
 def _explain_trace_failure(model: torch.nn.Module, e: Exception) -> str:

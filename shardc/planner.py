@@ -22,7 +22,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import sympy
 import torch
 import torch.fx as fx
 
@@ -30,7 +29,8 @@ from shardc.context import GLOBAL_VAL, KIND, PLACEMENT, SOURCE
 from shardc.errors import ShardcError
 from shardc.machine import Machine
 from shardc.mesh import AXES, Mesh
-from shardc.report import SYMBOLS, comm_report
+from shardc.report import comm_report
+from shardc.runtime.volume import ring_bytes
 
 BYTES_PER_PARAMETER = 16  # fp32 weight, gradient and AdamW's two moments
 
@@ -44,6 +44,7 @@ class Candidate:
     param_bytes_per_rank: float
     activation_bytes_per_rank: float
     bytes_per_axis: dict[str, float] = field(default_factory=dict)
+    exact: bool = True  # False: a first estimate from another pattern's program
 
     def __repr__(self) -> str:
         return (f"Candidate({self.mesh.spec()}, {self.predicted_comm_s:.4g} s, "
@@ -86,81 +87,84 @@ def resolve_machine(machine: Machine | str) -> Machine:
 
 @dataclass
 class _Pattern:
-    """What one compile tells about every mesh with the same axes of size > 1."""
+    """What one compile tells about every mesh with the same axes of size > 1: each term
+    is (global bytes, axes dividing them), evaluated per mesh without recompiling."""
 
-    bytes_fn: dict[str, Callable[..., float]]
-    params_fn: Callable[..., float]
-    act_fn: Callable[..., float]
+    comm: list[tuple[str, str, int, tuple[str, ...], bool]]  # collective, axis, num, divs, times_axis
+    params: list[tuple[int, tuple[str, ...]]]
+    activations: list[tuple[int, tuple[str, ...]]]
     constraints: list[tuple[int, tuple[str, ...], str]]  # (dim size, axes, what)
+
+    def bytes_per_axis(self, sizes: dict[str, int]) -> dict[str, float]:
+        out = {a: 0.0 for a in AXES}
+        for coll, axis, num, divs, times in self.comm:
+            g = sizes[axis]
+            v = num * (g if times else 1) / math.prod(sizes[d] for d in divs)
+            out[axis] += float(ring_bytes(coll, g, 1)) * v
+        return out
+
+    @staticmethod
+    def _sum(terms: list[tuple[int, tuple[str, ...]]], sizes: dict[str, int]) -> float:
+        return sum(n / math.prod(sizes[d] for d in divs) for n, divs in terms)
 
 
 def _pattern_of(mesh: Mesh) -> tuple[bool, ...]:
     return tuple(mesh.size(a) > 1 for a in AXES)
 
 
-def _symbolic_local_bytes(n: fx.Node) -> Any:
+def _local_terms(n: fx.Node) -> tuple[int, tuple[str, ...]] | None:
     val, lay = n.meta.get(GLOBAL_VAL), n.meta.get(PLACEMENT)
     if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
-        return sympy.Integer(0)
-    expr = sympy.Integer(val.element_size() if val.device.type != "meta" else
-                         torch.empty((), dtype=val.dtype).element_size())
-    for d, size in enumerate(val.shape):
-        expr *= size
-        if lay is not None and d < len(lay.dims):
-            for a in lay.dims[d]:
-                expr /= SYMBOLS[a]
-    return expr
+        return None
+    num = math.prod(val.shape) * torch.empty((), dtype=val.dtype).element_size()
+    divs = tuple(a for axes in lay.dims for a in axes) if lay is not None and lay.ndim == val.dim() else ()
+    return num, divs
 
 
-def _activation_expr(gm: fx.GraphModule, checkpointing: bool) -> Any:
+def _activation_terms(gm: fx.GraphModule, checkpointing: bool) -> list[tuple[int, tuple[str, ...]]]:
     """Activation estimate: without checkpointing, every forward intermediate's local
     size (all autograd may keep; an upper bound). With checkpointing, the inputs of each
-    repeated block (``blocks.3``, ``h.3``: a ModuleList entry) plus one block's
+    repeated block (``blocks.3``, ``h.3``: a ModuleList entry) plus the largest block's
     intermediates, which is what recomputation keeps alive."""
-    per_block: dict[str, Any] = defaultdict(lambda: sympy.Integer(0))
-    outside = sympy.Integer(0)
-    total = sympy.Integer(0)
-    block_inputs = sympy.Integer(0)
-    seen_inputs: set[fx.Node] = set()
+    everything: list[tuple[int, tuple[str, ...]]] = []
+    outside: list[tuple[int, tuple[str, ...]]] = []
+    per_block: dict[str, list[tuple[int, tuple[str, ...]]]] = defaultdict(list)
+    inputs: list[tuple[int, tuple[str, ...]]] = []
+    seen: set[fx.Node] = set()
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.meta.get(KIND) in ("collective", "wait"):
             continue
-        b = _symbolic_local_bytes(n)
-        total += b
+        t = _local_terms(n)
+        if t is None:
+            continue
+        everything.append(t)
         mod = getattr(n.meta.get(SOURCE), "module", "") or ""
         parts = mod.split(".")
         block = next((".".join(parts[:i + 1]) for i in range(len(parts)) if parts[i].isdigit()), None)
         if block is None:
-            outside += b
+            outside.append(t)
             continue
-        per_block[block] += b
+        per_block[block].append(t)
         for a in n.all_input_nodes:
             amod = getattr(a.meta.get(SOURCE), "module", "") or ""
-            if not amod.startswith(block) and a not in seen_inputs:
-                seen_inputs.add(a)
-                block_inputs += _symbolic_local_bytes(a)
+            ta = _local_terms(a)
+            if ta is not None and not amod.startswith(block) and a not in seen:
+                seen.add(a)
+                inputs.append(ta)
     if not checkpointing or not per_block:
-        return total
-    biggest = max(per_block.values(), key=lambda e: float(e.subs({s: 2 for s in SYMBOLS.values()})))
-    return outside + block_inputs + biggest
+        return everything
+    two = {a: 2 for a in AXES}
+    biggest = max(per_block.values(), key=lambda ts: _Pattern._sum(ts, two))
+    return outside + inputs + biggest
 
 
 def _analyse(sm: Any, checkpointing: bool) -> _Pattern:
     rep = comm_report(sm)
-    syms = [SYMBOLS[a] for a in AXES]
-    bytes_fn = {}
-    for a in AXES:
-        expr = sum((r.formula for r in rep.rows if r.axis == a), sympy.Integer(0))
-        bytes_fn[a] = sympy.lambdify(syms, expr, "math")
-    pexpr = sympy.Integer(0)
+    comm = [(r.collective, r.axis, r.numerator, r.divs, r.times_axis) for r in rep.rows]
+    params = []
     for name, layout in sm.param_layouts.items():
         shape = list(sm._global_shapes[name])
-        e = sympy.Integer(math.prod(shape))
-        for d in range(len(shape)):
-            for a in layout.dims[d]:
-                e /= SYMBOLS[a]
-        pexpr += e
-    act = _activation_expr(sm.graph_module, checkpointing)
+        params.append((math.prod(shape), tuple(a for axes in layout.dims for a in axes)))
     constraints: list[tuple[int, tuple[str, ...], str]] = []
     seen = set()
     for n in sm.graph_module.graph.nodes:
@@ -173,8 +177,24 @@ def _analyse(sm: Any, checkpointing: bool) -> _Pattern:
                 if key not in seen:
                     seen.add(key)
                     constraints.append((key[0], axes, f"{n.name} dim {d}"))
-    return _Pattern(bytes_fn, sympy.lambdify(syms, pexpr, "math"), sympy.lambdify(syms, act, "math"),
+    return _Pattern(_merge5(comm), _merge2(params), _merge2(_activation_terms(sm.graph_module, checkpointing)),
                     constraints)
+
+
+def _merge2(terms: list[tuple[int, tuple[str, ...]]]) -> list[tuple[int, tuple[str, ...]]]:
+    """Sum the numerators of terms with the same divisors: one term per shape of formula."""
+    acc: dict[tuple[str, ...], int] = defaultdict(int)
+    for n, divs in terms:
+        acc[tuple(sorted(divs))] += n
+    return [(n, d) for d, n in acc.items()]
+
+
+def _merge5(terms: list[tuple[str, str, int, tuple[str, ...], bool]]
+            ) -> list[tuple[str, str, int, tuple[str, ...], bool]]:
+    acc: dict[tuple[str, str, tuple[str, ...], bool], int] = defaultdict(int)
+    for coll, axis, n, divs, times in terms:
+        acc[(coll, axis, tuple(sorted(divs)), times)] += n
+    return [(c, a, n, d, t) for (c, a, d, t), n in acc.items()]
 
 
 def _compile_offline(model: torch.nn.Module, inputs: tuple, mesh: Mesh, **kw: Any) -> Any:
@@ -183,84 +203,186 @@ def _compile_offline(model: torch.nn.Module, inputs: tuple, mesh: Mesh, **kw: An
     return compile_offline(model, inputs, mesh, **kw)
 
 
+@dataclass(frozen=True)
+class _Gemm:
+    m: int
+    k: int
+    n: int
+    param: str
+    elsize: int
+
+
+def _weight_gemms(ep: torch.export.ExportedProgram) -> list[_Gemm]:
+    """Every GEMM whose one operand is a parameter (possibly transposed), global shapes."""
+    params = {spec.arg.name: spec.target for spec in ep.graph_signature.input_specs
+              if spec.kind.name == "PARAMETER"}
+    aten = torch.ops.aten
+
+    def param_of(node: Any) -> tuple[str, bool] | None:
+        flip = False
+        while isinstance(node, fx.Node) and node.op == "call_function" and node.target in (
+                aten.t.default, aten.transpose.int, aten.permute.default, aten.alias.default,
+                aten._to_copy.default, aten.to.dtype):
+            if node.target is not aten.alias.default and node.target not in (aten._to_copy.default,
+                                                                              aten.to.dtype):
+                flip = not flip
+            node = node.args[0]
+        if isinstance(node, fx.Node) and node.op == "placeholder" and node.name in params:
+            return params[node.name], flip
+        return None
+
+    out = []
+    for node in ep.graph.nodes:
+        t = node.target
+        if t is aten.linear.default:
+            x, w = node.args[0], node.args[1]
+            p = param_of(w)
+            swap = True
+        elif t in (aten.mm.default, aten.matmul.default, aten.addmm.default):
+            x, w = (node.args[1], node.args[2]) if t is aten.addmm.default else (node.args[0], node.args[1])
+            p = param_of(w)
+            swap = False
+        else:
+            continue
+        if p is None or len(w.meta["val"].shape) != 2:
+            continue
+        a, b = w.meta["val"].shape
+        k, n = (b, a) if swap else (a, b)
+        m = math.prod(x.meta["val"].shape) // k
+        out.append(_Gemm(int(m), int(k), int(n), p[0], w.meta["val"].element_size()))
+    return out
+
+
 def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
-         example_inputs: tuple, *, checkpointing: bool = False, verify: bool = True,
-         **compile_kw: Any) -> Plan:
+         example_inputs: tuple, *, checkpointing: bool = False, exact_top: int = 10,
+         verify: bool = True, **compile_kw: Any) -> Plan:
     """Every mesh of ``world_size`` ranks, ranked by predicted communication time; the
     ones the model or batch does not divide, or that do not fit in device memory, are in
-    ``.dropped`` with their reason. Works offline: no process group, meta tensors welcome."""
+    ``.dropped`` with their reason. Works offline: no process group, meta tensors welcome.
+
+    One compile with every axis in use gives each mesh a first estimate (axes of size 1
+    contribute nothing to its terms); then the pattern of every mesh in the current top
+    ``exact_top`` is compiled for itself and its meshes re-evaluated exactly, until the
+    top ``exact_top`` are all exact. Candidates past them may keep their first estimate
+    (``Candidate.exact`` says which).
+    """
+    from shardc.passes.trace import trace
+
     machine = resolve_machine(machine)
     if world_size < 1:
         raise ValueError(f"shardc.plan: world_size must be >= 1, got {world_size}.")
-    batch = next((x.shape[0] for x in example_inputs if isinstance(x, torch.Tensor) and x.dim()), 1)
-    by_pattern: dict[tuple[bool, ...], list[Mesh]] = defaultdict(list)
-    for m in Mesh.all(world_size):
-        by_pattern[_pattern_of(m)].append(m)
-    cands: list[Candidate] = []
+    inputs = tuple(example_inputs)
+    batch = next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim()), 1)
+    gemms = _weight_gemms(trace(model, inputs))
+    weight_elements = sum({g.param: g.k * g.n for g in gemms}.values())
     dropped: list[Dropped] = []
-    for pattern, meshes in by_pattern.items():
-        meshes = sorted(meshes, key=lambda m: m.world_size and sum(m.size(a) for a in AXES))
-        ok_batch = []
-        for m in meshes:
-            if batch % (m.data * m.z):
-                dropped.append(Dropped(m, f"batch: {batch} sequences do not split over data x z = "
-                                          f"{m.data * m.z}"))
+    meshes: list[Mesh] = []
+    for m in Mesh.all(world_size):
+        if batch % (m.data * m.z):
+            dropped.append(Dropped(m, f"batch: {batch} sequences do not split over data x z = "
+                                      f"{m.data * m.z}"))
+            continue
+        # parameters, gradients and AdamW state of the GEMM weights alone, cut at most
+        # over x, y and z: a lower bound of the memory a rank needs
+        mem_lb = BYTES_PER_PARAMETER * weight_elements / (m.x * m.y * m.z)
+        if mem_lb > machine.memory_bytes:
+            dropped.append(Dropped(m, f"memory: at least {mem_lb / 2**30:.1f} GiB per rank of "
+                                      f"weights and optimizer state > {machine.memory_bytes / 2**30:.1f} GiB"))
+            continue
+        meshes.append(m)
+    if not meshes:
+        _nothing_fits(world_size, machine, dropped)
+
+    analyses: dict[tuple[bool, ...], _Pattern | str] = {}
+
+    def analysis_for(pattern: tuple[bool, ...], members: list[Mesh]) -> _Pattern | str:
+        if pattern not in analyses:
+            reason = ""
+            tries = [_smallest_of_pattern(pattern, batch)] + sorted(members, key=Mesh.spec)[:2]
+            for m in [t for t in tries if t is not None]:
+                try:
+                    analyses[pattern] = _analyse(_compile_offline(model, inputs, m, **compile_kw),
+                                                 checkpointing)
+                    break
+                except ShardcError as e:
+                    reason = str(e).split(". ")[0]
             else:
-                ok_batch.append(m)
-        if not ok_batch:
-            continue
-        analysis = None
-        reason = ""
-        # the smallest mesh of the pattern stands for all of them (see the module docstring)
-        rep_mesh = _smallest_of_pattern(pattern, batch)
-        for m in ([rep_mesh] if rep_mesh is not None else []) + ok_batch[:2]:
-            try:
-                analysis = _analyse(_compile_offline(model, example_inputs, m, **compile_kw), checkpointing)
-                break
-            except ShardcError as e:
-                reason = str(e).split(". ")[0]
-        if analysis is None:
-            for m in ok_batch:
-                dropped.append(Dropped(m, f"divisibility: {reason}"))
-            continue
-        for m in ok_batch:
-            sizes = [m.size(a) for a in AXES]
-            bad = next(((n, axes, what) for n, axes, what in analysis.constraints
-                        if n % math.prod(m.size(a) for a in axes)), None)
-            if bad is not None:
-                n, axes, what = bad
-                dropped.append(Dropped(m, f"divisibility: {what} of size {n} is cut over "
-                                          f"{'x'.join(axes)} = {math.prod(m.size(a) for a in axes)}"))
-                continue
-            pbytes = analysis.params_fn(*sizes) * BYTES_PER_PARAMETER / 4
-            abytes = analysis.act_fn(*sizes)
-            mem = pbytes + abytes
-            if mem > machine.memory_bytes:
-                dropped.append(Dropped(m, f"memory: {mem / 2**30:.1f} GiB per rank > "
-                                          f"{machine.memory_bytes / 2**30:.1f} GiB"))
-                continue
-            per_axis_bytes = {a: float(analysis.bytes_fn[a](*sizes)) for a in AXES}
-            try:
-                per_axis = {a: (per_axis_bytes[a] / machine.axis_bandwidth(m, a)
-                                if per_axis_bytes[a] else 0.0) for a in AXES}
-            except ValueError as e:
-                dropped.append(Dropped(m, f"machine: {e}"))
-                continue
-            cands.append(Candidate(m, sum(per_axis.values()), per_axis, mem, pbytes, abytes,
-                                   per_axis_bytes))
-    cands.sort(key=lambda c: (c.predicted_comm_s, c.memory_bytes_per_rank, c.mesh.spec()))
+                analyses[pattern] = reason or "no mesh of this pattern compiles"
+        return analyses[pattern]
+
+    by_pattern: dict[tuple[bool, ...], list[Mesh]] = defaultdict(list)
+    for m in meshes:
+        by_pattern[_pattern_of(m)].append(m)
+    # the first estimate: every axis in use, so every term of every pattern is present
+    full = tuple(any(p[i] for p in by_pattern) for i in range(len(AXES)))
+    first = analysis_for(full, by_pattern.get(full, []))
+    evaluated: dict[Mesh, Candidate | Dropped] = {}
+    exact_patterns: set[tuple[bool, ...]] = set()
+
+    def evaluate(pattern: tuple[bool, ...], a: _Pattern | str, exact: bool) -> None:
+        for m in by_pattern[pattern]:
+            evaluated[m] = (_evaluate(m, a, machine, exact) if isinstance(a, _Pattern)
+                            else Dropped(m, f"divisibility: {a}"))
+
+    if isinstance(first, _Pattern):
+        for pattern in by_pattern:
+            evaluate(pattern, first, pattern == full)
+        exact_patterns.add(full)
+    while True:
+        ranked = sorted((c for c in evaluated.values() if isinstance(c, Candidate)), key=_key)
+        todo = {_pattern_of(c.mesh) for c in ranked[:exact_top]} - exact_patterns
+        if not isinstance(first, _Pattern):  # no estimate: compile every pattern
+            todo = set(by_pattern) - exact_patterns
+        if not todo:
+            break
+        for pattern in sorted(todo):
+            evaluate(pattern, analysis_for(pattern, by_pattern[pattern]), True)
+            exact_patterns.add(pattern)
+    cands = sorted((c for c in evaluated.values() if isinstance(c, Candidate)), key=_key)
+    dropped += [d for d in evaluated.values() if isinstance(d, Dropped)]
     if not cands:
-        reasons = defaultdict(int)
-        for d in dropped:
-            reasons[d.reason.split(":")[0]] += 1
-        raise ShardcError(
-            f"shardc.plan: no mesh of {world_size} ranks fits this model on {machine.name!r} "
-            f"(dropped: {dict(reasons)}). First reason: {dropped[0].reason if dropped else '-'}. "
-            "Use more ranks, a larger memory, a batch that data x z divides, or activation "
-            "checkpointing (checkpointing=True).")
+        _nothing_fits(world_size, machine, dropped)
     if verify:
-        _verify(model, example_inputs, cands[0], compile_kw)
+        _verify(model, inputs, cands[0], compile_kw)
     return Plan(cands, dropped, world_size, machine)
+
+
+def _key(c: Candidate) -> tuple:
+    return (c.predicted_comm_s, c.memory_bytes_per_rank, c.mesh.spec())
+
+
+def _evaluate(m: Mesh, a: _Pattern, machine: Machine, exact: bool) -> Candidate | Dropped:
+    sizes = m.sizes
+    bad = next(((n, axes, what) for n, axes, what in a.constraints
+                if n % math.prod(sizes[x] for x in axes)), None)
+    if bad is not None:
+        n, axes, what = bad
+        return Dropped(m, f"divisibility: {what} of size {n} is cut over {'x'.join(axes)} = "
+                          f"{math.prod(sizes[x] for x in axes)}")
+    pbytes = _Pattern._sum(a.params, sizes) * BYTES_PER_PARAMETER
+    abytes = _Pattern._sum(a.activations, sizes)
+    mem = pbytes + abytes
+    if mem > machine.memory_bytes:
+        return Dropped(m, f"memory: {mem / 2**30:.1f} GiB per rank > "
+                          f"{machine.memory_bytes / 2**30:.1f} GiB")
+    per_axis_bytes = a.bytes_per_axis(sizes)
+    try:
+        per_axis = {x: (per_axis_bytes[x] / machine.axis_bandwidth(m, x) if per_axis_bytes[x] else 0.0)
+                    for x in AXES}
+    except ValueError as e:
+        return Dropped(m, f"machine: {e}")
+    return Candidate(m, sum(per_axis.values()), per_axis, mem, pbytes, abytes, per_axis_bytes, exact)
+
+
+def _nothing_fits(world_size: int, machine: Machine, dropped: list[Dropped]) -> None:
+    reasons: dict[str, int] = defaultdict(int)
+    for d in dropped:
+        reasons[d.reason.split(":")[0]] += 1
+    raise ShardcError(
+        f"shardc.plan: no mesh of {world_size} ranks fits this model on {machine.name!r} "
+        f"(dropped: {dict(reasons)}). First reason: {dropped[0].reason if dropped else '-'}. "
+        "Use more ranks, more memory per rank, a batch that data x z divides, or activation "
+        "checkpointing (checkpointing=True).")
 
 
 def _smallest_of_pattern(pattern: tuple[bool, ...], batch: int) -> Mesh | None:
@@ -287,7 +409,7 @@ def print_plan(model: torch.nn.Module, inputs: tuple, world_size: int, machine: 
     from rich.table import Table
 
     t0 = time.perf_counter()
-    p = plan(model, world_size, machine, inputs, checkpointing=checkpointing)
+    p = plan(model, world_size, machine, inputs, checkpointing=checkpointing, exact_top=max(top, 1))
     took = time.perf_counter() - t0
     t = Table(title=f"top {min(top, len(p))} of {len(p)} meshes for {world_size} ranks on "
                     f"{p.machine.name} (planned in {took:.1f} s)")
@@ -297,7 +419,7 @@ def print_plan(model: torch.nn.Module, inputs: tuple, world_size: int, machine: 
     for i, c in enumerate(p[:top]):
         t.add_row(str(i + 1), c.mesh.spec(), *(f"{c.per_axis_s[a]:.4g}" for a in AXES),
                   f"{c.predicted_comm_s:.4g}", f"{c.memory_bytes_per_rank / 2**30:.2f} GiB")
-    console = Console()
+    console = Console(width=max(Console().width, 110))
     console.print(t)
     if p.dropped:
         console.print("dropped: " + ", ".join(f"{n} ({r})" for r, n in sorted(p.drop_reasons().items())))

@@ -38,11 +38,31 @@ class CommRow:
     axis: str
     phase: str
     bytes: int | float
-    formula: Any = field(default=None, compare=False, repr=False)  # sympy expression
+    # bytes = ring(collective, G_axis) * numerator * (G_axis if times_axis) / prod(G_d, divs):
+    # the same number for any mesh whose program has this structure
+    numerator: int = field(default=0, compare=False, repr=False)
+    divs: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    times_axis: bool = field(default=False, compare=False, repr=False)
+
+    @property
+    def formula(self) -> Any:
+        """The volume as a sympy expression in the axis sizes G_x, G_y, G_z, G_data."""
+        n = sympy.Integer(self.numerator) * (SYMBOLS[self.axis] if self.times_axis else 1)
+        for d in self.divs:
+            n /= SYMBOLS[d]
+        return _ring_formula(self.collective, self.axis, n)
+
+    def bytes_for(self, sizes: dict[str, int]) -> Fraction:
+        """This row's bytes on another mesh of the same structure (no sympy: fast)."""
+        n = Fraction(self.numerator * (sizes[self.axis] if self.times_axis else 1))
+        for d in self.divs:
+            n /= sizes[d]
+        return ring_bytes(self.collective, sizes[self.axis], 1) * n
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["formula"] = str(self.formula) if self.formula is not None else None
+        d["divs"] = list(self.divs)
+        d["formula"] = str(self.formula) if self.numerator else None
         return d
 
 
@@ -60,16 +80,12 @@ def _local_numel(n: fx.Node, mesh: Mesh) -> int:
     return math.prod(lay.local_shape(shape, mesh))
 
 
-def _symbolic_numel(n: fx.Node) -> Any:
-    """Local element count as global dims over the sizes of the axes that cut them."""
+def _terms(n: fx.Node) -> tuple[int, tuple[str, ...]]:
+    """(global bytes, axes that divide them) of a node's local value."""
     val, lay = n.meta[GLOBAL_VAL], n.meta.get(PLACEMENT)
-    expr = sympy.Integer(1)
-    for d, size in enumerate(val.shape):
-        expr *= size
-        if lay is not None:
-            for a in lay.dims[d]:
-                expr /= SYMBOLS[a]
-    return expr
+    num = math.prod(val.shape) * _elsize(val)
+    divs = tuple(a for axes in lay.dims for a in axes) if lay is not None else ()
+    return num, divs
 
 
 def _ring_formula(collective: str, axis: str, nbytes: Any) -> Any:
@@ -115,45 +131,37 @@ def build_rows(gm: fx.GraphModule, mesh: Mesh, storage: dict[str, Layout],
             axis, mode = n.args[2], n.args[3]
             g = mesh.size(axis)
             shard = _local_numel(inp, mesh) * _elsize(inp.meta[GLOBAL_VAL])
-            sym = _symbolic_numel(inp) * _elsize(inp.meta[GLOBAL_VAL])
+            num, divs = _terms(inp)
             param = _param_of(inp)
             rows.append(CommRow(n.name, op, module, param, "all_gather", axis, "forward",
-                                as_number(ring_bytes("all_gather", g, shard)),
-                                _ring_formula("all_gather", axis, sym)))
+                                as_number(ring_bytes("all_gather", g, shard)), num, divs))
             if mode == "reduce_scatter" and inp.meta.get(REQUIRES_GRAD):
                 rows.append(CommRow(n.name, op, module, param, "reduce_scatter", axis, "backward",
-                                    as_number(ring_bytes("reduce_scatter", g, g * shard)),
-                                    _ring_formula("reduce_scatter", axis, SYMBOLS[axis] * sym)))
+                                    as_number(ring_bytes("reduce_scatter", g, g * shard)), num, divs,
+                                    True))
         elif n.target is C.all_reduce_start:
             inp = n.args[0]
             axis = n.args[2]
             nb = _local_numel(inp, mesh) * _elsize(inp.meta[GLOBAL_VAL])
-            sym = _symbolic_numel(inp) * _elsize(inp.meta[GLOBAL_VAL])
             rows.append(CommRow(n.name, op, module, _param_of(inp), "all_reduce", axis, "forward",
-                                as_number(ring_bytes("all_reduce", mesh.size(axis), nb)),
-                                _ring_formula("all_reduce", axis, sym)))
+                                as_number(ring_bytes("all_reduce", mesh.size(axis), nb)), *_terms(inp)))
         elif n.target is C.grad_all_reduce:
             inp = n.args[0]
             axis = n.args[2]
             nb = _local_numel(inp, mesh) * _elsize(inp.meta[GLOBAL_VAL])
-            sym = _symbolic_numel(inp) * _elsize(inp.meta[GLOBAL_VAL])
             rows.append(CommRow(n.name, op, module, _param_of(inp), "all_reduce", axis, "backward",
-                                as_number(ring_bytes("all_reduce", mesh.size(axis), nb)),
-                                _ring_formula("all_reduce", axis, sym)))
+                                as_number(ring_bytes("all_reduce", mesh.size(axis), nb)), *_terms(inp)))
     for name, axes in reduce_params.items():
         val = param_vals[name]
         lay = storage[name]
         nb = math.prod(lay.local_shape(list(val.shape), mesh)) * _elsize(val)
-        sym = sympy.Integer(_elsize(val))
-        for d, size in enumerate(val.shape):
-            sym *= size
-            for a in lay.dims[d]:
-                sym /= SYMBOLS[a]
+        num = math.prod(val.shape) * _elsize(val)
+        divs = tuple(a for d in lay.dims for a in d)
         module = name.rsplit(".", 1)[0] if "." in name else ""
         for axis in axes:
             rows.append(CommRow(f"grad:{name}", "gradient reduction", module, name, "all_reduce",
                                 axis, "step", as_number(ring_bytes("all_reduce", mesh.size(axis), nb)),
-                                _ring_formula("all_reduce", axis, sym)))
+                                num, divs))
     return rows
 
 
@@ -200,10 +208,9 @@ class CommReport:
             d = json.loads(text)
             rows = []
             for r in d["rows"]:
-                f = r.pop("formula", None)
-                row = CommRow(**r)
-                row.formula = sympy.sympify(f, locals={str(v): v for v in SYMBOLS.values()}) if f else None
-                rows.append(row)
+                r.pop("formula", None)
+                r["divs"] = tuple(r.get("divs", ()))
+                rows.append(CommRow(**r))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"CommReport.from_json: not a shardc comm report ({e}).") from e
         return cls(rows, Mesh.parse(d["mesh"]) if d.get("mesh") else None, d.get("title", ""))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import resource
-import time
 
 import pytest
 import sympy
@@ -142,7 +141,6 @@ def test_pytest_gate_helper(tmp_path) -> None:
 def test_gpt20b_report_on_32_and_4096_ranks_without_weights() -> None:
     from shardc.specs import gpt_paper_20b
 
-    t0 = time.perf_counter()
     model, inputs = gpt_paper_20b()
     assert all(p.is_meta for p in model.parameters())
     params = sum(p.numel() for p in model.parameters())
@@ -152,7 +150,6 @@ def test_gpt20b_report_on_32_and_4096_ranks_without_weights() -> None:
         sm = compile_offline(model, inputs, spec)
         rep = shardc.comm_report(sm)
         assert rep.total_bytes(axis="z", phase="forward") > 0 and not sm.fallbacks
-    assert time.perf_counter() - t0 < 60
     # 20B bf16 weights would be 40 GB; the whole run stays far below that
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
     assert grown_kib < 2 * 2**20, f"peak RSS grew {grown_kib / 2**20:.1f} GiB"
