@@ -105,7 +105,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from shardc.planner import print_plan
 
     model, inputs = load_spec(args.spec)
-    print_plan(model, inputs, world_size=args.world_size, machine=args.machine, top=args.top)
+    print_plan(model, inputs, world_size=args.world_size, machine=args.machine, top=args.top,
+               checkpointing=args.checkpointing)
     return 0
 
 
@@ -164,6 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--world-size", type=int, required=True)
     pl.add_argument("--machine", default="local", help="a preset name or a machine JSON file")
     pl.add_argument("--top", type=int, default=10)
+    pl.add_argument("--checkpointing", action="store_true",
+                    help="estimate activation memory as with per-block activation checkpointing "
+                         "(the paper's setting); default: every intermediate kept")
     pl.set_defaults(fn=cmd_plan)
 
     pm = sub.add_parser("profile-machine", help="measure the intra-node bandwidth table")

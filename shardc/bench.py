@@ -1,0 +1,162 @@
+"""``shardc bench``: measure the step time of every feasible mesh of the example GPT on
+local CPU ranks and compare the measured order with the planner's (the analogue of the
+AxoNN paper's Fig. 2): Spearman's rho, top-k overlap, a PNG plot, a JSON of figures.
+
+Every mesh is measured in one spawn of the ranks, one after another, so the figures are
+ratios taken side by side on the same (shared, noisy) machine.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2 + 1
+            i = j + 1
+        return r
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def _worker(rank: int, world: int, store: str, specs: list[str], steps: int, out: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        _measure(rank, specs, steps, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(rank: int, specs: list[str], steps: int, out: str) -> None:
+    from rich.progress import Progress
+
+    import shardc
+    from shardc.models import GPT, lm_batch
+
+    results: dict[str, list[float]] = {}
+    progress = Progress(disable=rank != 0)
+    with progress:
+        task = progress.add_task("meshes", total=len(specs))
+        for spec in specs:
+            mesh = shardc.Mesh.parse(spec)
+            torch.manual_seed(0)
+            model = GPT.peer()
+            x, y = lm_batch(16, 64, 512)
+            sm = shardc.compile(model, mesh, example_inputs=(x, y))
+            opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)
+            xl, yl = shardc.shard_batch(x, mesh), shardc.shard_batch(y, mesh)
+            times = []
+            for step in range(steps + 1):  # the first step warms up (groups, allocator)
+                dist.barrier()
+                t = time.perf_counter()
+                sm(xl, yl).backward()
+                opt.step()
+                opt.zero_grad()
+                dist.barrier()
+                times.append(time.perf_counter() - t)
+            results[spec] = times[1:]
+            progress.update(task, advance=1, description=f"{spec}: {statistics.median(times[1:]):.2f} s")
+            del sm, opt, model
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+def run_bench(args: Any) -> None:
+    from rich.console import Console
+
+    import shardc
+    from shardc.models import GPT, lm_batch
+    from shardc.planner import resolve_machine
+
+    console = Console()
+    machine = resolve_machine(args.machine)
+    torch.manual_seed(0)
+    plan = shardc.plan(GPT.peer(), args.ranks, machine, lm_batch(16, 64, 512), exact_top=10 ** 6)
+    predicted = {c.mesh.spec(): c.predicted_comm_s for c in plan}
+    specs = [s for s in (args.meshes.split(",") if args.meshes else predicted) if s in predicted]
+    console.print(f"{len(specs)} feasible meshes of {args.ranks} ranks; machine {machine.name!r}; "
+                  f"{args.steps} measured steps each")
+    os.makedirs(args.out, exist_ok=True)
+    raw = os.path.join(args.out, "bench_steps.json")
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(args.ranks, f"{d}/store", specs, args.steps, raw), nprocs=args.ranks,
+                 join=True)
+    with open(raw) as f:
+        steps = json.load(f)
+    measured = {s: statistics.median(v) for s, v in steps.items()}
+    model_rank = {s: i + 1 for i, s in enumerate(sorted(specs, key=lambda s: predicted[s]))}
+    meas_rank = {s: i + 1 for i, s in enumerate(sorted(specs, key=lambda s: measured[s]))}
+    rho = spearman([predicted[s] for s in specs], [measured[s] for s in specs])
+    k = min(5, len(specs))
+    top_model = {s for s in specs if model_rank[s] <= k}
+    top_meas = {s for s in specs if meas_rank[s] <= k}
+    fastest = min(specs, key=lambda s: measured[s])
+    summary = {
+        "machine": machine.name, "ranks": args.ranks, "steps": args.steps,
+        "spearman_rho": rho, f"top{k}_overlap": len(top_model & top_meas),
+        "fastest_measured": fastest, "its_model_rank": model_rank[fastest],
+        "meshes": [{"mesh": s, "model_rank": model_rank[s], "predicted_comm_s": predicted[s],
+                    "measured_step_s": measured[s], "measured_rank": meas_rank[s]}
+                   for s in sorted(specs, key=lambda s: model_rank[s])],
+    }
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    _plot(summary, os.path.join(args.out, "fig2_local.png"), k)
+    from rich.table import Table
+
+    t = Table(title=f"model rank vs measured step time ({args.ranks} CPU ranks, gloo)")
+    for col in ("model rank", "mesh", "predicted comm (s)", "measured step (s)", "measured rank"):
+        t.add_column(col)
+    for row in summary["meshes"]:
+        t.add_row(str(row["model_rank"]), row["mesh"], f"{row['predicted_comm_s']:.4g}",
+                  f"{row['measured_step_s']:.3f}", str(row["measured_rank"]))
+    console.print(t)
+    console.print(f"Spearman rho = {rho:.3f}; top-{k} overlap {len(top_model & top_meas)}/{k}; fastest "
+                  f"measured {fastest} is the model's #{model_rank[fastest]}. Figures in {args.out}/")
+
+
+def _plot(summary: dict, path: str, k: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["meshes"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    fast = {r["mesh"] for r in sorted(rows, key=lambda r: r["measured_step_s"])[:k]}
+    for r in rows:
+        ax.scatter(r["model_rank"], r["measured_step_s"], color="tab:green" if r["mesh"] in fast
+                   else "tab:red", zorder=3)
+        ax.annotate(r["mesh"], (r["model_rank"], r["measured_step_s"]), fontsize=6,
+                    xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("rank by the performance model (1 = predicted fastest)")
+    ax.set_ylabel("measured median step time (s)")
+    ax.set_title(f"GPT (3.4M) on {summary['ranks']} CPU ranks: Spearman rho = "
+                 f"{summary['spearman_rho']:.2f}; green = {k} fastest measured")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,116 @@
+"""The planner: predicted time is equations 1-7, presets, ranking, dropped meshes and
+their reasons, infeasible requests, ``compile(model, "auto")``."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import shardc
+from shardc.cli import main as cli_main
+from shardc.machine import Machine
+from models import MLPChain
+
+B, D, L = 64, 64, 6  # tokens, hidden, layers of the linear-only model
+
+
+def _beta(machine: Machine, mesh: shardc.Mesh, axis: str) -> float:
+    """Equation 7 and the intra-node table, written out again for the test."""
+    order = ["x", "y", "z", "data"]
+    inner = math.prod(mesh.size(a) for a in order[:order.index(axis)])
+    size = mesh.size(axis)
+    if inner * size <= machine.gpus_per_node:
+        return machine.intra_node_bandwidth[(inner, size)]
+    return machine.inter_node_bandwidth / min(machine.gpus_per_node, inner)
+
+
+def _paper_seconds(mesh: shardc.Mesh, machine: Machine) -> float:
+    """Equations 1-6 for each of the L layers (alternating normal / transposed), summed,
+    every term over its own group's bandwidth (equation 7); plus the one non-GEMM
+    collective of this model, the mean-squared-error's scalar all-reduce."""
+    gx, gy, gz, gd = mesh.x, mesh.y, mesh.z, mesh.data
+    m, k, n, b = B / gd, D, D, 4
+    first_transposed = gx == 1 and gy > 1
+    t = 0.0
+    for i in range(L):
+        transposed = (i % 2 == 1) != first_transposed
+        ax, ay = ("y", "x") if transposed else ("x", "y")
+        Gx, Gy = (gy, gx) if transposed else (gx, gy)
+        terms = {
+            "z": (Gz_ := gz) and ((gz - 1) * k * n / (Gx * Gy * gz) + (gz - 1) / gz * k * n / (Gx * Gy)) * b,
+            ay: 2 * (Gy - 1) / Gy * m * n / (gz * Gx) * b,
+            ax: (2 * (Gx - 1) / Gx * m * k / (gz * Gy) * b) if i > 0 else 0.0,  # layer 0: no dI
+            "data": 2 * (gd - 1) / gd * k * n / (Gx * Gy * gz) * b,
+        }
+        del Gz_
+        t += sum(v / _beta(machine, mesh, a) for a, v in terms.items() if v)
+    last_n = "y" if ((L - 1) % 2 == 1) != first_transposed else "x"
+    if mesh.size(last_n) > 1:  # the loss: a mean over features cut over the last n axis
+        g = mesh.size(last_n)
+        t += 2 * (g - 1) / g * 4 / _beta(machine, mesh, last_n)
+    return t
+
+
+@pytest.mark.parametrize("machine_name,world", [("perlmutter", 8), ("frontier", 16), ("alps", 32),
+                                                ("perlmutter", 64)])
+def test_linear_model_prediction_is_equations_1_to_7(machine_name: str, world: int) -> None:
+    machine = Machine.preset(machine_name)
+    model = MLPChain(dim=D, layers=L)
+    inputs = (torch.randn(B, D), torch.randn(B, D))
+    plan = shardc.plan(model, world, machine, inputs, exact_top=10 ** 6)
+    assert len(plan) + len(plan.dropped) == len(shardc.Mesh.all(world))
+    assert all(c.exact for c in plan)
+    for c in plan:
+        want = _paper_seconds(c.mesh, machine)
+        assert math.isclose(c.predicted_comm_s, want, rel_tol=1e-9), (c.mesh, c.predicted_comm_s, want)
+    assert [c.predicted_comm_s for c in plan] == sorted(c.predicted_comm_s for c in plan)
+
+
+def test_dropped_meshes_say_why_and_the_first_estimate_ranks_exactly() -> None:
+    model = MLPChain(dim=24, layers=4)  # 24 is not cut by 16: divisibility drops
+    plan = shardc.plan(model, 16, "perlmutter", (torch.randn(8, 24), torch.randn(8, 24)), exact_top=3)
+    reasons = plan.drop_reasons()
+    assert reasons.get("batch", 0) > 0 and reasons.get("divisibility", 0) > 0
+    assert all(c.exact for c in plan[:3])
+    assert plan[0].predicted_comm_s <= plan[1].predicted_comm_s
+    for d in plan.dropped:
+        if d.reason.startswith("divisibility"):
+            assert "cut over" in d.reason or "does not evenly divide" in d.reason
+
+
+def test_infeasible_requests_fail_clearly(tmp_path) -> None:
+    from shardc.specs import paper_gpt
+
+    model, inputs = paper_gpt("gpt-320b", batch=8)
+    with pytest.raises(ValueError, match=r"no mesh of 8 ranks fits this model on 'perlmutter' "
+                                         r"\(dropped: \{'memory': \d+"):
+        shardc.plan(model, 8, "perlmutter", inputs)
+    bad = tmp_path / "machine.json"
+    bad.write_text(json.dumps({"format": "shardc.machine/1", "gpus_per_node": 4,
+                               "memory_bytes": -1, "inter_node_bandwidth": 1e9,
+                               "intra_node_bandwidth": []}))
+    with pytest.raises(ValueError, match=r"machine.json.*memory_bytes"):
+        shardc.plan(MLPChain(), 4, str(bad), (torch.randn(8, 16),) * 2)
+    with pytest.raises(ValueError, match="unknown|preset"):
+        shardc.plan(MLPChain(), 4, "no-such-machine", (torch.randn(8, 16),) * 2)
+
+
+@pytest.mark.parametrize("spec,world", [("plan_gpt_20b", 32), ("plan_gpt_40b", 64)])
+def test_paper_fig2_cases_print_their_top_10(spec: str, world: int, capsys) -> None:
+    assert cli_main(["plan", f"shardc.specs:{spec}", "--world-size", str(world),
+                     "--machine", "perlmutter", "--top", "10", "--checkpointing"]) == 0
+    out = capsys.readouterr().out
+    assert f"top 10 of" in out and f"meshes for {world} ranks on perlmutter" in out
+    assert out.count("GiB") >= 10
+
+
+def test_compile_auto_uses_the_best_mesh(fake_world) -> None:
+    fake_world(8)
+    model = MLPChain(dim=32, layers=4)
+    inputs = (torch.randn(16, 32), torch.randn(16, 32))
+    best = shardc.plan(model, 8, "local", inputs)[0].mesh
+    fake_world(8)
+    sm = shardc.compile(model, "auto", example_inputs=inputs, machine=Machine.preset("local"))
+    assert sm.mesh == best
