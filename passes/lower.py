@@ -168,7 +168,7 @@ class Lowering:
             if dict(target.partial).get(axis) == op:
                 continue
             # the sum completes the op that made the partial: report it there
-            here, self.src = self.src, node.meta.get(SOURCE, self.src)
+            here, self.src = self.src, self._partial_origin(node, axis).meta.get(SOURCE, self.src)
             node = self._all_reduce(node, lay, axis, op, gval)
             self.src = here
             lay = lay.with_replicated(axis)
@@ -196,6 +196,17 @@ class Lowering:
         assert lay == target, (cur, target, lay)
         self.cache[key] = node
         return node
+
+    @staticmethod
+    def _partial_origin(node: fx.Node, axis: str) -> fx.Node:
+        """The node that made ``node``'s partial sum over ``axis``: walk up through ops
+        that only carried it (views, casts, dropout, bias-free adds of partials)."""
+        while True:
+            ins = [a for a in node.all_input_nodes
+                   if isinstance(a.meta.get(PLACEMENT), Layout) and axis in dict(a.meta[PLACEMENT].partial)]
+            if not ins:
+                return node
+            node = ins[0]
 
     def _all_reduce(self, node: fx.Node, lay: Layout, axis: str, op: str, gval: Any) -> fx.Node:
         out = lay.with_replicated(axis)
