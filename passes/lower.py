@@ -154,12 +154,13 @@ class Lowering:
         target = target.clean(self.mesh)
         if v.layout is None:
             return self._param_at(v, target)
+        assert v.node is not None
         return self._redistribute(v.node, v.layout.clean(self.mesh), target, v.val)
 
     def _redistribute(self, node: fx.Node, cur: Layout, target: Layout, gval: Any) -> fx.Node:
         if cur == target:
             return node
-        key = (node, target)
+        key: tuple = (node, target)
         if key in self.cache:
             return self.cache[key]
         lay = cur
@@ -245,7 +246,7 @@ class Lowering:
             self.storage[name] = self._storage_for(pwant, list(self.param_val[name].shape))
         node = self._redistribute(self.param_ph[name], self.storage[name], pwant, self.param_val[name])
         if v.ptrans:
-            key = (node, "t")
+            key: tuple = (node, "t")
             if key not in self.cache:
                 self.cache[key] = self.emit(aten.t.default, (node,), layout=want, val=v.val)
             node = self.cache[key]

@@ -37,6 +37,7 @@ from shardc.runtime.groups import axis_groups
 from shardc.runtime.volume import ring_bytes
 
 _RUNTIMES: dict[str, "Runtime"] = {}
+_WORK = "_shardc_work"  # attribute of a buffer whose collective is still in flight
 _ids = itertools.count()
 
 
@@ -89,7 +90,7 @@ class _AllGather(torch.autograd.Function):
         # gloo wants the output as (G*d0, ...): hand it a view, return the base
         out = buf.view((g * flat.shape[0], *flat.shape[1:]))
         r.count("all_gather", axis, "forward", x)
-        buf._shardc_work = dist.all_gather_single(out, flat, group=r.group(axis), async_op=True)
+        setattr(buf, _WORK, dist.all_gather_single(out, flat, group=r.group(axis), async_op=True))
         return buf
 
     @staticmethod
@@ -116,7 +117,7 @@ class _AllReduce(torch.autograd.Function):
         buf = x.detach().clone(memory_format=torch.contiguous_format)
         r.count("all_reduce", axis, "forward", buf)
         red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-        buf._shardc_work = dist.all_reduce(buf, op=red, group=r.group(axis), async_op=True)
+        setattr(buf, _WORK, dist.all_reduce(buf, op=red, group=r.group(axis), async_op=True))
         return buf
 
     @staticmethod
@@ -167,7 +168,7 @@ def all_reduce_start(x: torch.Tensor, rt: str, axis: str, op: str = "sum") -> to
 
 def wait(buf: torch.Tensor) -> torch.Tensor:
     """Block until the collective filling ``buf`` is done; returns ``buf``."""
-    work = buf.__dict__.pop("_shardc_work", None)
+    work = buf.__dict__.pop(_WORK, None)
     if work is not None:
         work.wait()
     return buf

@@ -54,6 +54,10 @@ class ShardedModule(nn.Module):
     ``load_full_state_dict``, ``full_grads``) must be called on every rank.
     """
 
+    graph_module: fx.GraphModule
+    ctx: CompileContext
+    runtime: C.Runtime
+
     def __init__(self, program: fx.GraphModule, ctx: CompileContext, model: nn.Module,
                  ep: torch.export.ExportedProgram, canonical: dict[str, str],
                  runtime: C.Runtime) -> None:

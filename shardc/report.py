@@ -99,7 +99,7 @@ def _ring_formula(collective: str, axis: str, nbytes: Any) -> Any:
     return (g - 1) / g * nbytes
 
 
-def _param_of(n: fx.Node) -> str | None:
+def _param_of(n: Any) -> str | None:
     """The parameter a collective moves: follow its input up through slices and gathers."""
     seen = 0
     while n is not None and seen < 12:
