@@ -13,6 +13,7 @@ from shardc.context import CompileContext
 
 from .grad_sync import grad_sync_pass
 from .lower import lower_pass
+from .prefetch import prefetch_pass
 
 Pass = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
 
@@ -21,6 +22,8 @@ PIPELINE: list[Pass] = [
     lower_pass,
     # needs every forward placement: decides backward collectives from them
     grad_sync_pass,
+    # only reorders: after every node exists, so the order it makes is the final one
+    prefetch_pass,
 ]
 
 

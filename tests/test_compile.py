@@ -212,3 +212,29 @@ def test_explain_names_fallback_ops(fake_world) -> None:
     assert "test_compile.py" in text  # the source line of the op
     assert any(r.op.startswith("aten.sort") for r in shardc.comm_report(sm).rows)
     assert math.isfinite(float(shardc.comm_report(sm).total_bytes()))
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_weight_gathers_are_prefetched_in_topological_order(fake_world, depth: int) -> None:
+    fake_world(8)
+    sm = shardc.compile(MLPChain(dim=16, layers=6), shardc.Mesh(x=2, y=2, z=2), _mlp_inputs(),
+                        prefetch_depth=depth)
+    nodes = list(sm.graph_module.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    starts = [n for n in nodes if n.target is C.all_gather_start]
+    gemms = [n for n in nodes if n.target is torch.ops.aten.linear.default]
+    assert len(starts) == len(gemms) == 6
+    # gathers keep the order of the GEMMs that use them
+    assert [n.args[0].name for n in starts] == [f"p_layers_{i}_weight" for i in range(6)]
+    for i in range(6):
+        # the gather of layer i is issued before GEMM i - depth runs (d layers ahead)
+        if depth and i >= depth:
+            assert pos[starts[i]] < pos[gemms[i - depth]]
+        if depth == 0 and i > 0:
+            assert pos[starts[i]] > pos[gemms[i - 1]]
+        assert pos[starts[i]] < pos[gemms[i]]
+    off = shardc.compile(MLPChain(dim=16, layers=6), shardc.Mesh(x=2, y=2, z=2), _mlp_inputs(),
+                         overlap=False, prefetch_depth=depth)
+    assert [n.name for n in off.graph_module.graph.nodes] == [
+        n.name for n in shardc.compile(MLPChain(dim=16, layers=6), shardc.Mesh(x=2, y=2, z=2),
+                                       _mlp_inputs(), prefetch_depth=0).graph_module.graph.nodes]
