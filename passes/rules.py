@@ -781,7 +781,8 @@ def embedding_rule(L: Lowering, node: fx.Node) -> Any:
     if vocab_axes:
         axis = vocab_axes[0]
         out = out.with_partial(axis, "sum")
-        n = L.emit(R.vocab_parallel_embedding, (wn, idn, L.rt, axis), layout=out, val=val)
+        padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+        n = L.emit(R.vocab_parallel_embedding, (wn, idn, L.rt, axis, padding_idx), layout=out, val=val)
     else:
         args, kwargs = local_args(L, node, {node.args[0]: wn, node.args[1]: idn})
         n = L.emit(aten.embedding.default, args, kwargs, layout=out, val=val)

@@ -11,7 +11,7 @@ from shardc.runtime.collectives import get_runtime
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, rt: str, axis: str,
-                             padding_idx: int = -1) -> torch.Tensor:
+                             padding_idx: int | None = -1) -> torch.Tensor:
     """Look up the ids that fall in this rank's rows of the table, zeros elsewhere: the
     result is a partial sum over ``axis`` (Megatron's vocabulary-parallel embedding)."""
     rows = weight.shape[0]
@@ -19,7 +19,13 @@ def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, rt: str, a
     local = ids - start
     outside = (local < 0) | (local >= rows)
     out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
-    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+    if padding_idx is not None and padding_idx >= 0:
+        # nn.Embedding's padding row gets no gradient from the lookup (a tied head may
+        # still train it): keep its value, cut its gradient
+        pad = (ids == padding_idx).unsqueeze(-1)
+        out = torch.where(pad, out.detach(), out)
+    return out
 
 
 def row_max(x: torch.Tensor) -> torch.Tensor:

@@ -147,3 +147,28 @@ def gpt2(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 8, seq: i
                      use_cache=False, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=0.0,
                      bos_token_id=0, eos_token_id=0)
     return HFCausalLM(GPT2LMHeadModel(cfg))
+
+
+def llama(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 8, kv_heads: int = 4,
+          seq: int = 16) -> nn.Module:
+    """transformers' LlamaForCausalLM: RMSNorm, rotary positions, grouped-query
+    attention, SiLU-gated MLP, no biases, untied head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=seq, use_cache=False,
+                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return HFCausalLM(LlamaForCausalLM(cfg))
+
+
+def opt(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 8, seq: int = 16) -> nn.Module:
+    """transformers' OPTForCausalLM: learned positions with an offset, biases, ReLU MLP, an
+    embedding with a padding row, LM head tied to it."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    cfg = OPTConfig(vocab_size=vocab, hidden_size=dim, ffn_dim=2 * dim, num_hidden_layers=layers,
+                    num_attention_heads=heads, max_position_embeddings=seq, word_embed_proj_dim=dim,
+                    use_cache=False, dropout=0.0, attention_dropout=0.0, pad_token_id=1,
+                    bos_token_id=2, eos_token_id=2)
+    return HFCausalLM(OPTForCausalLM(cfg))
