@@ -110,13 +110,12 @@ def source_of(node: fx.Node) -> SourceInfo:
 class Lowering:
     """State of one lowering: the new graph, the value of every old node, the choices."""
 
-    def __init__(self, gm: fx.GraphModule, ctx: CompileContext, strip_prefix: str = "") -> None:
+    def __init__(self, gm: fx.GraphModule, ctx: CompileContext) -> None:
         self.old = gm
         self.ctx = ctx
         self.mesh: Mesh = ctx.mesh
         self.rt = ctx.rt
         self.roles = ctx.role_map  # placeholder name -> (role, target)
-        self.strip_prefix = strip_prefix
         self.g = fx.Graph()
         self.env: dict[fx.Node, Any] = {}
         self.storage: dict[str, Layout] = {}
@@ -129,11 +128,6 @@ class Lowering:
         self.cur: fx.Node | None = None
 
     # ------------------------------------------------------------------ emission
-    def module_name(self, m: str) -> str:
-        if self.strip_prefix and m.startswith(self.strip_prefix):
-            return m[len(self.strip_prefix):]
-        return m
-
     def emit(self, target: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
              layout: Layout | None, val: Any, kind: str = "local") -> fx.Node:
         n = self.g.call_function(target, tuple(args), dict(kwargs or {}))
@@ -271,9 +265,6 @@ class Lowering:
                 return want.with_shard("z", d).clean(self.mesh)
         return want.clean(self.mesh)
 
-    def param_layout_hint(self, v: Val) -> Layout | None:
-        return v.layout
-
     # --------------------------------------------------------------------- driver
     def run(self) -> LowerResult:
         from shardc.passes.rules import RULES, fallback_rule  # the table fills on import
@@ -282,7 +273,6 @@ class Lowering:
         for node in self.old.graph.nodes:
             self.cur = node
             self.src = source_of(node)
-            self.src.module = self.module_name(self.src.module)
             if node.op == "placeholder":
                 self.env[node] = self._placeholder(node)
             elif node.op == "get_attr":

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from shardc.context import FALLBACK
 from shardc.errors import ShardcError
 from shardc.mesh import BATCH_AXES
 from shardc.placement import Layout
@@ -122,15 +123,14 @@ def fallback_rule(L: Lowering, node: fx.Node) -> Any:
         if v.layout is not None and v.layout.clean(L.mesh) != rep:
             gathered.append(f"{a.name} {v.layout}")
         need[a] = rep
-    if isinstance(node.target, torch._ops.OpOverload) or callable(node.target):
-        fb = Fallback(str(node.target), L.src.module, L.src.line, gathered)
-        L.fallbacks.append(fb)
+    fb = Fallback(str(node.target), L.src.module, L.src.line, gathered)
+    L.fallbacks.append(fb)
     val = node.meta.get("val")
     repl = {a: L.to_layout(L.env[a], lay) for a, lay in need.items()}
     args, kwargs = local_args(L, node, repl)
     if isinstance(val, (list, tuple)):
         n = L.emit(node.target, args, kwargs, layout=None, val=val)
-        n.meta["shardc_fallback"] = fb
+        n.meta[FALLBACK] = fb
         outs = []
         for i, v in enumerate(val):
             if isinstance(v, torch.Tensor):
@@ -141,7 +141,7 @@ def fallback_rule(L: Lowering, node: fx.Node) -> Any:
         return outs
     lay = Layout.replicate(val.dim()) if isinstance(val, torch.Tensor) else None
     n = L.emit(node.target, args, kwargs, layout=lay, val=val)
-    n.meta["shardc_fallback"] = fb
+    n.meta[FALLBACK] = fb
     if lay is None:
         return val
     return Val(n, lay, val)

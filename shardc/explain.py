@@ -6,7 +6,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from shardc.context import COMM, GLOBAL_VAL, KIND, PARAM, PLACEMENT
+from shardc.context import FALLBACK, KIND, PLACEMENT
 from shardc.report import _fmt_bytes, comm_report
 from shardc.runtime import collectives as C
 from shardc.runtime import ops as R
@@ -100,7 +100,7 @@ def explain(sm: Any) -> str:
         comm = per_node.get(n.name)
         if comm:
             text += "  | " + "; ".join(comm)
-        fb = n.meta.get("shardc_fallback")
+        fb = n.meta.get(FALLBACK)
         if fb is not None:
             text += "  | no rule: ran replicated"
         lines.append(text)

@@ -139,17 +139,13 @@ def build_rows(gm: fx.GraphModule, mesh: Mesh, storage: dict[str, Layout],
                 rows.append(CommRow(n.name, op, module, param, "reduce_scatter", axis, "backward",
                                     as_number(ring_bytes("reduce_scatter", g, g * shard)), num, divs,
                                     True))
-        elif n.target is C.all_reduce_start:
+        elif n.target in (C.all_reduce_start, C.grad_all_reduce):
+            # all_reduce_start sums a partial forward; grad_all_reduce sums a gradient
             inp = n.args[0]
             axis = n.args[2]
+            phase = "forward" if n.target is C.all_reduce_start else "backward"
             nb = _local_numel(inp, mesh) * _elsize(inp.meta[GLOBAL_VAL])
-            rows.append(CommRow(n.name, op, module, _param_of(inp), "all_reduce", axis, "forward",
-                                as_number(ring_bytes("all_reduce", mesh.size(axis), nb)), *_terms(inp)))
-        elif n.target is C.grad_all_reduce:
-            inp = n.args[0]
-            axis = n.args[2]
-            nb = _local_numel(inp, mesh) * _elsize(inp.meta[GLOBAL_VAL])
-            rows.append(CommRow(n.name, op, module, _param_of(inp), "all_reduce", axis, "backward",
+            rows.append(CommRow(n.name, op, module, _param_of(inp), "all_reduce", axis, phase,
                                 as_number(ring_bytes("all_reduce", mesh.size(axis), nb)), *_terms(inp)))
     for name, axes in reduce_params.items():
         val = param_vals[name]
