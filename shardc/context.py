@@ -31,6 +31,12 @@ class Options:
             raise ValueError(
                 f"shardc.compile: gemm_modes={self.gemm_modes!r} is not one of {GEMM_MODES}."
             )
+        if self.gemm_modes != "default":
+            # refuse rather than run the default form while claiming another
+            raise NotImplementedError(
+                f"shardc.compile: gemm_modes={self.gemm_modes!r} (timing NN/NT/TN per GEMM) is not "
+                "implemented yet; every GEMM runs in PyTorch's default form. Use "
+                "gemm_modes='default'.")
         if self.prefetch_depth < 0:
             raise ValueError(f"shardc.compile: prefetch_depth must be >= 0, got {self.prefetch_depth}.")
 

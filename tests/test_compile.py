@@ -238,3 +238,11 @@ def test_weight_gathers_are_prefetched_in_topological_order(fake_world, depth: i
     assert [n.name for n in off.graph_module.graph.nodes] == [
         n.name for n in shardc.compile(MLPChain(dim=16, layers=6), shardc.Mesh(x=2, y=2, z=2),
                                        _mlp_inputs(), prefetch_depth=0).graph_module.graph.nodes]
+
+
+def test_unimplemented_gemm_modes_are_refused(fake_world) -> None:
+    fake_world(1)
+    with pytest.raises(NotImplementedError, match="gemm_modes='auto' .* not implemented yet"):
+        shardc.compile(MLPChain(), shardc.Mesh(), _mlp_inputs(), gemm_modes="auto")
+    with pytest.raises(ValueError, match="gemm_modes='XX' is not one of"):
+        shardc.compile(MLPChain(), shardc.Mesh(), _mlp_inputs(), gemm_modes="XX")
