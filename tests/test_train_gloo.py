@@ -7,6 +7,7 @@ Ranks are spawned once per world size; all meshes and models run inside.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -107,7 +108,7 @@ def _grads_and_state(rank: int, world_size: int) -> None:
         mesh = shardc.Mesh.parse(spec)
         torch.manual_seed(0)
         ref = make()
-        sm = shardc.compile(make(), mesh, example_inputs=batches[0])
+        sm = shardc.compile(copy.deepcopy(ref), mesh, example_inputs=batches[0])
         ref(*batches[0]).backward()
         sm(*[shardc.shard_batch(t, mesh) for t in batches[0]]).backward()
         grads = sm.full_grads()
