@@ -124,8 +124,29 @@ def _grads_and_state(rank: int, world_size: int) -> None:
             assert torch.equal(back[k], sd[k]), k
 
 
-def test_full_grads_and_state_dict_roundtrip() -> None:
-    run_on_ranks(_grads_and_state, 4)
+def _dropout(rank: int, world_size: int) -> None:
+    """Training with dropout (p=0.1 on embeddings and residuals) matches one device: each
+    rank draws the global mask from the same generator and keeps its piece."""
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g))
+               for _ in range(3)]
+    for make in (lambda: GPT(dropout=0.1), lambda: gpt2(dropout=0.1)):
+        for spec in ("x2y1z1d2", "x1y2z2d1"):
+            mesh = shardc.Mesh.parse(spec)
+            ref_losses, losses, ref_state, state, _ = train_side_by_side(make, batches, mesh, lr=LR, eps=EPS)
+            for a, b in zip(ref_losses, losses):
+                assert math.isclose(a, b, rel_tol=RTOL), (spec, ref_losses, losses)
+            for k, ref in ref_state.items():
+                torch.testing.assert_close(state[k], ref, rtol=RTOL, atol=ATOL)
+
+
+def _grads_state_dropout(rank: int, world_size: int) -> None:
+    _grads_and_state(rank, world_size)
+    _dropout(rank, world_size)
+
+
+def test_full_grads_state_dict_roundtrip_and_dropout() -> None:
+    run_on_ranks(_grads_state_dropout, 4)
 
 
 def test_all_20_meshes_of_8_ranks() -> None:
