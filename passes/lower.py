@@ -20,7 +20,6 @@ FSDP/ZeRO-3 part), and the first use all-gathers it over z.
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -28,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from shardc.context import (COMM, FALLBACK, GLOBAL_VAL, KIND, PARAM, PLACEMENT, PROGRAM, SOURCE,
+from shardc.context import (COMM, GLOBAL_VAL, KIND, PARAM, PLACEMENT, PROGRAM, SOURCE,
                             CompileContext)
 from shardc.mesh import BATCH_AXES, Mesh
 from shardc.placement import Layout

@@ -22,7 +22,6 @@ from shardc.context import FALLBACK
 from shardc.errors import ShardcError
 from shardc.mesh import BATCH_AXES
 from shardc.placement import Layout
-from shardc.runtime import collectives as C
 from shardc.runtime import ops as R
 from shardc.passes.lower import Fallback, Lowering, Val
 
@@ -451,7 +450,6 @@ def permute_rule(L: Lowering, node: fx.Node) -> Any:
 def along_dim_rule(L: Lowering, node: fx.Node) -> Any:
     """Ops that work along one dim: that dim must be whole, the others keep their shards."""
     x = L.env[node.args[0]]
-    val = node.meta["val"]
     if x.layout is None:
         return _materialise_then(L, node)
     if node.target in (aten.flip.default, aten.roll.default):
@@ -475,7 +473,7 @@ def split_rule(L: Lowering, node: fx.Node) -> Any:
     x = L.env[node.args[0]]
     vals = node.meta["val"]
     if x.layout is None:
-        return _materialise_then_split(L, node)
+        return fallback_rule(L, node)
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
     if node.target is aten.unbind.int:
         dim = node.args[1] if len(node.args) > 1 else 0
@@ -504,10 +502,6 @@ def split_rule(L: Lowering, node: fx.Node) -> Any:
         g = L.emit(operator.getitem, (n, i), layout=out_lay, val=v)
         outs.append(Val(g, out_lay.clean(L.mesh), v))
     return outs
-
-
-def _materialise_then_split(L: Lowering, node: fx.Node) -> Any:
-    return fallback_rule(L, node)
 
 
 @register_rule(aten.cat.default, aten.stack.default)
@@ -564,15 +558,12 @@ def reduce_rule(L: Lowering, node: fx.Node) -> Any:
     elif any(p[1] == "max" for p in need.partial):
         need = no_partial(need)
     mean = node.target in (aten.mean.dim, aten.mean.default)
+    # a sum over shards is a partial sum, a mean over equal shards the mean of their
+    # means; a partial input stays partial (the mean of a partial sum is a partial sum)
     out_partial: dict[str, str] = dict(need.partial)
     for d in dims:
         for a in need.dims[d]:
-            # a sum over shards is a partial sum; a mean over equal shards is their mean
-            if mean and dict(need.partial).get(a) == "sum":
-                pass
             out_partial[a] = "avg" if mean else "sum"
-    if mean and any(op == "sum" for op in dict(need.partial).values()):
-        pass  # the mean of a partial sum is the partial sum of means: still "sum"
     keep = []
     j = 0
     for d in range(x.ndim):
@@ -855,7 +846,6 @@ def layer_norm_rule(L: Lowering, node: fx.Node) -> Any:
 @register_rule(aten.scaled_dot_product_attention.default)
 def sdpa_rule(L: Lowering, node: fx.Node) -> Any:
     q, k, v = (L.env[a] for a in node.args[:3])
-    val = node.meta["val"]
     dropout_p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
     if dropout_p:
         return fallback_rule(L, node)

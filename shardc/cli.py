@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import json
 import os
 import sys
 from typing import Any, Callable, Sequence

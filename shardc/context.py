@@ -1,7 +1,7 @@
 """The compile context every pass receives: the mesh and the options, frozen."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from shardc.mesh import Mesh
 

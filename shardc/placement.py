@@ -16,7 +16,7 @@ heads.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from shardc.mesh import AXES, Mesh

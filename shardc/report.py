@@ -18,7 +18,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from shardc.context import COMM, GLOBAL_VAL, KIND, PARAM, PLACEMENT, REQUIRES_GRAD, SOURCE
+from shardc.context import GLOBAL_VAL, KIND, PARAM, PLACEMENT, REQUIRES_GRAD, SOURCE
 from shardc.mesh import AXES, Mesh
 from shardc.placement import Layout
 from shardc.runtime import collectives as C

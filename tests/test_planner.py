@@ -39,12 +39,11 @@ def _paper_seconds(mesh: shardc.Mesh, machine: Machine) -> float:
         ax, ay = ("y", "x") if transposed else ("x", "y")
         Gx, Gy = (gy, gx) if transposed else (gx, gy)
         terms = {
-            "z": (Gz_ := gz) and ((gz - 1) * k * n / (Gx * Gy * gz) + (gz - 1) / gz * k * n / (Gx * Gy)) * b,
+            "z": ((gz - 1) * k * n / (Gx * Gy * gz) + (gz - 1) / gz * k * n / (Gx * Gy)) * b,
             ay: 2 * (Gy - 1) / Gy * m * n / (gz * Gx) * b,
             ax: (2 * (Gx - 1) / Gx * m * k / (gz * Gy) * b) if i > 0 else 0.0,  # layer 0: no dI
             "data": 2 * (gd - 1) / gd * k * n / (Gx * Gy * gz) * b,
         }
-        del Gz_
         t += sum(v / _beta(machine, mesh, a) for a, v in terms.items() if v)
     last_n = "y" if ((L - 1) % 2 == 1) != first_transposed else "x"
     if mesh.size(last_n) > 1:  # the loss: a mean over features cut over the last n axis
@@ -102,7 +101,7 @@ def test_paper_fig2_cases_print_their_top_10(spec: str, world: int, capsys) -> N
     assert cli_main(["plan", f"shardc.specs:{spec}", "--world-size", str(world),
                      "--machine", "perlmutter", "--top", "10", "--checkpointing"]) == 0
     out = capsys.readouterr().out
-    assert f"top 10 of" in out and f"meshes for {world} ranks on perlmutter" in out
+    assert "top 10 of" in out and f"meshes for {world} ranks on perlmutter" in out
     assert out.count("GiB") >= 10
 
 
