@@ -40,10 +40,12 @@ def _floating(v: object) -> bool:
     return False
 
 
-def requires_grad(gm: fx.GraphModule, trainable: set[str]) -> None:
+def requires_grad(gm: fx.GraphModule, trainable: set[str], grad_inputs: frozenset[str] = frozenset()
+                  ) -> None:
     for n in gm.graph.nodes:
         if n.op == "placeholder":
-            n.meta[REQUIRES_GRAD] = n.meta.get(KIND) == "param" and n.meta.get(PARAM) in trainable
+            n.meta[REQUIRES_GRAD] = ((n.meta.get(KIND) == "param" and n.meta.get(PARAM) in trainable)
+                                     or (n.meta.get(KIND) == "input" and n.target in grad_inputs))
         elif n.op == "call_function":
             val = n.meta.get(GLOBAL_VAL)
             floating = _floating(val) if val is not None else True
@@ -66,7 +68,7 @@ def _is_replicated(n: fx.Node, axis: str) -> bool:
 
 
 def grad_sync_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    requires_grad(gm, set(ctx.trainable))
+    requires_grad(gm, set(ctx.trainable), ctx.grad_inputs)
     reduce_params: dict[str, list[str]] = {}
     for axis in AXES:
         if ctx.mesh.size(axis) == 1:
@@ -108,7 +110,7 @@ def grad_sync_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             if n.target is C.all_gather_start and n.args[2] == axis:
                 n.update_arg(3, "reduce_scatter")
                 kind[n] = "P"
-            elif n.op == "placeholder":
+            elif n.op == "placeholder" and n.meta.get(KIND) == "param":
                 reduce_params.setdefault(n.meta[PARAM], []).append(axis)
                 kind[n] = "P"
             elif n.target is C.wait and n.args[0].target is C.all_reduce_start \

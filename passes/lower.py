@@ -317,7 +317,10 @@ class Lowering:
         ph = self.g.placeholder(node.name)
         ph.meta[GLOBAL_VAL] = gval
         ph.meta[KIND] = role
-        if role == "input" and isinstance(gval, torch.Tensor) and gval.dim() > 0:
+        override = dict(self.ctx.input_layouts).get(node.name)
+        if role == "input" and override is not None:
+            lay = override
+        elif role == "input" and isinstance(gval, torch.Tensor) and gval.dim() > 0:
             lay = Layout.of(gval.dim(), {a: 0 for a in BATCH_AXES}, order=("data", "z"))
         elif isinstance(gval, torch.Tensor):
             lay = Layout.replicate(gval.dim())

@@ -90,7 +90,7 @@ class _AllGather(torch.autograd.Function):
         # gloo wants the output as (G*d0, ...): hand it a view, return the base
         out = buf.view((g * flat.shape[0], *flat.shape[1:]))
         r.count("all_gather", axis, "forward", x)
-        setattr(buf, _WORK, dist.all_gather_single(out, flat, group=r.group(axis), async_op=True))
+        setattr(buf, _WORK, dist.all_gather_into_tensor(out, flat, group=r.group(axis), async_op=True))
         return buf
 
     @staticmethod
@@ -103,7 +103,7 @@ class _AllGather(torch.autograd.Function):
             g_flat = g_buf.contiguous().reshape((-1, *shape[1:]) if len(shape) else (-1,))
             out = g_flat.new_empty((g_flat.shape[0] // g_buf.shape[0], *g_flat.shape[1:]))
             r.count("reduce_scatter", ctx.axis, "backward", g_flat)
-            dist.reduce_scatter_single(out, g_flat, group=r.group(ctx.axis))
+            dist.reduce_scatter_tensor(out, g_flat, group=r.group(ctx.axis))
             return out.view(shape), None, None, None
         # The gradient is already the same on every rank of the axis: keep our piece.
         return g_buf[r.coord(ctx.axis)], None, None, None

@@ -1,7 +1,7 @@
 """``shardc.compile`` and the small collective helpers around it."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -11,6 +11,7 @@ from shardc.context import CompileContext, Options
 from shardc.errors import ShardcError
 from shardc.mesh import Mesh
 from shardc.module import ShardedModule
+from shardc.placement import Layout
 from shardc.passes import run_pipeline
 from shardc.passes.trace import trace
 from shardc.runtime.collectives import Runtime
@@ -54,10 +55,17 @@ def _canonical_names(model: nn.Module) -> dict[str, str]:
 
 def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | None = None, *,
             transpose_alternate: bool = True, overlap: bool = True, prefetch_depth: int = 1,
-            gemm_modes: str = "default", machine: Any = None) -> ShardedModule:
+            gemm_modes: str = "default", machine: Any = None,
+            input_layouts: Mapping[int, Layout] | None = None) -> ShardedModule:
     """Compile ``model`` into this rank's program for ``mesh``. Collective: call it on
     every rank, after ``torch.distributed.init_process_group``, with the same model and
-    global-shaped ``example_inputs``."""
+    global-shaped ``example_inputs``.
+
+    ``input_layouts`` (advanced) says how input ``i`` arrives on the ranks, as a
+    ``shardc.Layout`` of its global shape: a shard of any dim over any axis, replicated,
+    or a partial sum (each rank passes an addend). The default splits dim 0 over data and
+    z (``shard_batch``). An input whose example tensor requires grad gets its gradient:
+    the matching piece of the single-device gradient on every rank."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"shardc.compile: model must be a torch.nn.Module, got {type(model).__name__}.")
     if not dist.is_available() or not dist.is_initialized():
@@ -81,15 +89,16 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
     _check_batch(example_inputs, mesh)
     options = Options(transpose_alternate=transpose_alternate, overlap=overlap,
                       prefetch_depth=prefetch_depth, gemm_modes=gemm_modes)
-    return _compile(model, mesh, example_inputs, options, dist.get_rank())
+    return _compile(model, mesh, example_inputs, options, dist.get_rank(), input_layouts)
 
 
 def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
-             rank: int) -> ShardedModule:
+             rank: int, input_layouts: Mapping[int, Layout] | None = None) -> ShardedModule:
     ep = trace(model, example_inputs)
     canonical = _canonical_names(model)
     roles: dict[str, tuple[str, str]] = {}
     sig = ep.graph_signature
+    user_inputs: list[str] = []
     for spec in sig.input_specs:
         name = spec.arg.name
         kind = spec.kind.name
@@ -101,6 +110,7 @@ def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Optio
             roles[name] = ("constant", spec.target)
         else:
             roles[name] = ("input", name)
+            user_inputs.append(name)
     for spec in sig.output_specs:
         if spec.kind.name != "USER_OUTPUT":
             raise ShardcError(
@@ -109,10 +119,32 @@ def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Optio
                 "Use a normalisation without running buffers (LayerNorm, RMSNorm).")
     runtime = Runtime(mesh)
     trainable = frozenset(canonical[n] for n, p in model.named_parameters() if p.requires_grad)
+    layouts, grad_inputs = _input_layouts(example_inputs, user_inputs, input_layouts or {}, mesh)
     ctx = CompileContext(mesh=mesh, options=options, rt=runtime.key, roles=tuple(roles.items()),
-                         trainable=trainable, rank=rank)
+                         trainable=trainable, rank=rank, input_layouts=layouts,
+                         grad_inputs=grad_inputs)
     program = run_pipeline(ep.graph_module, ctx)
     return ShardedModule(program, ctx, model, ep, canonical, runtime)
+
+
+def _input_layouts(example_inputs: tuple, names: list[str], given: Mapping[int, Layout],
+                   mesh: Mesh) -> tuple[tuple[tuple[str, Layout], ...], frozenset[str]]:
+    """Check ``input_layouts`` against the example inputs; key them by placeholder name."""
+    flat = [x for x in example_inputs]
+    out = []
+    for i, lay in given.items():
+        if not isinstance(i, int) or not 0 <= i < len(flat) or not isinstance(flat[i], torch.Tensor):
+            raise ShardcError(f"shardc.compile: input_layouts key {i!r} is not the position of a "
+                              f"tensor in example_inputs (0..{len(flat) - 1}).")
+        if not isinstance(lay, Layout) or lay.ndim != flat[i].dim():
+            raise ShardcError(f"shardc.compile: input_layouts[{i}] must be a shardc.Layout with "
+                              f"ndim={flat[i].dim()} (the input's), got {lay!r}.")
+        if not lay.divides(flat[i].shape, mesh):
+            raise ShardcError(f"shardc.compile: input_layouts[{i}] = {lay} does not evenly divide "
+                              f"the input's shape {list(flat[i].shape)} on {mesh}.")
+        out.append((names[i], lay.clean(mesh)))
+    grads = frozenset(n for n, x in zip(names, flat) if isinstance(x, torch.Tensor) and x.requires_grad)
+    return tuple(out), grads
 
 
 def shard_batch(batch: torch.Tensor, mesh: Mesh) -> torch.Tensor:

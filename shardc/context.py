@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardc.mesh import Mesh
+from shardc.placement import Layout
 
 # node.meta keys (listed with their invariants in passes/README.md)
 PLACEMENT = "shardc_placement"  # Layout of the node's (global-shaped) value
@@ -51,6 +52,12 @@ class CompileContext:
     roles: tuple[tuple[str, tuple[str, str]], ...] = ()
     trainable: frozenset[str] = frozenset()  # parameters that require grad
     rank: int = 0
+    # placeholder name of a user input -> how it arrives on the ranks (default: dim 0
+    # split over data and z); set by ``compile(..., input_layouts=...)``
+    input_layouts: tuple[tuple[str, Layout], ...] = ()
+    # user inputs whose example tensor requires grad: their gradient flows back to the
+    # caller's local tensors, summed over the axes on which they are replicated
+    grad_inputs: frozenset[str] = frozenset()
 
     @property
     def role_map(self) -> dict[str, tuple[str, str]]:

@@ -9,7 +9,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from shardc.context import KIND, PARAM, PROGRAM, CompileContext
+from shardc.context import KIND, PARAM, PLACEMENT, PROGRAM, CompileContext
 from shardc.errors import ShardcError
 from shardc.mesh import Mesh
 from shardc.placement import Layout, local_slice, shard_offsets
@@ -103,6 +103,8 @@ class ShardedModule(nn.Module):
                 self._feeds.append((role, target))
         self._user_inputs = [(n.meta.get("shardc_global_val")) for n in program.graph.nodes
                              if n.op == "placeholder" and n.meta.get(KIND) == "input"]
+        self._input_layouts = [n.meta.get(PLACEMENT) for n in program.graph.nodes
+                               if n.op == "placeholder" and n.meta.get(KIND) == "input"]
         for name, axes in self.grad_reductions.items():
             p = self.get_parameter(name)
             for axis in axes:
@@ -128,14 +130,16 @@ class ShardedModule(nn.Module):
                 args.append(self._ep_constants[target])
             else:
                 args.append(next(it))
-        for x, gval in zip(flat, self._user_inputs):
+        for x, gval, lay in zip(flat, self._user_inputs, self._input_layouts):
             if isinstance(x, torch.Tensor) and isinstance(gval, torch.Tensor) and gval.dim() > 0:
-                want = [gval.shape[0] // batch] + list(gval.shape[1:])
+                want = lay.local_shape(gval.shape, self.mesh) if isinstance(lay, Layout) else \
+                    [gval.shape[0] // batch] + list(gval.shape[1:])
                 if list(x.shape) != want:
                     raise ShardcError(
-                        f"ShardedModule: an input has shape {list(x.shape)}, but this rank's slice "
-                        f"of the example input {list(gval.shape)} is {want} (dim 0 split over "
-                        f"data x z = {batch}). Pass shardc.shard_batch(global_batch, mesh).")
+                        f"ShardedModule: an input has shape {list(x.shape)}, but this rank's piece "
+                        f"of the example input {list(gval.shape)} laid out as {lay} is {want} "
+                        f"(by default dim 0 is split over data x z = {batch}). Pass "
+                        "shardc.shard_batch(global_batch, mesh).")
         out = self.graph_module(*args)
         return pytree.tree_unflatten(list(out), self._out_spec)
 
@@ -145,7 +149,7 @@ class ShardedModule(nn.Module):
         world = dist.get_world_size()
         flat = local.detach().contiguous().reshape(-1)
         buf = flat.new_empty(world * flat.numel())
-        dist.all_gather_single(buf, flat)
+        dist.all_gather_into_tensor(buf, flat)
         full = local.new_empty(self._global_shapes[name])
         for r in range(world):
             piece = buf[r * flat.numel():(r + 1) * flat.numel()].view(local.shape)
