@@ -11,9 +11,11 @@ import importlib
 import importlib.util
 import os
 import sys
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
+
+from shardc.offline import compile_offline
 
 
 def load_spec(spec: str) -> tuple[torch.nn.Module, tuple]:
@@ -40,18 +42,6 @@ def load_spec(spec: str) -> tuple[torch.nn.Module, tuple]:
         raise SystemExit(f"shardc: {spec} must return (model, example_inputs), got {type(out).__name__}.")
     model, inputs = out
     return model, tuple(inputs)
-
-
-def compile_offline(model: torch.nn.Module, inputs: tuple, mesh: Any, rank: int = 0, **kw: Any) -> Any:
-    """Compile the program of one rank without any process group (nothing communicates
-    at compile time; the runtime makes its groups on first use)."""
-    import shardc
-    from shardc.compiler import _check_batch, _compile
-    from shardc.context import Options
-
-    mesh = shardc.Mesh.parse(mesh) if isinstance(mesh, str) else mesh
-    _check_batch(tuple(inputs), mesh)
-    return _compile(model, mesh, tuple(inputs), Options(**kw), rank)
 
 
 # ---------------------------------------------------------------------- commands

@@ -29,6 +29,7 @@ from shardc.context import GLOBAL_VAL, KIND, PLACEMENT, SOURCE
 from shardc.errors import ShardcError
 from shardc.machine import Machine
 from shardc.mesh import AXES, Mesh
+from shardc.offline import compile_offline
 from shardc.report import comm_report
 from shardc.runtime.volume import ring_bytes
 
@@ -197,12 +198,6 @@ def _merge5(terms: list[tuple[str, str, int, tuple[str, ...], bool]]
     return [(c, a, n, d, t) for (c, a, d, t), n in acc.items()]
 
 
-def _compile_offline(model: torch.nn.Module, inputs: tuple, mesh: Mesh, **kw: Any) -> Any:
-    from shardc.cli import compile_offline
-
-    return compile_offline(model, inputs, mesh, **kw)
-
-
 @dataclass(frozen=True)
 class _Gemm:
     m: int
@@ -301,7 +296,7 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
             tries = [_smallest_of_pattern(pattern, batch)] + sorted(members, key=Mesh.spec)[:2]
             for m in [t for t in tries if t is not None]:
                 try:
-                    analyses[pattern] = _analyse(_compile_offline(model, inputs, m, **compile_kw),
+                    analyses[pattern] = _analyse(compile_offline(model, inputs, m, **compile_kw),
                                                  checkpointing)
                     break
                 except ShardcError as e:
@@ -393,7 +388,7 @@ def _smallest_of_pattern(pattern: tuple[bool, ...], batch: int) -> Mesh | None:
 
 def _verify(model: torch.nn.Module, inputs: tuple, best: Candidate, compile_kw: dict) -> None:
     """Compile the winner for real: its report must equal the pattern's prediction."""
-    rep = comm_report(_compile_offline(model, inputs, best.mesh, **compile_kw))
+    rep = comm_report(compile_offline(model, inputs, best.mesh, **compile_kw))
     for a in AXES:
         got, want = float(rep.total_bytes(axis=a)), best.bytes_per_axis[a]
         if not math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-6):
