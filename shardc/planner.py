@@ -31,7 +31,7 @@ from shardc.machine import Machine
 from shardc.mesh import AXES, Mesh
 from shardc.offline import compile_offline
 from shardc.report import comm_report
-from shardc.runtime.volume import ring_bytes
+from shardc.runtime.volume import ring_factor
 
 BYTES_PER_PARAMETER = 16  # fp32 weight, gradient and AdamW's two moments
 
@@ -101,7 +101,7 @@ class _Pattern:
         for coll, axis, num, divs, times in self.comm:
             g = sizes[axis]
             v = num * (g if times else 1) / math.prod(sizes[d] for d in divs)
-            out[axis] += float(ring_bytes(coll, g, 1)) * v
+            out[axis] += float(ring_factor(coll, g)) * v
         return out
 
     @staticmethod

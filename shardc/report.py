@@ -50,7 +50,7 @@ class CommRow:
         n = sympy.Integer(self.numerator) * (SYMBOLS[self.axis] if self.times_axis else 1)
         for d in self.divs:
             n /= SYMBOLS[d]
-        return _ring_formula(self.collective, self.axis, n)
+        return ring_bytes(self.collective, SYMBOLS[self.axis], n)
 
     def bytes_for(self, sizes: dict[str, int]) -> Fraction:
         """This row's bytes on another mesh of the same structure (no sympy: fast)."""
@@ -86,17 +86,6 @@ def _terms(n: fx.Node) -> tuple[int, tuple[str, ...]]:
     num = math.prod(val.shape) * _elsize(val)
     divs = tuple(a for axes in lay.dims for a in axes) if lay is not None else ()
     return num, divs
-
-
-def _ring_formula(collective: str, axis: str, nbytes: Any) -> Any:
-    g = SYMBOLS[axis]
-    if collective == "all_gather":
-        return (g - 1) * nbytes
-    if collective == "reduce_scatter":
-        return (g - 1) / g * nbytes
-    if collective == "all_reduce":
-        return 2 * (g - 1) / g * nbytes
-    return (g - 1) / g * nbytes
 
 
 def _param_of(n: Any) -> str | None:
