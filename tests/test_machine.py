@@ -1,4 +1,5 @@
-"""Machine: presets, JSON round trip, error messages, and the bandwidth model (eq. 7)."""
+"""Machine: presets, JSON round trip, error messages, the bandwidth model (eq. 7), and a real
+(tiny) bandwidth profile."""
 from __future__ import annotations
 
 import json
@@ -224,3 +225,27 @@ def test_axis_bandwidth_missing_key_lists_keys() -> None:
         TOY.axis_bandwidth(Mesh(x=3), "x")
     # ...but an axis of size 1 never communicates, whatever the table says
     assert TOY.axis_bandwidth(Mesh(x=3), "y") == math.inf
+
+
+@pytest.mark.distributed
+def test_profile_machine_two_ranks() -> None:
+    from shardc.runtime.profile import profile_machine, profile_shapes, shape_groups
+
+    assert profile_shapes(8) == [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2)]
+    assert shape_groups(8, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert shape_groups(8, 1, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert shape_groups(8, 2, 2) == Mesh(x=2, y=2, z=2).groups("y")
+
+    m = profile_machine(2, message_bytes=4096, iters=2, progress=False, backend="gloo")
+    assert m.name == "profiled" and m.gpus_per_node == 2
+    assert set(m.intra_node_bandwidth) == {(1, 2)}
+    bw = m.intra_node_bandwidth[(1, 2)]
+    assert 0 < bw < math.inf
+    assert m.inter_node_bandwidth == bw
+    assert m.memory_bytes > 0
+    assert m.axis_bandwidth(Mesh(x=2), "x") == bw
+    assert Machine.from_json(m.to_json()) == m
+    with pytest.raises(ValueError, match=r"ranks must be an integer >= 2"):
+        profile_machine(1)
+    with pytest.raises(ValueError, match=r"backend must be 'gloo', 'nccl' or None"):
+        profile_machine(2, backend="mpi")
