@@ -172,3 +172,91 @@ def opt(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 8, seq: in
                     use_cache=False, dropout=0.0, attention_dropout=0.0, pad_token_id=1,
                     bos_token_id=2, eos_token_id=2)
     return HFCausalLM(OPTForCausalLM(cfg))
+
+
+class LitGPTLM(nn.Module):
+    """LitGPT's ``GPT`` (which returns logits) with the cross-entropy loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(idx)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def litgpt_llama(vocab: int = 64, dim: int = 64, layers: int = 2, heads: int = 8,
+                 query_groups: int = 8, seq: int = 16) -> nn.Module:
+    """LitGPT's ``GPT`` in its Llama configuration: one fused QKV linear whose columns are
+    laid out per query group (the group's q heads, then its k, then its v), RMSNorm,
+    rotary positions, SiLU-gated MLP, no biases, untied head. ``query_groups == heads``
+    is plain multi-head attention, fewer is grouped-query attention."""
+    from litgpt import Config
+    from litgpt.model import GPT as LitGPT
+
+    cfg = Config(name="shardc-tiny-llama", block_size=seq, vocab_size=vocab,
+                 padded_vocab_size=vocab, n_layer=layers, n_embd=dim, n_head=heads,
+                 n_query_groups=query_groups, rotary_percentage=1.0, parallel_residual=False,
+                 bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP",
+                 intermediate_size=2 * dim)
+    return LitGPTLM(LitGPT(cfg))
+
+
+def gpt_neox(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 8,
+             seq: int = 16) -> nn.Module:
+    """transformers' GPTNeoXForCausalLM: one fused ``query_key_value`` whose columns are
+    interleaved per head (head h's q, k, v side by side, viewed as (heads, 3 * hd)),
+    partial rotary, parallel residual, biases, untied head."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = GPTNeoXConfig(vocab_size=vocab, hidden_size=dim, num_hidden_layers=layers,
+                        num_attention_heads=heads, intermediate_size=2 * dim,
+                        max_position_embeddings=seq, rotary_pct=0.5, use_cache=False,
+                        hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
+                        bos_token_id=0, eos_token_id=0)
+    return HFCausalLM(GPTNeoXForCausalLM(cfg))
+
+
+def gpt_bigcode(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 8,
+                seq: int = 16) -> nn.Module:
+    """transformers' GPTBigCodeForCausalLM (StarCoder): multi-query attention through one
+    fused ``c_attn`` of width dim + 2 * head_dim (all q heads, then the single k and v),
+    learned positions, biases, tied head."""
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    cfg = GPTBigCodeConfig(vocab_size=vocab, n_positions=seq, n_embd=dim, n_layer=layers,
+                           n_head=heads, n_inner=2 * dim, multi_query=True, use_cache=False,
+                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                           bos_token_id=0, eos_token_id=0)
+    return HFCausalLM(GPTBigCodeForCausalLM(cfg))
+
+
+def phi3(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 8, kv_heads: int = 4,
+         seq: int = 16) -> nn.Module:
+    """transformers' Phi3ForCausalLM: fused ``qkv_proj`` (all q heads, then k, then v, GQA)
+    and fused ``gate_up_proj`` (gate then up, split in halves), RMSNorm, rotary, no biases."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    cfg = Phi3Config(vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim,
+                     num_hidden_layers=layers, num_attention_heads=heads,
+                     num_key_value_heads=kv_heads, max_position_embeddings=seq,
+                     original_max_position_embeddings=seq, use_cache=False,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+                     tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return HFCausalLM(Phi3ForCausalLM(cfg))
+
+
+def falcon(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 8, kv_heads: int = 2,
+           seq: int = 16) -> nn.Module:
+    """transformers' FalconForCausalLM, new decoder architecture: fused ``query_key_value``
+    laid out per kv group (the group's q heads, then its k, then its v), two layer norms
+    feeding a parallel attention/MLP, rotary, no biases, tied head."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    cfg = FalconConfig(vocab_size=vocab, hidden_size=dim, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_kv_heads=kv_heads,
+                       new_decoder_architecture=True, parallel_attn=True, bias=False,
+                       max_position_embeddings=seq, use_cache=False, hidden_dropout=0.0,
+                       attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+    return HFCausalLM(FalconForCausalLM(cfg))
