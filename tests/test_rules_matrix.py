@@ -1,0 +1,58 @@
+"""Rule sweep, GEMMs: linear/mm/matmul/addmm with the weight an ``nn.Parameter`` of the
+tiny module (Algorithm 1's layouts, normal and transposed), and products of two
+activations (bmm, matmul, mm). See ``rules_sweep.py``."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rules_sweep as S
+
+_SPECS: list[S.OpSpec] | None = None
+MESHES = ("x2", "y2", "x2y2", "z2", "d2")
+
+
+def specs() -> list[S.OpSpec]:
+    global _SPECS
+    if _SPECS is not None:
+        return _SPECS
+    g = S.gen(5)
+    x = lambda *s: S._t(s, g)  # noqa: E731
+
+    def Mx(name, fn, *inputs, params=None, meshes=MESHES):
+        return S.OpSpec("matrix", name, fn, tuple(inputs), params=params or {}, meshes=meshes)
+
+    W = {"weight": S._t((8, 8), g), "bias": S._t((8,), g)}
+    Wkn = {"weight": S._t((8, 4), g)}
+    Wkn_b = {"weight": S._t((8, 4), g), "bias": S._t((4,), g)}
+    _SPECS = [
+        Mx("linear", lambda m, a: F.linear(a, m.weight, m.bias), x(4, 8), params=W),
+        Mx("linear.nobias", lambda m, a: F.linear(a, m.weight), x(4, 8), params={"weight": W["weight"]}),
+        Mx("linear.3d", lambda m, a: F.linear(a, m.weight, m.bias), x(4, 2, 8), params=W,
+           meshes=("x2", "y2", "x2y2", "z2d2")),
+        Mx("mm", lambda m, a: torch.mm(a, m.weight), x(4, 8), params=Wkn),
+        Mx("matmul", lambda m, a: torch.matmul(a, m.weight), x(4, 2, 8), params=Wkn,
+           meshes=("x2", "y2", "x2y2", "d2")),
+        Mx("addmm", lambda m, a: torch.addmm(m.bias, a, m.weight), x(4, 8), params=Wkn_b),
+        Mx("bmm", lambda m, a, b: torch.bmm(a, b), x(2, 4, 6), x(2, 6, 4),
+           meshes=("x2", "y2", "z2", "x2y2")),
+        Mx("matmul.act", lambda m, a, b: torch.matmul(a, b), x(2, 2, 4, 6), x(2, 2, 6, 4),
+           meshes=("x2", "d2", "x2y2")),
+        Mx("mm.act", lambda m, a, b: torch.mm(a, b), x(4, 6), x(6, 4), meshes=("y2", "z2")),
+    ]
+    return _SPECS
+
+
+CASES = [] if S.IN_WORKER else [c for s in specs() for c in S.cases_of(s)]
+S.report_count("matrix", CASES)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return S.run_threaded(CASES)
+
+
+@pytest.mark.parametrize("case", S.params(CASES))
+def test_rule(case, results):
+    S.check(results, case)

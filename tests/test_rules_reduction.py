@@ -1,0 +1,85 @@
+"""Rule sweep, reductions: sum/mean/amax/amin, softmax/log_softmax, cumsum, layer_norm,
+cross_entropy. See ``rules_sweep.py``."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rules_sweep as S
+
+aten = torch.ops.aten
+_SPECS: list[S.OpSpec] | None = None
+
+
+def specs() -> list[S.OpSpec]:
+    global _SPECS
+    if _SPECS is not None:
+        return _SPECS
+    g = S.gen(4)
+    x = lambda *s: S._t(s, g)  # noqa: E731
+    rot = itertools.cycle(("x2", "y2", "z2", "d2"))
+    f = torch.float64
+
+    def Rd(name, fn, *inputs, two=False, params=None, kinds=None):
+        meshes = (next(rot),) + (("x2y2",) if two else ())
+        return S.OpSpec("reduction", name, fn, tuple(inputs), meshes=meshes, params=params or {},
+                        kinds=kinds or {})
+
+    tgt = torch.randint(0, 6, (8,), generator=g)
+    tgt_ign = tgt.clone()
+    tgt_ign[[1, 4, 5]] = -100
+    ln = {"weight": S._t((6,), g, 0.5, 1.5), "bias": S._t((6,), g)}
+    int_only = {1: ("S", "R")}
+    _SPECS = [
+        Rd("sum.default", lambda m, a: a.sum(), x(4, 6), two=True),
+        Rd("sum.dim1", lambda m, a: a.sum(1), x(4, 6), two=True),
+        Rd("sum.dim0.keepdim", lambda m, a: a.sum(0, keepdim=True), x(4, 6)),
+        Rd("sum.dims", lambda m, a: a.sum([0, 2]), x(4, 2, 6)),
+        Rd("mean.default", lambda m, a: a.mean(), x(4, 6), two=True),
+        Rd("mean.dim1", lambda m, a: a.mean(1), x(4, 6)),
+        Rd("mean.dim0.keepdim", lambda m, a: a.mean(0, keepdim=True), x(4, 6)),
+        Rd("amax.dim1", lambda m, a: a.amax(1), x(4, 6), two=True),
+        Rd("amax.dim0", lambda m, a: a.amax(0), x(4, 6)),
+        Rd("amin.dim1", lambda m, a: a.amin(1), x(4, 6)),
+        Rd("amin.keepdim", lambda m, a: a.amin(0, keepdim=True), x(4, 6)),
+        Rd("softmax.last", lambda m, a: F.softmax(a, -1), x(4, 6), two=True),
+        Rd("softmax.dim0", lambda m, a: F.softmax(a, 0), x(4, 6)),
+        Rd("_softmax", lambda m, a: aten._softmax.default(a, 1, False), x(4, 6)),
+        Rd("log_softmax.last", lambda m, a: F.log_softmax(a, -1), x(4, 6)),
+        Rd("_log_softmax", lambda m, a: aten._log_softmax.default(a, 0, False), x(4, 6)),
+        Rd("cumsum", lambda m, a: torch.cumsum(a, 1), x(4, 6)),
+        Rd("cumsum.dim0", lambda m, a: torch.cumsum(a, 0), x(4, 6)),
+        Rd("layer_norm", lambda m, a: F.layer_norm(a, (6,), m.weight, m.bias), x(4, 6), two=True,
+           params=ln),
+        Rd("layer_norm.3d", lambda m, a: F.layer_norm(a, (6,), m.weight, m.bias), x(4, 2, 6),
+           params=ln),
+        Rd("layer_norm.noaffine", lambda m, a: F.layer_norm(a, (6,)), x(4, 6)),
+        Rd("layer_norm.2dims", lambda m, a: F.layer_norm(a, (2, 6)), x(4, 2, 6)),
+        Rd("cross_entropy.mean", lambda m, a, t: F.cross_entropy(a, t), x(8, 6), tgt, two=True,
+           kinds=int_only),
+        Rd("cross_entropy.sum", lambda m, a, t: F.cross_entropy(a, t, reduction="sum"), x(8, 6), tgt,
+           kinds=int_only),
+        Rd("cross_entropy.none", lambda m, a, t: F.cross_entropy(a, t, reduction="none"), x(8, 6), tgt,
+           kinds=int_only),
+        Rd("cross_entropy.ignore", lambda m, a, t: F.cross_entropy(a, t), x(8, 6), tgt_ign,
+           kinds=int_only),
+    ]
+    unused = f
+    return _SPECS
+
+
+CASES = [] if S.IN_WORKER else [c for s in specs() for c in S.cases_of(s)]
+S.report_count("reduction", CASES)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return S.run_threaded(CASES)
+
+
+@pytest.mark.parametrize("case", S.params(CASES))
+def test_rule(case, results):
+    S.check(results, case)

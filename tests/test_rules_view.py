@@ -1,0 +1,80 @@
+"""Rule sweep, shape family: view/reshape/flatten/unflatten/expand/squeeze/unsqueeze,
+permute/transpose/t, split/chunk/unbind, cat/stack, slice/select/narrow, flip/roll, pad.
+See ``rules_sweep.py``."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rules_sweep as S
+
+aten = torch.ops.aten
+_SPECS: list[S.OpSpec] | None = None
+
+
+def specs() -> list[S.OpSpec]:
+    global _SPECS
+    if _SPECS is not None:
+        return _SPECS
+    g = S.gen(3)
+    x = lambda *s: S._t(s, g)  # noqa: E731
+    rot = itertools.cycle(("x2", "y2", "z2", "d2"))
+
+    def V(name, fn, *inputs, two=False):
+        meshes = (next(rot),) + (("x2y2",) if two else ())
+        return S.OpSpec("view", name, fn, tuple(inputs), meshes=meshes)
+
+    _SPECS = [
+        V("view.split_dim", lambda m, a: a.view(4, 2, 3) * 1.0, x(4, 6), two=True),
+        V("view.merge", lambda m, a: a.view(4, 12), x(4, 2, 6), two=True),
+        V("view.flat", lambda m, a: a.view(24), x(4, 6)),
+        V("reshape", lambda m, a: a.reshape(2, 2, 6), x(4, 6)),
+        V("_unsafe_view", lambda m, a: aten._unsafe_view.default(a * 1.0, [8, 3]), x(4, 6)),
+        V("flatten", lambda m, a: torch.flatten(a, 1), x(4, 2, 6), two=True),
+        V("unflatten", lambda m, a: a.unflatten(1, (2, 3)), x(4, 6)),
+        V("expand.new_dim", lambda m, a: a.expand(4, 6) * 1.0, x(6)),
+        V("expand.size1", lambda m, a: a.expand(4, 6) * 1.0, x(4, 1)),
+        V("squeeze.dim", lambda m, a: a.squeeze(1), x(4, 1, 6)),
+        V("squeeze.dims", lambda m, a: aten.squeeze.dims(a, [1]), x(4, 1, 6)),
+        V("squeeze.default", lambda m, a: aten.squeeze.default(a), x(4, 1, 6)),
+        V("unsqueeze", lambda m, a: a.unsqueeze(1), x(4, 6), two=True),
+        V("permute", lambda m, a: a.permute(2, 0, 1), x(4, 2, 6), two=True),
+        V("transpose", lambda m, a: a.transpose(0, 1), x(4, 6)),
+        V("t", lambda m, a: a.t(), x(4, 6)),
+        V("split", lambda m, a: torch.split(a, 3, dim=1), x(4, 6), two=True),
+        V("split.dim0", lambda m, a: torch.split(a, 2, dim=0), x(4, 6)),
+        V("split_with_sizes", lambda m, a: torch.split(a, [2, 4], dim=1), x(4, 6)),
+        V("chunk", lambda m, a: torch.chunk(a, 2, dim=1), x(4, 6)),
+        V("unbind", lambda m, a: torch.unbind(a, 1), x(4, 2, 6)),
+        V("cat.dim1", lambda m, a, b: torch.cat([a, b], 1), x(4, 6), x(4, 2), two=True),
+        V("cat.dim0", lambda m, a, b: torch.cat([a, b], 0), x(4, 6), x(2, 6)),
+        V("stack", lambda m, a, b: torch.stack([a, b], 1), x(4, 6), x(4, 6)),
+        V("slice", lambda m, a: a[:, 1:5], x(4, 6), two=True),
+        V("slice.dim0", lambda m, a: a[1:3], x(4, 6)),
+        V("select", lambda m, a: a[:, 2], x(4, 6)),
+        V("select.dim0", lambda m, a: a[1], x(4, 6)),
+        V("narrow", lambda m, a: a.narrow(1, 1, 4), x(4, 6)),
+        V("flip", lambda m, a: torch.flip(a, [1]), x(4, 6)),
+        V("roll", lambda m, a: torch.roll(a, 2, 1), x(4, 6)),
+        V("roll.flat", lambda m, a: torch.roll(a, 3), x(4, 6)),
+        V("constant_pad_nd", lambda m, a: F.pad(a, (1, 1), value=0.5), x(4, 6), two=True),
+        V("pad", lambda m, a: aten.pad.default(a, [1, 2], "constant", 0.0), x(4, 6)),
+    ]
+    return _SPECS
+
+
+CASES = [] if S.IN_WORKER else [c for s in specs() for c in S.cases_of(s)]
+S.report_count("view", CASES)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return S.run_threaded(CASES)
+
+
+@pytest.mark.parametrize("case", S.params(CASES))
+def test_rule(case, results):
+    S.check(results, case)
