@@ -205,7 +205,7 @@ class Lowering:
     def _all_reduce(self, node: fx.Node, lay: Layout, axis: str, op: str, gval: Any) -> fx.Node:
         out = lay.with_replicated(axis)
         buf_lay = out
-        start = self.emit(C.all_reduce_start, (node, self.rt, axis, "max" if op == "max" else "sum"),
+        start = self.emit(C.all_reduce_start, (node, self.rt, axis, op if op in ("max", "min") else "sum"),
                           layout=buf_lay, val=gval, kind="collective")
         start.meta[COMM] = {"collective": "all_reduce", "axis": axis, "op": op}
         done = self.emit(C.wait, (start,), layout=buf_lay, val=gval, kind="wait")
@@ -339,26 +339,19 @@ class Lowering:
             return v
         self.src = SourceInfo("output", "", "")
         lay = v.layout.clean(self.mesh) if v.layout is not None else Layout.replicate(v.ndim)
-        # What a rank returns: its batch shard (dim 0 over data and z) or, for a loss, its
-        # partial value over the batch axes; everything else whole.
+        # What a rank returns: its batch shard (dim 0 over data and z) of a batched output;
+        # everything else whole. A partial value (a loss: this rank's mean or sum over its
+        # batch shard) is reduced, so every rank gets back exactly what one device
+        # computes, whatever reduction the model applied: one scalar all-reduce per axis.
+        # Its backward hands each rank's piece the gradient of the reduction (1 for a
+        # sum, 1/G for a mean), so parameter gradients are those of the global loss.
         want = Layout.replicate(v.ndim)
         if v.ndim > 0:
             for a in lay.dims[0]:
                 if a in BATCH_AXES:
                     want = want.with_shard(a, 0)
-        partial = {a: op for a, op in lay.partial if a in BATCH_AXES}
-        for a, op in partial.items():
-            want = want.with_partial(a, op)
         assert lay.ndim == v.ndim, (self.cur, lay, v.val.shape)
-        node = self.to_layout(v, want)
-        avg = [a for a, op in partial.items() if op == "avg"]
-        if avg and v.val.dtype.is_floating_point:
-            n = 1
-            for a in avg:
-                n *= self.mesh.size(a)
-            # The loss is the mean of the shards' means: its gradient on each shard is 1/n.
-            node = self.emit(C.grad_scale, (node, 1.0 / n), layout=want, val=v.val)
-        return node
+        return self.to_layout(v, want)
 
 
 def lower_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:

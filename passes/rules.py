@@ -180,34 +180,72 @@ LINEAR_UNARY = {aten.clone.default, aten.alias.default, aten.contiguous.default,
                 aten.detach.default, aten.type_as.default, aten.view_as.default}
 
 
-def _partial_ok(target: Any, inputs: list[Val | None], axis: str) -> bool:
-    """Can the op run on a partial sum over ``axis`` and give a partial sum?"""
-    kinds = []
-    for v in inputs:
-        if v is None:
-            kinds.append("s")
-        elif v.layout is None:
-            kinds.append("R")
-        else:
-            p = dict(v.layout.partial).get(axis)
-            kinds.append(p or ("S" if v.layout.shard_dim(axis) is not None else "R"))
-    ps = {k for k in kinds if k not in ("R", "S", "s")}
+# Ops through which a partial value may flow and stay partial, by how they are linear.
+# Anything else needs its partial inputs reduced first: f(a + b) != f(a) + f(b).
+_ADDITIVE = {aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar}
+_SCALING = {aten.mul.Tensor, aten.mul.Scalar}
+_DIVIDING = {aten.div.Tensor, aten.div.Scalar}
+_MASKING = {aten.masked_fill.Scalar}
+
+
+def _arg_kind(a: Any, axis: str) -> str:
+    """How one argument of a pointwise op sits on ``axis``: "sum"/"avg"/"max" (partial),
+    "S" (sharded), "R" (replicated tensor), "0" (the number zero), "c" (another number)."""
+    if isinstance(a, Val):
+        if a.layout is None:
+            return "R"
+        p = dict(a.layout.partial).get(axis)
+        if p is not None:
+            return p
+        return "S" if a.layout.shard_dim(axis) is not None else "R"
+    if isinstance(a, bool) or a is None:
+        return "c"
+    if isinstance(a, (int, float)):
+        return "0" if a == 0 else "c"
+    return "c"
+
+
+def _partial_ok(target: Any, args: list[Any], axis: str, out_dtype: Any = None) -> bool:
+    """Can ``target`` run on each rank's piece of a partial value over ``axis`` and give a
+    partial value of the same kind? ``args`` are the op's positional arguments, tensors as
+    ``Val``s. Only for ops linear in their partial arguments: a sum of pieces commutes
+    with additions of other pieces and with scaling by a replicated factor; a mean of
+    pieces also commutes with adding a replicated value (mean(a_r + c) = mean(a_r) + c).
+    Repeated arguments count as often as they appear: x * x is not linear in x."""
+    kinds = [_arg_kind(a, axis) for a in args]
+    ps = {k for k in kinds if k in ("sum", "avg", "max")}
     if len(ps) != 1 or "max" in ps:
         return False
+    op = ps.pop()
+    n_partial = sum(1 for k in kinds if k == op)
+    others = [k for k in kinds if k != op]
     if target in LINEAR_UNARY or target in (aten.dropout.default, aten.native_dropout.default):
-        return True
-    tensors = [k for k in kinds if k != "s"]
-    if target in (aten.add.Tensor, aten.sub.Tensor):
-        return all(k in ps for k in tensors)
-    if target in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar):
-        if target in (aten.div.Tensor,) and len(kinds) > 1 and kinds[1] in ps:
-            return False
-        return sum(1 for k in tensors if k in ps) == 1 and all(k in ps or k == "R" for k in tensors)
+        if out_dtype is not None and not (out_dtype.is_floating_point or out_dtype.is_complex):
+            return False  # a cast to an integer type rounds each piece
+        # type_as / view_as read only the dtype or shape of their second argument
+        return n_partial == 1 and all(k in ("c", "0", "R", "S") for k in others)
+    if target in _ADDITIVE:
+        # a + b of two partial pieces is the piece of the sum; a constant or replicated
+        # addend would be added once per rank to a sum (but exactly once to a mean)
+        return all(k == "0" or (op == "avg" and k in ("R", "c")) for k in others)
+    if target in _SCALING:
+        return n_partial == 1 and all(k in ("R", "c", "0") for k in others)
+    if target in _DIVIDING:
+        return kinds[0] == op and n_partial == 1 and all(k in ("R", "c") for k in kinds[1:])
+    if target in _MASKING:
+        # masked_fill(x, mask, 0): zeroing entries is linear in x; any other fill is not
+        return kinds[0] == op and n_partial == 1 and kinds[1] == "R" and kinds[2] == "0"
     return False
 
 
-def pointwise_layouts(L: Lowering, target: Any, ins: list[Val | None], out_shape: list[int]
+def pointwise_layouts(L: Lowering, target: Any, ins: list[Val | None], out_shape: list[int],
+                      args: list[Any] | None = None, out_dtype: Any = None
                       ) -> tuple[Layout, list[Layout | None]]:
+    """(output layout, layout each of ``ins`` must arrive in). ``args`` are the op's
+    positional arguments (default: ``ins``), which decide whether a partial input may
+    stay partial."""
+    if args is None:
+        args = list(ins)
     nd = len(out_shape)
     decided = [v for v in ins if v is not None and v.layout is not None and v.ndim == nd
                and v.shape == out_shape]
@@ -231,7 +269,7 @@ def pointwise_layouts(L: Lowering, target: Any, ins: list[Val | None], out_shape
         if v is not None and v.layout is not None:
             axes_p |= {a for a, _ in v.layout.partial}
     for a in sorted(axes_p):
-        if _partial_ok(target, ins, a) and out.placement(a).__class__.__name__ == "Replicate":
+        if _partial_ok(target, args, a, out_dtype) and out.placement(a).__class__.__name__ == "Replicate":
             op = [dict(v.layout.partial)[a] for v in ins if v is not None and v.layout is not None
                   and a in dict(v.layout.partial)][0]
             out = out.with_partial(a, op)
@@ -291,7 +329,8 @@ def pointwise_rule(L: Lowering, node: fx.Node) -> Any:
         if node.kwargs and node.target is aten._to_copy.default:
             return _materialise_then(L, node)
         return Val(None, None, val, v.param, v.ptrans, v.pchain + ((node.target, extra),))
-    out, needs = pointwise_layouts(L, node.target, ins, list(val.shape))
+    args = [L.env[a] if isinstance(a, fx.Node) else a for a in node.args]
+    out, needs = pointwise_layouts(L, node.target, ins, list(val.shape), args, val.dtype)
     need = {a: n for (a, _), n in zip(ins_nodes, needs)}
     return emit_like(L, node, need, out)
 

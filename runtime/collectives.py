@@ -12,7 +12,6 @@ all_gather_start       S(d) -> R           reduce-scatter (gradient is a partial
                                            the rank's own slice (gradient replicated)
 all_reduce_start       P -> R              identity
 grad_all_reduce        R -> R              all-reduce: the gradient arriving is partial
-grad_scale             P(avg) -> P(avg)    multiply by 1/G: the loss is a mean of means
 =====================  ==================  ==============================================
 
 Every byte handed to torch.distributed is counted per (collective, axis, phase) with
@@ -116,7 +115,7 @@ class _AllReduce(torch.autograd.Function):
         # Out of place: the producer of x may have saved it for its own backward.
         buf = x.detach().clone(memory_format=torch.contiguous_format)
         r.count("all_reduce", axis, "forward", buf)
-        red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        red = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(op, dist.ReduceOp.SUM)
         setattr(buf, _WORK, dist.all_reduce(buf, op=red, group=r.group(axis), async_op=True))
         return buf
 
@@ -142,17 +141,6 @@ class _GradAllReduce(torch.autograd.Function):
         return g, None, None
 
 
-class _GradScale(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return g * ctx.scale, None
-
-
 # --------------------------------------------------------------- graph-callable ops
 def all_gather_start(x: torch.Tensor, rt: str, axis: str, grad: str) -> torch.Tensor:
     """Issue an all-gather over ``axis``; returns a (G, *x.shape) buffer being filled.
@@ -161,7 +149,7 @@ def all_gather_start(x: torch.Tensor, rt: str, axis: str, grad: str) -> torch.Te
 
 
 def all_reduce_start(x: torch.Tensor, rt: str, axis: str, op: str = "sum") -> torch.Tensor:
-    """Issue an all-reduce ("sum" or "max") over ``axis`` (partial -> replicate); returns
+    """Issue an all-reduce ("sum", "max" or "min") over ``axis`` (partial -> replicate); returns
     the buffer being filled."""
     return _AllReduce.apply(x, rt, axis, op)
 
@@ -200,11 +188,6 @@ def grad_all_reduce(x: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient over ``axis`` in backward (Megatron's
     "f"): ``x`` is replicated on the axis but fed computations that differ across it."""
     return _GradAllReduce.apply(x, rt, axis)
-
-
-def grad_scale(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """Identity forward; the gradient is multiplied by ``scale`` in backward."""
-    return _GradScale.apply(x, scale)
 
 
 def local_chunk(x: torch.Tensor, rt: str, axis: str, dim: int, k: int = 1) -> torch.Tensor:

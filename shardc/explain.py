@@ -16,7 +16,6 @@ _NAMES = {
     C.all_reduce_start: "all_reduce.start",
     C.wait: "wait",
     C.grad_all_reduce: "grad_all_reduce",
-    C.grad_scale: "grad_scale",
     C.local_chunk: "local_chunk",
     C.concat_gathered: "concat_gathered",
     C.concat_gathered_interleaved: "concat_gathered",

@@ -1,8 +1,9 @@
 """Placements: how one tensor is laid out over the mesh's axes.
 
-Per axis a tensor is sharded along one of its dims (``S(d)``), replicated (``R``) or a
-partial sum (``P(sum)``) / partial mean (``P(avg)``: the true value is the mean of the
-ranks' values, as a local mean loss is over the batch shards). Placements are keyed by
+Per axis a tensor is sharded along one of its dims (``S(d)``), replicated (``R``) or
+partial: ``P(sum)`` / ``P(avg)`` / ``P(max)`` / ``P(min)``, the true value is the sum /
+mean / max / min of the ranks' values (a GEMM with its contraction dim cut leaves a sum,
+a local mean loss over batch shards a mean, vocabulary-parallel cross-entropy a max). Placements are keyed by
 axis name, never by position (STYLE.md, section 2).
 
 When several axes shard the same dim their order matters: ``dims[d] = ("z", "x")``
@@ -36,13 +37,20 @@ class Replicate:
         return "R"
 
 
+PARTIAL_OPS = ("sum", "avg", "max", "min")
+
+
 @dataclass(frozen=True)
 class Partial:
+    """The true value is the reduction (``op``) over the axis of the ranks' values: a sum
+    as a GEMM whose contraction dim is cut leaves it, a mean as a local mean loss over
+    batch shards, a max as vocabulary-parallel cross-entropy's row maxima."""
+
     op: str = "sum"
 
     def __post_init__(self) -> None:
-        if self.op not in ("sum", "avg"):
-            raise ValueError(f"Partial: op must be 'sum' or 'avg', got {self.op!r}")
+        if self.op not in PARTIAL_OPS:
+            raise ValueError(f"Partial: op must be one of {PARTIAL_OPS}, got {self.op!r}")
 
     def __str__(self) -> str:
         return f"P({self.op})"
@@ -57,7 +65,7 @@ class Layout:
 
     ndim: int
     dims: tuple[tuple[str, ...], ...] = ()  # per tensor dim: sharding axes, outer first
-    partial: tuple[tuple[str, str], ...] = ()  # (axis, "sum"|"avg")
+    partial: tuple[tuple[str, str], ...] = ()  # (axis, one of PARTIAL_OPS)
     interleave: tuple[int, ...] = ()  # per tensor dim: k (1 = plain)
 
     def __post_init__(self) -> None:
@@ -69,6 +77,9 @@ class Layout:
         used = [a for d in self.dims for a in d] + [a for a, _ in self.partial]
         assert len(used) == len(set(used)), f"axis used twice in {self}"
         assert all(a in AXES for a in used), self
+        for a, op in self.partial:
+            if op not in PARTIAL_OPS:
+                raise ValueError(f"Layout: partial op on {a!r} must be one of {PARTIAL_OPS}, got {op!r}")
 
     # -- constructors -------------------------------------------------------------
     @classmethod

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import shardc
-from shardc.context import SOURCE
+from shardc.context import GLOBAL_VAL, SOURCE
 from shardc.runtime import collectives as C
 from models import GPT, MLPChain
 
@@ -60,13 +60,16 @@ def test_mlp_chain_has_exactly_algorithm_1_collectives(fake_world, mesh: shardc.
         assert gar[(layer, bwd_axis)] == (want(bwd_axis) if i > 0 else 0), (layer, gar)
         assert gar[(layer, fwd_axis)] == 0, (layer, gar)
         assert sm.grad_reductions.get(f"{layer}.weight", []) == (["data"] if mesh.data > 1 else [])
-    # nothing else but the loss's mean over a hidden dim cut over the last layer's n axis
+    # nothing else but the loss's mean over a hidden dim cut over the last layer's n axis,
+    # and the loss's reduction over the batch axes (every rank returns the global loss)
     linear = {f"layers.{i}" for i in range(6)}
-    others = [(n.target.__name__, n.args[2]) for n in gm.graph.nodes
-              if n.target in (C.all_gather_start, C.all_reduce_start, C.grad_all_reduce)
-              and n.meta[SOURCE].module not in linear]
+    others = Counter((n.target.__name__, n.args[2]) for n in gm.graph.nodes
+                     if n.target in (C.all_gather_start, C.all_reduce_start, C.grad_all_reduce)
+                     and n.meta[SOURCE].module not in linear)
     last_n_axis = "x" if normal[-1] else "y"
-    assert others == ([("all_reduce_start", last_n_axis)] if mesh.size(last_n_axis) > 1 else [])
+    want_others = Counter({("all_reduce_start", a): 1 for a in (last_n_axis, "z", "data")
+                           if mesh.size(a) > 1})
+    assert others == want_others
     # no collective over an axis of size 1
     for n in gm.graph.nodes:
         if n.target in (C.all_gather_start, C.all_reduce_start, C.grad_all_reduce):
@@ -87,13 +90,18 @@ def test_parameter_shards_are_the_papers_size(fake_world, mesh: shardc.Mesh) -> 
 def test_special_cases_are_the_known_systems(fake_world) -> None:
     fake_world(8)
     ddp = shardc.compile(MLPChain(), shardc.Mesh(data=8), _mlp_inputs())
-    assert not any(n.target in (C.all_gather_start, C.all_reduce_start, C.grad_all_reduce)
-                   for n in ddp.graph_module.graph.nodes)
+    # DDP: the only forward collective is the loss's scalar all-reduce (every rank returns
+    # the global loss); gradients are reduced over data after backward
+    colls = [(n.target, n.args[2]) for n in ddp.graph_module.graph.nodes
+             if n.target in (C.all_gather_start, C.all_reduce_start, C.grad_all_reduce)]
+    assert colls == [(C.all_reduce_start, "data")]
+    assert ddp.graph_module.graph.find_nodes(op="output")[0].args[0][0].meta[GLOBAL_VAL].dim() == 0
     assert all(v == ["data"] for v in ddp.grad_reductions.values())
     fsdp = shardc.compile(MLPChain(), shardc.Mesh(z=8), _mlp_inputs())
     kinds = Counter(n.target for n in fsdp.graph_module.graph.nodes if n.target in (
         C.all_gather_start, C.all_reduce_start, C.grad_all_reduce))
-    assert kinds == Counter({C.all_gather_start: 6})  # gather per layer, reduce-scatter back
+    # gather per layer (reduce-scatter back), and the loss's scalar all-reduce
+    assert kinds == Counter({C.all_gather_start: 6, C.all_reduce_start: 1})
     assert not fsdp.grad_reductions
     hsdp = shardc.compile(MLPChain(), shardc.Mesh(z=4, data=2), _mlp_inputs())
     assert all(v == ["data"] for v in hsdp.grad_reductions.values())
@@ -171,8 +179,8 @@ def test_error_untraceable_model_names_cause_and_line(fake_world) -> None:
 def test_wrong_local_batch_is_refused(fake_world) -> None:
     fake_world(2)
     sm = shardc.compile(MLPChain(), shardc.Mesh(data=2), _mlp_inputs())
-    with pytest.raises(ValueError, match=r"this rank's slice of the example input \[16, 16\] is "
-                                         r"\[8, 16\]"):
+    with pytest.raises(ValueError, match=r"this rank's piece of the example input \[16, 16\] laid "
+                                         r"out as \[S\(0\)@data\] is \[8, 16\]"):
         sm(*_mlp_inputs())
 
 

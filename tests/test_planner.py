@@ -28,8 +28,9 @@ def _beta(machine: Machine, mesh: shardc.Mesh, axis: str) -> float:
 
 def _paper_seconds(mesh: shardc.Mesh, machine: Machine) -> float:
     """Equations 1-6 for each of the L layers (alternating normal / transposed), summed,
-    every term over its own group's bandwidth (equation 7); plus the one non-GEMM
-    collective of this model, the mean-squared-error's scalar all-reduce."""
+    every term over its own group's bandwidth (equation 7); plus the non-GEMM collectives
+    of this model: the mean-squared-error's scalar all-reduce over the features, and the
+    loss's scalar all-reduce over each batch axis (every rank returns the global loss)."""
     gx, gy, gz, gd = mesh.x, mesh.y, mesh.z, mesh.data
     m, k, n, b = B / gd, D, D, 4
     first_transposed = gx == 1 and gy > 1
@@ -49,6 +50,10 @@ def _paper_seconds(mesh: shardc.Mesh, machine: Machine) -> float:
     if mesh.size(last_n) > 1:  # the loss: a mean over features cut over the last n axis
         g = mesh.size(last_n)
         t += 2 * (g - 1) / g * 4 / _beta(machine, mesh, last_n)
+    for a in ("z", "data"):
+        g = mesh.size(a)
+        if g > 1:
+            t += 2 * (g - 1) / g * 4 / _beta(machine, mesh, a)
     return t
 
 
