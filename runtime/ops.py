@@ -74,15 +74,20 @@ def global_dropout(x: torch.Tensor, p: float, train: bool, global_shape: list[in
                    rt: str, dims: tuple[tuple[str, ...], ...], interleave: tuple[int, ...]) -> torch.Tensor:
     """Dropout whose mask is drawn for the whole global tensor from the default generator,
     exactly as a single device would draw it, then cut to this rank's shard: replicas
-    draw the same mask and training matches the single-device run."""
+    draw the same mask and training matches the single-device run.
+
+    The draw is torch's own dropout on a tensor of ones of the global shape, dtype and
+    device, not a hand-written ``bernoulli_``: each device type has its own dropout kernel
+    (CPU draws a Bernoulli mask; CUDA a fused Philox kernel that consumes the generator
+    differently), and only the same call consumes the generator the same way. The result
+    is the mask already scaled by 1/(1-p), as one device multiplies it in."""
     if not train or p == 0.0:
         return x.clone()
-    if p == 1.0:
-        return x * 0.0
-    mask = torch.empty(global_shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
     from shardc.placement import Layout, local_slice
 
+    ones = torch.ones(global_shape, dtype=x.dtype, device=x.device)
+    scaled_mask = torch.nn.functional.dropout(ones, p, True)
     r = get_runtime(rt)
     layout = Layout(len(global_shape), dims, (), interleave)
-    local = local_slice(mask, layout, r.mesh.coords(r.rank), r.mesh)
-    return x * local * (1.0 / (1 - p))
+    local = local_slice(scaled_mask, layout, r.mesh.coords(r.rank), r.mesh)
+    return x * local

@@ -2,6 +2,7 @@
 shard sizes, error messages, explain."""
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections import Counter
@@ -10,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 import shardc
 from shardc.context import GLOBAL_VAL, SOURCE
@@ -254,3 +256,28 @@ def test_unimplemented_gemm_modes_are_refused(fake_world) -> None:
         shardc.compile(MLPChain(), shardc.Mesh(), _mlp_inputs(), gemm_modes="auto")
     with pytest.raises(ValueError, match="gemm_modes='XX' is not one of"):
         shardc.compile(MLPChain(), shardc.Mesh(), _mlp_inputs(), gemm_modes="XX")
+
+
+class _Drop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(self.fc(x), 0.1, True) * 2.0
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_dropout_draws_what_one_device_draws(fake_world, device: str) -> None:
+    # Each device type has its own dropout kernel (CUDA's fused Philox kernel consumes the
+    # generator unlike CPU's Bernoulli draw): the compiled program must make the same call.
+    fake_world(1)
+    torch.manual_seed(0)
+    model = _Drop().to(device)
+    x = torch.randn(8, 16, device=device)
+    sm = shardc.compile(copy.deepcopy(model), shardc.Mesh(), (x,))
+    torch.manual_seed(5)
+    want = model(x)
+    torch.manual_seed(5)
+    got = sm(x)
+    assert torch.equal(got, want)
