@@ -281,3 +281,30 @@ def test_dropout_draws_what_one_device_draws(fake_world, device: str) -> None:
     torch.manual_seed(5)
     got = sm(x)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["gpt", "gpt2"])
+def test_explain_every_mesh_of_8(fake_world, name: str) -> None:
+    # Vocabulary-parallel cross-entropy keeps a P(max) in the layout: explain and the comm
+    # report must print it on every mesh (it once raised on every mesh with x or y > 1).
+    from models import gpt2
+
+    fake_world(8)
+    torch.manual_seed(0)
+    model = GPT() if name == "gpt" else gpt2()
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g))
+    compiled = 0
+    for mesh in shardc.Mesh.all(8):
+        try:
+            sm = shardc.compile(model, mesh, inputs)
+        except shardc.ShardcError as e:  # a mesh the model's dims do not divide: said clearly
+            assert "does not evenly divide" in str(e), (mesh, e)
+            continue
+        compiled += 1
+        text = shardc.explain(sm)
+        assert "decisions:" in text and "communication per step" in text, mesh
+        if mesh.x > 1:
+            assert "P(max)@x" in text, mesh
+        assert shardc.comm_report(sm).total_bytes() > 0, mesh
+    assert compiled >= 19, compiled  # only x8 may cut the heads too finely
