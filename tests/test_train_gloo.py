@@ -1,21 +1,29 @@
 """Real multi-process training on gloo: every mesh of 8 ranks (and of 1, 2, 4) trains the
-bias-free MLP chain, the plain-torch GPT and transformers' GPT2LMHeadModel, LlamaForCausalLM
-and OPTForCausalLM like the single-device model on the same global batch, and the bytes the
-runtime hands to torch.distributed equal the comm report's, byte for byte.
+bias-free MLP chain, the plain-torch GPT, transformers' GPT2LMHeadModel, LlamaForCausalLM,
+OPTForCausalLM, GPTNeoXForCausalLM, GPTBigCodeForCausalLM and Phi3ForCausalLM, and LitGPT's
+GPT (multi-head and grouped-query) like the single-device model on the same global batch:
+the first step's gradients as accurately as one fp32 device (both measured against a
+float64 copy), the losses of three AdamW steps, the final weights, and the bytes the
+runtime hands to torch.distributed equal to the comm report's, byte for byte.
 
-Ranks are spawned once per world size; all meshes and models run inside.
+Ranks are spawned once per world size; all meshes and models run inside. A failing case
+is recorded (model, mesh, step or tensor, errors) and the sweep goes on; the test fails at
+the end listing every failing case. ``python tests/test_train_gloo.py MODEL@MESH ...``
+re-runs chosen cases (``--list`` names them all).
 """
 from __future__ import annotations
 
 import copy
 import math
+import sys
+import traceback
 
 import pytest
 import torch
 
 import shardc
 from harness import run_on_ranks, train_side_by_side
-from models import GPT, MLPChain, gpt2, llama, opt
+from models import GPT, MLPChain, gpt2, gpt_bigcode, gpt_neox, litgpt_llama, llama, opt, phi3
 
 pytestmark = pytest.mark.distributed
 
@@ -31,6 +39,27 @@ pytestmark = pytest.mark.distributed
 LR, EPS = 1e-3, 1e-6
 RTOL = ATOL = 1e-5
 
+# Gradients against float64. Both the compiled program and one fp32 device compute the
+# first step's gradient with fp32 rounding, in different summation orders; a float64 copy
+# of the same model on the same batch is exact to ~1e-16 relative, so each fp32 run's
+# max-abs distance to it *is* that run's rounding error. Reordering a sum of n terms
+# changes its error bound by nothing, but the realised error of one order against another
+# varies with the order by a small factor (the shards' partial sums are shorter, the
+# ring's additions are extra); GRAD_FACTOR = 4 allows that and nothing more: a wrong
+# layout, a missing or doubled reduction, a wrong column order is off by the gradient's
+# own magnitude, ~1e5 times one device's error.
+GRAD_FACTOR = 4.0
+# ... plus an absolute floor, for tensors whose gradient is exactly zero in exact
+# arithmetic (an attention key bias: softmax is invariant to adding the same number to a
+# row of scores; a cancelling sum): there one device may by chance round to exactly 0
+# (or to ~1e-12) while another summation order leaves ~1e-11 of noise, so "4x of one
+# device's error" would demand exact zeros. The noise is a few fp32 roundings (unit
+# roundoff 2**-24 = 6e-8) of the terms that cancel, which are no larger than the model's
+# largest gradient entry G; the floor is 2**-24 * G (per model and batch, taken from the
+# float64 gradients), below one fp32 ulp of any entry of size G, so it cannot hide an
+# error in any gradient that is not ~0.
+FP32_UNIT_ROUNDOFF = 2.0 ** -24
+
 
 def _mlp() -> tuple:
     g = torch.Generator().manual_seed(1)
@@ -45,37 +74,110 @@ def _lm(make) -> tuple:
 
 
 MODELS = {"mlp": _mlp, "gpt": lambda: _lm(GPT), "gpt2": lambda: _lm(gpt2),
-          "llama": lambda: _lm(llama), "opt": lambda: _lm(opt)}
+          "llama": lambda: _lm(llama), "opt": lambda: _lm(opt),
+          "litgpt": lambda: _lm(litgpt_llama),
+          "litgpt_gqa": lambda: _lm(lambda: litgpt_llama(query_groups=2)),
+          "neox": lambda: _lm(gpt_neox), "bigcode": lambda: _lm(gpt_bigcode),
+          "phi3": lambda: _lm(phi3)}
 
 
-def _check(name: str, mesh: shardc.Mesh) -> None:
+def _grad_failures(where: str, grads: dict, ref_grads: dict, f64_grads: dict) -> list[str]:
+    """Each parameter's first-step gradient, compiled, within GRAD_FACTOR of one fp32
+    device's max-abs error against float64 (plus the floor)."""
+    out = []
+    if sorted(grads) != sorted(f64_grads):
+        return [f"{where}: full_grads names {sorted(grads)} != {sorted(f64_grads)}"]
+    big = max((g.abs().max().item() for g in f64_grads.values() if g is not None), default=0.0)
+    floor = FP32_UNIT_ROUNDOFF * big
+    for k, g64 in f64_grads.items():
+        if g64 is None or grads[k] is None:
+            if (g64 is None) != (grads[k] is None):
+                out.append(f"{where}: step 0 grad {k}: compiled {grads[k] is None and 'None'} "
+                           f"vs float64 {g64 is None and 'None'}")
+            continue
+        if grads[k].shape != g64.shape:
+            out.append(f"{where}: step 0 grad {k}: shape {tuple(grads[k].shape)} vs {tuple(g64.shape)}")
+            continue
+        err = (grads[k].double() - g64).abs().max().item()
+        err1 = (ref_grads[k].double() - g64).abs().max().item()
+        limit = GRAD_FACTOR * err1 + floor
+        if not err <= limit:
+            out.append(f"{where}: step 0 grad {k}: max-abs err vs float64 compiled {err:.3e}, "
+                       f"one fp32 device {err1:.3e} (limit {limit:.3e}, |g|max {g64.abs().max().item():.3e})")
+    return out
+
+
+_BUILT: dict[str, torch.nn.Module] = {}
+
+
+def _same_model(name: str, make):
+    """One model per name and process, built once with seed 0 (what train_side_by_side
+    seeds): compile traces it once for all meshes (the trace is cached per model object;
+    compile only reads it), and the single-device runs train copies of it."""
+    def build() -> torch.nn.Module:
+        if name not in _BUILT:
+            _BUILT.clear()  # the sweep goes model by model
+            _BUILT[name] = make()
+        return _BUILT[name]
+    return build
+
+
+def _case_failures(name: str, mesh: shardc.Mesh) -> list[str]:
+    """Every check of one (model, mesh); the failures as lines (empty when it passes)."""
     make, batches = MODELS[name]()
-    ref_losses, losses, ref_state, state, sm = train_side_by_side(make, batches, mesh, lr=LR, eps=EPS)
-    where = f"{name} on {mesh}"
-    for step, (a, b) in enumerate(zip(ref_losses, losses)):
-        assert math.isclose(a, b, rel_tol=RTOL), f"{where}: step {step} loss {b} vs {a}"
-    assert list(state) == list(ref_state), where
-    for k, ref in ref_state.items():
-        assert state[k].shape == ref.shape, (where, k)
-        torch.testing.assert_close(state[k], ref, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where}: {k}: {m}")
-        # and as a whole tensor (tensors that are ~0 in both, like a key bias, by atol)
-        err = (state[k] - ref).norm().item()
-        assert err <= RTOL * ref.norm().item() + ATOL, f"{where}: {k} off by {err:.2e} (norm)"
+    make = _same_model(name, make)
+    where = f"{name}@{mesh.spec()}"
+    try:
+        run = train_side_by_side(make, batches, mesh, lr=LR, eps=EPS, float64_reference=True)
+    except Exception:  # noqa: BLE001 (a compile or runtime error is this case's failure)
+        return [f"{where}: raised\n{traceback.format_exc()}"]
+    out = _grad_failures(where, run.grads, run.ref_grads, run.f64_grads)
+    for step, (a, b) in enumerate(zip(run.ref_losses, run.losses)):
+        if not math.isclose(a, b, rel_tol=RTOL):
+            out.append(f"{where}: step {step} loss {b!r} vs one device {a!r} "
+                       f"(rel {abs(a - b) / abs(a):.2e})")
+    if list(run.state) != list(run.ref_state):
+        out.append(f"{where}: state names {list(run.state)} != {list(run.ref_state)}")
+    for k, ref in run.ref_state.items():
+        got = run.state.get(k)
+        if got is None or got.shape != ref.shape:
+            out.append(f"{where}: after 3 steps {k}: {None if got is None else tuple(got.shape)} "
+                       f"vs {tuple(ref.shape)}")
+            continue
+        # elementwise, and as a whole tensor (tensors that are ~0 in both, like a key
+        # bias, by atol)
+        worst = ((got - ref).abs() - RTOL * ref.abs()).max().item()
+        err = (got - ref).norm().item()
+        if worst > ATOL or err > RTOL * ref.norm().item() + ATOL:
+            out.append(f"{where}: after 3 steps {k}: max-abs diff {(got - ref).abs().max().item():.3e}, "
+                       f"norm diff {err:.3e} of norm {ref.norm().item():.3e}")
     # what the runtime hands to torch.distributed in one step == the compile-time report
+    sm = run.sm
     sm.reset_measured_comm()
     sm(*[shardc.shard_batch(t, mesh) for t in batches[0]]).backward()
     measured, reported = sm.measured_comm(), shardc.comm_report(sm).by_key()
-    assert measured == reported, f"{where}: measured {measured} != reported {reported}"
+    if measured != reported:
+        out.append(f"{where}: measured comm {measured} != reported {reported}")
     # transformers build their attention masks with advanced indexing on whole integer
     # tensors: replicated, and nothing to gather
-    assert all(f.op == "aten.index.Tensor" and not f.gathered for f in sm.fallbacks), (
-        f"{where}: unexpected fallbacks {sm.fallbacks}")
+    if not all(f.op == "aten.index.Tensor" and not f.gathered for f in sm.fallbacks):
+        out.append(f"{where}: unexpected fallbacks {sm.fallbacks}")
+    return out
+
+
+def _cases(rank: int, world_size: int, cases: list[tuple[str, str]]) -> None:
+    """Run every (model, mesh spec); fail at the end with every failing case's lines."""
+    failures: list[str] = []
+    for name, spec in cases:
+        failures += _case_failures(name, shardc.Mesh.parse(spec))
+    if failures:
+        failing = sorted({line.split(":", 1)[0] for line in failures})
+        raise AssertionError(f"{len(failing)} of {len(cases)} cases fail: {' '.join(failing)}\n"
+                             + "\n".join(failures))
 
 
 def _sweep(rank: int, world_size: int, meshes: list[str]) -> None:
-    for name in MODELS:
-        for spec in meshes:
-            _check(name, shardc.Mesh.parse(spec))
+    _cases(rank, world_size, [(name, spec) for name in MODELS for spec in meshes])
 
 
 def _bad_input(rank: int, world_size: int) -> None:
@@ -133,7 +235,8 @@ def _dropout(rank: int, world_size: int) -> None:
     for make in (lambda: GPT(dropout=0.1), lambda: gpt2(dropout=0.1)):
         for spec in ("x2y1z1d2", "x1y2z2d1"):
             mesh = shardc.Mesh.parse(spec)
-            ref_losses, losses, ref_state, state, _ = train_side_by_side(make, batches, mesh, lr=LR, eps=EPS)
+            ref_losses, losses, ref_state, state = train_side_by_side(make, batches, mesh, lr=LR,
+                                                                      eps=EPS)[:4]
             for a, b in zip(ref_losses, losses):
                 assert math.isclose(a, b, rel_tol=RTOL), (spec, ref_losses, losses)
             for k, ref in ref_state.items():
@@ -160,3 +263,17 @@ def test_meshes_of_1_2_4_ranks(world_size: int) -> None:
 
 def test_bad_input_fails_on_every_rank_without_hanging() -> None:
     run_on_ranks(_bad_input, 4)
+
+
+if __name__ == "__main__":
+    # python tests/test_train_gloo.py gpt@x2y1z1d4 litgpt_gqa@x2y2z2d1 ...: re-run cases
+    if sys.argv[1:] in ([], ["--list"]):
+        print(" ".join(f"{n}@{m.spec()}" for w in (1, 2, 4, 8) for n in MODELS for m in shardc.Mesh.all(w)))
+        sys.exit(0)
+    by_world: dict[int, list[tuple[str, str]]] = {}
+    for arg in sys.argv[1:]:
+        name, spec = arg.split("@")
+        by_world.setdefault(shardc.Mesh.parse(spec).world_size, []).append((name, spec))
+    for w, cases in sorted(by_world.items()):
+        run_on_ranks(_cases, w, cases)
+        print(f"{len(cases)} case(s) on {w} rank(s) pass")
