@@ -204,6 +204,8 @@ class Lowering:
 
     def _all_reduce(self, node: fx.Node, lay: Layout, axis: str, op: str, gval: Any) -> fx.Node:
         out = lay.with_replicated(axis)
+        if op in ("max", "min") and _may_carry_grad(node):
+            return self._gather_reduce(node, lay, axis, op, gval)
         buf_lay = out
         start = self.emit(C.all_reduce_start, (node, self.rt, axis, op if op in ("max", "min") else "sum"),
                           layout=buf_lay, val=gval, kind="collective")
@@ -212,6 +214,21 @@ class Lowering:
         if op == "avg":
             done = self.emit(aten.mul.Tensor, (done, 1.0 / self.mesh.size(axis)), layout=out, val=gval)
         return done
+
+    def _gather_reduce(self, node: fx.Node, lay: Layout, axis: str, op: str, gval: Any) -> fx.Node:
+        """A partial max/min whose value carries a gradient: gather the ranks' pieces and
+        reduce them locally. An all-reduce MAX has no derivative to offer; amax over the
+        gathered pieces sends the gradient to the rank that holds the maximum (ties split
+        as torch.amax splits them), and the all-gather's backward returns each rank its
+        piece's gradient."""
+        out = lay.with_replicated(axis)
+        buf = Layout(lay.ndim + 1, ((),) + out.dims, out.partial, (1,) + out.interleave)
+        start = self.emit(C.all_gather_start, (node, self.rt, axis, "slice"), layout=buf, val=None,
+                          kind="collective")
+        start.meta[COMM] = {"collective": "all_gather", "axis": axis, "dim": 0}
+        done = self.emit(C.wait, (start,), layout=buf, val=None, kind="wait")
+        red = aten.amax.default if op == "max" else aten.amin.default
+        return self.emit(red, (done, [0]), layout=out, val=gval)
 
     def _all_gather(self, node: fx.Node, lay: Layout, axis: str, dim: int, gval: Any) -> fx.Node:
         out = lay.with_replicated(axis)
@@ -352,6 +369,17 @@ class Lowering:
                     want = want.with_shard(a, 0)
         assert lay.ndim == v.ndim, (self.cur, lay, v.val.shape)
         return self.to_layout(v, want)
+
+
+def _may_carry_grad(node: fx.Node) -> bool:
+    """False for values that are detached by construction (the row maxima that only shift
+    cross-entropy's exponentials) or not floating point; True otherwise."""
+    from shardc.runtime import ops as R
+
+    if node.target is R.row_max:
+        return False
+    gval = node.meta.get(GLOBAL_VAL)
+    return not isinstance(gval, torch.Tensor) or gval.dtype.is_floating_point
 
 
 def lower_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:

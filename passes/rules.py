@@ -222,8 +222,13 @@ def _partial_ok(target: Any, args: list[Any], axis: str, out_dtype: Any = None) 
     if target in LINEAR_UNARY or target in (aten.dropout.default, aten.native_dropout.default):
         if out_dtype is not None and not (out_dtype.is_floating_point or out_dtype.is_complex):
             return False  # a cast to an integer type rounds each piece
-        # type_as / view_as read only the dtype or shape of their second argument
-        return n_partial == 1 and all(k in ("c", "0", "R", "S") for k in others)
+        src = args[0].val.dtype if isinstance(args[0], Val) else None
+        if out_dtype is not None and src is not None and src.is_floating_point and \
+                out_dtype.is_floating_point and torch.finfo(out_dtype).eps > torch.finfo(src).eps:
+            return False  # a narrowing cast: sum in the wider type, round once, as one device
+        # type_as / view_as read only the dtype or shape of their second argument, so the
+        # partial value must be the first
+        return kinds[0] == op and n_partial == 1 and all(k in ("c", "0", "R", "S") for k in others)
     if target in _ADDITIVE:
         # a + b of two partial pieces is the piece of the sum; a constant or replicated
         # addend would be added once per rank to a sum (but exactly once to a mean)
@@ -315,6 +320,8 @@ def pointwise_layouts(L: Lowering, target: Any, ins: list[Val | None], out_shape
                aten.view_as.default, aten.softplus.default, aten.log1p.default, aten.expm1.default)
 def pointwise_rule(L: Lowering, node: fx.Node) -> Any:
     val = node.meta["val"]
+    if not isinstance(val, torch.Tensor):  # several outputs (frexp): no layout rule for that
+        return fallback_rule(L, node)
     ins_nodes = tensor_inputs(L, node)
     ins = [v for _, v in ins_nodes]
     # a value derived only from parameters: keep it whole (rare: scaled weights)
@@ -719,6 +726,9 @@ def gemm_rule(L: Lowering, node: fx.Node) -> Any:
     xl = no_partial(x.layout.clean(mesh))
     for a in (k_axis, n_axis):
         xl = xl.with_replicated(a)
+    # the contraction dim is cut over the k axis only: an input whose features arrive cut
+    # over another axis (z, data) is gathered there first
+    xl = replicate_dims(xl, [-1])
     if shard_k:
         xl = xl.with_shard(k_axis, -1)
     # weight: Algorithm 1's block (k over k_axis, n over n_axis)

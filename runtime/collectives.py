@@ -35,6 +35,11 @@ from shardc.mesh import Mesh
 from shardc.runtime.groups import axis_groups
 from shardc.runtime.volume import ring_bytes
 
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); older releases
+# have only the old ones. Same semantics, so use whichever this torch has.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _RUNTIMES: dict[str, "Runtime"] = {}
 _WORK = "_shardc_work"  # attribute of a buffer whose collective is still in flight
 _ids = itertools.count()
@@ -89,7 +94,7 @@ class _AllGather(torch.autograd.Function):
         # gloo wants the output as (G*d0, ...): hand it a view, return the base
         out = buf.view((g * flat.shape[0], *flat.shape[1:]))
         r.count("all_gather", axis, "forward", x)
-        setattr(buf, _WORK, dist.all_gather_into_tensor(out, flat, group=r.group(axis), async_op=True))
+        setattr(buf, _WORK, all_gather_flat(out, flat, group=r.group(axis), async_op=True))
         return buf
 
     @staticmethod
@@ -102,7 +107,7 @@ class _AllGather(torch.autograd.Function):
             g_flat = g_buf.contiguous().reshape((-1, *shape[1:]) if len(shape) else (-1,))
             out = g_flat.new_empty((g_flat.shape[0] // g_buf.shape[0], *g_flat.shape[1:]))
             r.count("reduce_scatter", ctx.axis, "backward", g_flat)
-            dist.reduce_scatter_tensor(out, g_flat, group=r.group(ctx.axis))
+            reduce_scatter_flat(out, g_flat, group=r.group(ctx.axis))
             return out.view(shape), None, None, None
         # The gradient is already the same on every rank of the axis: keep our piece.
         return g_buf[r.coord(ctx.axis)], None, None, None

@@ -67,7 +67,8 @@ def mean_over_shards(local_sum: torch.Tensor, global_count: torch.Tensor, shards
     """``local_sum * shards / global_count``: averaging this over the batch shards gives
     the exact global mean, even when the shards hold different numbers of counted
     targets; when they hold the same number it equals the local mean."""
-    return local_sum * (shards / global_count).to(local_sum.dtype)
+    # the count is exact in any float type; divide in the loss's precision
+    return local_sum * (shards / global_count.to(local_sum.dtype))
 
 
 def global_dropout(x: torch.Tensor, p: float, train: bool, global_shape: list[int],

@@ -31,9 +31,11 @@ def _check_mesh(mesh: Any, world_size: int | None) -> Mesh:
     return mesh
 
 
-def _check_batch(example_inputs: tuple, mesh: Mesh) -> None:
+def _check_batch(example_inputs: tuple, mesh: Mesh, laid_out: Mapping[int, Layout]) -> None:
     n = mesh.size("data") * mesh.size("z")
     for i, x in enumerate(example_inputs):
+        if i in laid_out:  # checked against its own layout by _input_layouts
+            continue
         if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] % n:
             raise ShardcError(
                 f"shardc.compile: example input {i} has batch size {x.shape[0]} (dim 0), which "
@@ -86,7 +88,7 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
         mesh = cands[0].mesh
     mesh = _check_mesh(mesh, dist.get_world_size())
     example_inputs = tuple(example_inputs)
-    _check_batch(example_inputs, mesh)
+    _check_batch(example_inputs, mesh, input_layouts or {})
     options = Options(transpose_alternate=transpose_alternate, overlap=overlap,
                       prefetch_depth=prefetch_depth, gemm_modes=gemm_modes)
     return _compile(model, mesh, example_inputs, options, dist.get_rank(), input_layouts)

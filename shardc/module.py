@@ -149,7 +149,7 @@ class ShardedModule(nn.Module):
         world = dist.get_world_size()
         flat = local.detach().contiguous().reshape(-1)
         buf = flat.new_empty(world * flat.numel())
-        dist.all_gather_into_tensor(buf, flat)
+        C.all_gather_flat(buf, flat)
         full = local.new_empty(self._global_shapes[name])
         for r in range(world):
             piece = buf[r * flat.numel():(r + 1) * flat.numel()].view(local.shape)
