@@ -31,10 +31,10 @@ def _check_mesh(mesh: Any, world_size: int | None) -> Mesh:
     return mesh
 
 
-def _check_batch(example_inputs: tuple, mesh: Mesh, laid_out: Mapping[int, Layout]) -> None:
+def _check_batch(example_inputs: tuple, mesh: Mesh, laid_out: Mapping[int, Layout] | None = None) -> None:
     n = mesh.size("data") * mesh.size("z")
     for i, x in enumerate(example_inputs):
-        if i in laid_out:  # checked against its own layout by _input_layouts
+        if i in (laid_out or {}):  # checked against its own layout by _input_layouts
             continue
         if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] % n:
             raise ShardcError(
