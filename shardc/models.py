@@ -212,7 +212,10 @@ def gpt_neox(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 8,
 
     cfg = GPTNeoXConfig(vocab_size=vocab, hidden_size=dim, num_hidden_layers=layers,
                         num_attention_heads=heads, intermediate_size=2 * dim,
-                        max_position_embeddings=seq, rotary_pct=0.5, use_cache=False,
+                        max_position_embeddings=seq, use_cache=False,
+                        # the legacy name: transformers 4.x takes it, 5.x maps it into
+                        # rope_parameters["partial_rotary_factor"] (not in its typed signature)
+                        **{"rotary_pct": 0.5},
                         hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
                         bos_token_id=0, eos_token_id=0)
     return HFCausalLM(GPTNeoXForCausalLM(cfg))
