@@ -4,6 +4,7 @@ knows them."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -210,14 +211,14 @@ def gpt_neox(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 8,
     partial rotary, parallel residual, biases, untied head."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
+    # partial rotary under its legacy name: transformers 4.x takes it, 5.x maps it into
+    # rope_parameters["partial_rotary_factor"] (so it is not in 5.x's typed signature)
+    legacy: dict[str, Any] = {"rotary_pct": 0.5}
     cfg = GPTNeoXConfig(vocab_size=vocab, hidden_size=dim, num_hidden_layers=layers,
                         num_attention_heads=heads, intermediate_size=2 * dim,
                         max_position_embeddings=seq, use_cache=False,
-                        # the legacy name: transformers 4.x takes it, 5.x maps it into
-                        # rope_parameters["partial_rotary_factor"] (not in its typed signature)
-                        **{"rotary_pct": 0.5},
                         hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
-                        bos_token_id=0, eos_token_id=0)
+                        bos_token_id=0, eos_token_id=0, **legacy)
     return HFCausalLM(GPTNeoXForCausalLM(cfg))
 
 
