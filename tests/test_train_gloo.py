@@ -267,6 +267,8 @@ def test_bad_input_fails_on_every_rank_without_hanging() -> None:
 
 if __name__ == "__main__":
     # python tests/test_train_gloo.py gpt@x2y1z1d4 litgpt_gqa@x2y2z2d1 ...: re-run cases
+    import os
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # the ranks' torch deprecation noise
     if sys.argv[1:] in ([], ["--list"]):
         print(" ".join(f"{n}@{m.spec()}" for w in (1, 2, 4, 8) for n in MODELS for m in shardc.Mesh.all(w)))
         sys.exit(0)
