@@ -467,6 +467,7 @@ class ThreadedWorld:
 
         self.mtpg = mtpg
         self.world_size = world_size
+        self.broken = False
         # the process-group registry is process-global unless told otherwise: every
         # thread registers its own group "0"
         torch._C._distributed_c10d._set_thread_isolation_mode(True)
@@ -523,8 +524,9 @@ class ThreadedWorld:
             try:
                 r, err = self.outbox.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
-                if kicked:
-                    raise RuntimeError("threaded world hung after terminate")
+                if kicked:  # blocked outside a collective (a store barrier): give up the world
+                    self.broken = True
+                    return errors[0]
                 errors.append(f"timeout after {timeout}s (ranks waiting in a collective others never issued)")
                 self.mtpg.ProcessLocalGroup.exception_handle(RuntimeError("timeout"))
                 kicked = True
@@ -596,6 +598,9 @@ def run_threaded(cases: list[Case]) -> dict[str, str | None]:
                     continue
                 _RESULTS[c.id] = world.run(lambda r, c=c, ref=ref: run_case_on_rank(c, ref, r))
                 _TIMES[c.id] = time.monotonic() - t0
+                if world.broken:  # its threads stay blocked (daemons); start afresh
+                    world.mtpg._uninstall_threaded_pg()
+                    world = ThreadedWorld(ws)
         finally:
             world.close()
     _record_failures()
@@ -703,6 +708,8 @@ def check(results: dict[str, str | None], case: Case) -> None:
 
 
 def report_count(family: str, cases: list[Case]) -> None:
+    if IN_WORKER:
+        return
     n_specs = len({id(c.spec) for c in cases})
     msg = f"rule sweep [{family}]: {len(cases)} (op, placement, mesh) cases over {n_specs} op samples"
     print(msg, file=sys.stderr)

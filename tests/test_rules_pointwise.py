@@ -67,7 +67,7 @@ def _opinfo_spec(op, k: int, sample) -> S.OpSpec:
         leaves[i].is_floating_point() and op.supports_autograd) for i in pos)
     batch_ok = all(t.dim() == 0 or t.shape[0] % 2 == 0 for t in ts)
     meshes = (MESHES_1[k % 4] if batch_ok else MESHES_1[k % 2],)
-    if batch_ok and k % 5 == 0:
+    if k % 5 == 0 and all(t.dim() == 0 or t.shape[0] % 4 == 0 for t in ts):
         meshes += ("z2d2",)
     elif k % 5 == 2 and all(t.dim() == 0 or all(n % 2 == 0 for n in t.shape[-2:]) for t in ts):
         meshes += ("x2y2",)
@@ -209,6 +209,8 @@ def handwritten_specs() -> list[S.OpSpec]:
         _H("to.int64", lambda m, a: (a * 4).to(torch.int64), x()),
         _H("to.dtype", lambda m, a: aten.to.dtype(a, torch.float32), x()),
         _H("_to_copy", lambda m, a: aten._to_copy.default(a, dtype=torch.float32), x()),
+        _H("to.dtype_layout", lambda m, a: aten.to.dtype_layout(a, dtype=torch.float32), x()),
+        _H("to.device", lambda m, a: aten.to.device(a, torch.device("cpu"), torch.float32), x()),
         _H("type_as", lambda m, a, b: a.type_as(b), x(), x()),
         _H("view_as", lambda m, a, b: aten.view_as.default(a, b) + b, x(), x()),
     ]

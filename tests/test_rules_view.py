@@ -61,6 +61,7 @@ def specs() -> list[S.OpSpec]:
         V("roll", lambda m, a: torch.roll(a, 2, 1), x(4, 6)),
         V("roll.flat", lambda m, a: torch.roll(a, 3), x(4, 6)),
         V("constant_pad_nd", lambda m, a: F.pad(a, (1, 1), value=0.5), x(4, 6), two=True),
+        V("constant_pad_nd.aten", lambda m, a: aten.constant_pad_nd.default(a, [1, 1], 0.5), x(4, 6)),
         V("pad", lambda m, a: aten.pad.default(a, [1, 2], "constant", 0.0), x(4, 6)),
     ]
     return _SPECS

@@ -1,0 +1,67 @@
+"""Rule sweep on real gloo processes: dropout (against one device drawing from the same
+seed), and a representative subset of every other family.
+
+Dropout cannot run on the threaded process group: its mask is drawn from the
+process-wide default generator, which the rank threads share, so each would draw a
+different part of the stream. One spawn per world size runs every case of that size.
+See ``rules_sweep.py``."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rules_sweep as S
+
+_SPECS: list[S.OpSpec] | None = None
+# (module, function) whose specs the gloo ranks rebuild; the subset is a slice of each
+FAMILIES = [("test_rules_random", "dropout_specs"), ("test_rules_pointwise", "handwritten_specs"),
+            ("test_rules_view", "specs"), ("test_rules_reduction", "specs"),
+            ("test_rules_matrix", "specs"), ("test_rules_embedding", "specs"),
+            ("test_rules_attention", "specs")]
+SUBSET_EVERY = 23  # every 23rd case of the other families (about 5%)
+
+
+def dropout_specs() -> list[S.OpSpec]:
+    global _SPECS
+    if _SPECS is not None:
+        return _SPECS
+    g = S.gen(8)
+    _SPECS = [
+        S.OpSpec("random", "dropout", lambda m, a: F.dropout(a, 0.3, training=True),
+                 (S._t((4, 6), g),), meshes=("x2", "y2", "z2", "d2", "x2y2"), seed=11),
+        S.OpSpec("random", "dropout.3d", lambda m, a: F.dropout(a, 0.5, training=True) * 2.0,
+                 (S._t((4, 2, 6), g),), meshes=("x2", "z2d2"), seed=12),
+        S.OpSpec("random", "native_dropout",
+                 lambda m, a: torch.ops.aten.native_dropout.default(a, 0.3, True)[0],
+                 (S._t((4, 6), g),), meshes=("x2", "d2"), seed=14),
+        S.OpSpec("random", "dropout.eval", lambda m, a: F.dropout(a, 0.3, training=False),
+                 (S._t((4, 6), g),), meshes=("y2",), seed=13),
+    ]
+    return _SPECS
+
+
+def _cases() -> list[S.Case]:
+    import importlib
+
+    out = [c for s in dropout_specs() for c in S.cases_of(s)]
+    for mod, fn in FAMILIES[1:]:
+        specs = getattr(importlib.import_module(mod), fn)()
+        cs = [c for s in specs for c in S.cases_of(s)]
+        out += cs[::SUBSET_EVERY]
+    return out
+
+
+CASES = [] if S.IN_WORKER else _cases()
+S.report_count("gloo (dropout + subset)", CASES)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return S.run_gloo(FAMILIES, CASES)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", S.params(CASES, prefix="gloo:"))
+def test_rule_gloo(case, results):
+    S.check(results, case)
