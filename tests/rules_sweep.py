@@ -734,3 +734,21 @@ def unused(*a: Any) -> None:  # keep flake quiet about helpers used by some fami
 
 
 _ = (itertools, types)
+
+
+def threaded_family(family: str, specs: Callable[[], list[OpSpec]]) -> tuple[list[Case], Any, Any]:
+    """One op family's cases, plus the module-scoped fixture that runs them all on the
+    threaded world and the test that checks each: a family file binds the three to
+    ``CASES, results, test_rule`` so pytest collects them there."""
+    cases = [] if IN_WORKER else [c for s in specs() for c in cases_of(s)]
+    report_count(family, cases)
+
+    @pytest.fixture(scope="module")
+    def results() -> dict[str, str | None]:
+        return run_threaded(cases)
+
+    @pytest.mark.parametrize("case", params(cases))
+    def test_rule(case: Case, results: dict[str, str | None]) -> None:
+        check(results, case)
+
+    return cases, results, test_rule

@@ -2,7 +2,6 @@
 mask and with grouped-query heads. See ``rules_sweep.py``."""
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -36,15 +35,4 @@ def specs() -> list[S.OpSpec]:
     return _SPECS
 
 
-CASES = [] if S.IN_WORKER else [c for s in specs() for c in S.cases_of(s)]
-S.report_count("attention", CASES)
-
-
-@pytest.fixture(scope="module")
-def results():
-    return S.run_threaded(CASES)
-
-
-@pytest.mark.parametrize("case", S.params(CASES))
-def test_rule(case, results):
-    S.check(results, case)
+CASES, results, test_rule = S.threaded_family("attention", specs)

@@ -3,7 +3,6 @@ tiny module (Algorithm 1's layouts, normal and transposed), and products of two
 activations (bmm, matmul, mm). See ``rules_sweep.py``."""
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -44,15 +43,4 @@ def specs() -> list[S.OpSpec]:
     return _SPECS
 
 
-CASES = [] if S.IN_WORKER else [c for s in specs() for c in S.cases_of(s)]
-S.report_count("matrix", CASES)
-
-
-@pytest.fixture(scope="module")
-def results():
-    return S.run_threaded(CASES)
-
-
-@pytest.mark.parametrize("case", S.params(CASES))
-def test_rule(case, results):
-    S.check(results, case)
+CASES, results, test_rule = S.threaded_family("matrix", specs)
