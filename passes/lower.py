@@ -157,16 +157,19 @@ class Lowering:
         if key in self.cache:
             return self.cache[key]
         lay = cur
-        # 1. partial sums -> replicated (all-reduce)
+        # 1. partial values -> replicated (all-reduce), except a sum or mean the target
+        #    cuts along a dim: that one is reduce-scattered once the shards are settled
+        scatter: list[tuple[str, str, int]] = []
         for axis, op in cur.partial:
             if dict(target.partial).get(axis) == op:
                 continue
-            # the sum completes the op that made the partial: report it there
-            here, self.src = self.src, self._partial_origin(node, axis).meta.get(SOURCE, self.src)
-            node = self._all_reduce(node, lay, axis, op, gval)
-            self.src = here
-            lay = lay.with_replicated(axis)
-        # 2. shards that the target does not keep, innermost first -> all-gather
+            d = target.shard_dim(axis)
+            if d is not None and op in ("sum", "avg"):
+                scatter.append((axis, op, d))
+                continue
+            node, lay = self._reduce(node, lay, axis, op, gval)
+        # 2. shards that the target does not keep, innermost first: to the dim the target
+        #    cuts over that axis (all-to-all) or whole (all-gather)
         for d in range(lay.ndim):
             have, want = lay.dims[d], target.dims[d]
             keep = 0
@@ -174,8 +177,20 @@ class Lowering:
                 while keep < min(len(have), len(want)) and have[keep] == want[keep]:
                     keep += 1
             for axis in reversed(have[keep:]):
-                node = self._all_gather(node, lay, axis, d, gval)
-                lay = lay.with_replicated(axis)
+                j = target.shard_dim(axis)
+                if j is not None and j != d and lay.interleave[d] == 1 and \
+                        self._next_cut(lay, target, j, axis, gval):
+                    node, lay = self._all_to_all(node, lay, axis, d, j, gval)
+                else:
+                    node = self._all_gather(node, lay, axis, d, gval)
+                    lay = lay.with_replicated(axis)
+        for axis, op, d in scatter:
+            if self._next_cut(lay, target, d, axis, gval):
+                here, self.src = self.src, self._partial_origin(node, axis).meta.get(SOURCE, self.src)
+                node, lay = self._reduce_scatter(node, lay, axis, op, d, gval)
+                self.src = here
+            else:
+                node, lay = self._reduce(node, lay, axis, op, gval)
         # 3. shards the target has and we lack -> local slice (no communication)
         for d in range(lay.ndim):
             have, want = lay.dims[d], target.dims[d]
@@ -190,6 +205,53 @@ class Lowering:
         assert lay == target, (cur, target, lay)
         self.cache[key] = node
         return node
+
+    def _reduce(self, node: fx.Node, lay: Layout, axis: str, op: str, gval: Any
+                ) -> tuple[fx.Node, Layout]:
+        # the reduction completes the op that made the partial: report it there
+        here, self.src = self.src, self._partial_origin(node, axis).meta.get(SOURCE, self.src)
+        node = self._all_reduce(node, lay, axis, op, gval)
+        self.src = here
+        return node, lay.with_replicated(axis)
+
+    def _next_cut(self, lay: Layout, target: Layout, d: int, axis: str, gval: Any) -> bool:
+        """Is ``axis`` the next cut the target makes of dim ``d`` (plain blocks, and this
+        rank's piece of the dim divides evenly)?"""
+        have, want = lay.dims[d], target.dims[d]
+        if want[:len(have)] != have or len(want) <= len(have) or want[len(have)] != axis:
+            return False
+        if target.interleave[d] != 1 or lay.interleave[d] != 1:
+            return False
+        return lay.local_shape(list(gval.shape), self.mesh)[d] % self.mesh.size(axis) == 0
+
+    def _reduce_scatter(self, node: fx.Node, lay: Layout, axis: str, op: str, d: int, gval: Any
+                        ) -> tuple[fx.Node, Layout]:
+        """Partial -> cut along ``d``: one reduce-scatter moves (G-1)/G of the tensor,
+        where all-reducing and then slicing would move twice that."""
+        out = lay.with_shard(axis, d)
+        moved = [d] + [i for i in range(lay.ndim) if i != d]
+        buf = Layout(lay.ndim, tuple(out.dims[i] for i in moved), out.partial,
+                     tuple(out.interleave[i] for i in moved))
+        start = self.emit(C.reduce_scatter_start, (node, self.rt, axis, d), layout=buf, val=None,
+                          kind="collective")
+        start.meta[COMM] = {"collective": "reduce_scatter", "axis": axis, "dim": d, "op": op}
+        done = self.emit(C.wait, (start,), layout=buf, val=None, kind="wait")
+        node = self.emit(C.unmove, (done, d), layout=out, val=gval)
+        if op == "avg":
+            node = self.emit(aten.mul.Tensor, (node, 1.0 / self.mesh.size(axis)), layout=out, val=gval)
+        return node, out
+
+    def _all_to_all(self, node: fx.Node, lay: Layout, axis: str, src: int, dst: int, gval: Any
+                    ) -> tuple[fx.Node, Layout]:
+        """Cut over ``axis`` along ``src`` -> along ``dst``: an all-to-all moves (G-1)/G of
+        the piece, where gathering and slicing would move (G-1) times it."""
+        out = lay.with_replicated(axis).with_shard(axis, dst)
+        buf = Layout(lay.ndim + 1, ((),) + out.dims, out.partial, (1,) + out.interleave)
+        start = self.emit(C.all_to_all_start, (node, self.rt, axis, src, dst), layout=buf, val=None,
+                          kind="collective")
+        start.meta[COMM] = {"collective": "all_to_all", "axis": axis, "src": src, "dst": dst}
+        done = self.emit(C.wait, (start,), layout=buf, val=None, kind="wait")
+        return self.emit(C.concat_received, (done, src), layout=out, val=gval), out
 
     @staticmethod
     def _partial_origin(node: fx.Node, axis: str) -> fx.Node:

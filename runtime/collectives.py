@@ -11,6 +11,9 @@ forward                placement change    backward
 all_gather_start       S(d) -> R           reduce-scatter (gradient is a partial sum) or
                                            the rank's own slice (gradient replicated)
 all_reduce_start       P -> R              identity
+reduce_scatter_start   P -> S(d)           all-gather of the gradient (each addend's
+                                           gradient is the whole gradient)
+all_to_all_start       S(i) -> S(j)        the reverse all-to-all
 grad_all_reduce        R -> R              all-reduce: the gradient arriving is partial
 =====================  ==================  ==============================================
 
@@ -131,6 +134,65 @@ class _AllReduce(torch.autograd.Function):
         return g, None, None, None
 
 
+class _ReduceScatter(torch.autograd.Function):
+    """Sum a partial tensor over ``axis`` and keep this rank's block of dim ``dim``. The
+    buffer it returns holds that block with ``dim`` moved to the front (the layout the
+    flat collective writes); ``unmove`` puts it back after the wait."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, dim: int) -> torch.Tensor:
+        r = get_runtime(rt)
+        g = r.mesh.size(axis)
+        ctx.rt, ctx.axis, ctx.dim = rt, axis, dim
+        front = x.movedim(dim, 0).contiguous()
+        out = front.new_empty((front.shape[0] // g, *front.shape[1:]))
+        r.count("reduce_scatter", axis, "forward", front)
+        setattr(out, _WORK, reduce_scatter_flat(out, front, group=r.group(axis), async_op=True))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # d(sum_r x_r)/dx_r = 1: every addend receives the whole gradient, which is the
+        # gathered blocks
+        r = get_runtime(ctx.rt)
+        g = r.mesh.size(ctx.axis)
+        g_out = g_out.contiguous()
+        full = g_out.new_empty((g * g_out.shape[0], *g_out.shape[1:]))
+        r.count("all_gather", ctx.axis, "backward", g_out)
+        all_gather_flat(full, g_out, group=r.group(ctx.axis))
+        return full.movedim(0, ctx.dim), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Move the cut of ``axis`` from dim ``src`` to dim ``dst``: each rank sends rank r
+    the r-th block of its piece along ``dst`` and receives blocks of ``src``. The buffer
+    is (G, *piece with dst cut) in the order of the sending ranks; ``concat_received``
+    lays the blocks side by side along ``src`` after the wait."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, src: int, dst: int) -> torch.Tensor:
+        r = get_runtime(rt)
+        g = r.mesh.size(axis)
+        ctx.rt, ctx.axis, ctx.src, ctx.dst = rt, axis, src, dst
+        n = x.shape[dst]
+        # (G, *x with dst cut): block i goes to rank i
+        send = x.unflatten(dst, (g, n // g)).movedim(dst, 0).contiguous()
+        buf = torch.empty_like(send)
+        r.count("all_to_all", axis, "forward", send)
+        setattr(buf, _WORK, dist.all_to_all_single(buf, send, group=r.group(axis), async_op=True))
+        return buf
+
+    @staticmethod
+    def backward(ctx: Any, g_buf: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        r = get_runtime(ctx.rt)
+        g_buf = g_buf.contiguous()
+        back = torch.empty_like(g_buf)
+        r.count("all_to_all", ctx.axis, "backward", g_buf)
+        dist.all_to_all_single(back, g_buf, group=r.group(ctx.axis))
+        # back[i] is the gradient of the block this rank sent to rank i (a block of dst)
+        return back.movedim(0, ctx.dst).flatten(ctx.dst, ctx.dst + 1), None, None, None, None
+
+
 class _GradAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
@@ -159,11 +221,37 @@ def all_reduce_start(x: torch.Tensor, rt: str, axis: str, op: str = "sum") -> to
     return _AllReduce.apply(x, rt, axis, op)
 
 
+def reduce_scatter_start(x: torch.Tensor, rt: str, axis: str, dim: int) -> torch.Tensor:
+    """Issue a reduce-scatter over ``axis`` of a partial sum, cut along ``dim``
+    (partial -> shard); returns the buffer being filled (``dim`` first)."""
+    return _ReduceScatter.apply(x, rt, axis, dim)
+
+
+def unmove(buf: torch.Tensor, dim: int) -> torch.Tensor:
+    """A reduce-scatter's buffer (``dim`` first) back in the tensor's own dim order."""
+    return buf.movedim(0, dim)
+
+
+def all_to_all_start(x: torch.Tensor, rt: str, axis: str, src: int, dst: int) -> torch.Tensor:
+    """Issue an all-to-all over ``axis`` that moves its cut from dim ``src`` to dim
+    ``dst`` (shard -> shard); returns the (G, ...) buffer being filled."""
+    return _AllToAll.apply(x, rt, axis, src, dst)
+
+
+def concat_received(buf: torch.Tensor, src: int) -> torch.Tensor:
+    """An all-to-all's (G, ...) buffer -> one tensor, the blocks from ranks 0..G-1 side by
+    side along ``src`` (the dim that was cut and is now whole)."""
+    return buf.movedim(0, src).flatten(src, src + 1)
+
+
 def wait(buf: torch.Tensor) -> torch.Tensor:
     """Block until the collective filling ``buf`` is done; returns ``buf``."""
     work = buf.__dict__.pop(_WORK, None)
     if work is not None:
-        work.wait()
+        # some backends finish by copying the result into ``buf`` (gloo's reduce-scatter
+        # does): outside autograd, or that copy would cut the gradient's path to ``buf``
+        with torch.no_grad():
+            work.wait()
     return buf
 
 

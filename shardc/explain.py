@@ -14,6 +14,8 @@ from shardc.runtime import ops as R
 _NAMES = {
     C.all_gather_start: "all_gather.start",
     C.all_reduce_start: "all_reduce.start",
+    C.reduce_scatter_start: "reduce_scatter.start",
+    C.all_to_all_start: "all_to_all.start",
     C.wait: "wait",
     C.grad_all_reduce: "grad_all_reduce",
     C.local_chunk: "local_chunk",
@@ -45,10 +47,13 @@ def _arg(a: Any) -> str:
 
 def _format(n: fx.Node) -> str:
     t = n.target
-    if t in (C.all_gather_start, C.all_reduce_start, C.grad_all_reduce, C.local_chunk):
+    if t in (C.all_gather_start, C.all_reduce_start, C.grad_all_reduce, C.local_chunk,
+             C.reduce_scatter_start, C.all_to_all_start):
         args = [_arg(n.args[0]), f"axis={n.args[2]}"]
-        if t is C.local_chunk:
+        if t in (C.local_chunk, C.reduce_scatter_start):
             args.append(f"dim={n.args[3]}")
+        if t is C.all_to_all_start:
+            args.append(f"from dim={n.args[3]} to dim={n.args[4]}")
         if t is C.all_reduce_start and n.args[3] != "sum":
             args.append(f"op={n.args[3]}")
         if t is C.all_gather_start:

@@ -128,6 +128,25 @@ def build_rows(gm: fx.GraphModule, mesh: Mesh, storage: dict[str, Layout],
                 rows.append(CommRow(n.name, op, module, param, "reduce_scatter", axis, "backward",
                                     as_number(ring_bytes("reduce_scatter", g, g * shard)), num, divs,
                                     True))
+        elif n.target in (C.reduce_scatter_start, C.all_to_all_start):
+            # partial -> shard (backward: all-gather of the gradient), or shard(i) ->
+            # shard(j) (backward: the reverse all-to-all)
+            inp = n.args[0]
+            axis = n.args[2]
+            g = mesh.size(axis)
+            nb = _local_numel(inp, mesh) * _elsize(inp.meta[GLOBAL_VAL])
+            num, divs = _terms(inp)
+            param = _param_of(inp)
+            fwd, bwd = (("reduce_scatter", "all_gather") if n.target is C.reduce_scatter_start
+                        else ("all_to_all", "all_to_all"))
+            rows.append(CommRow(n.name, op, module, param, fwd, axis, "forward",
+                                as_number(ring_bytes(fwd, g, nb)), num, divs))
+            if inp.meta.get(REQUIRES_GRAD):
+                # the all-gather's input is the gradient of this rank's block: 1/G of nb
+                grad_in = Fraction(nb, g) if bwd == "all_gather" else Fraction(nb)
+                bdivs = divs + (axis,) if bwd == "all_gather" else divs
+                rows.append(CommRow(n.name, op, module, param, bwd, axis, "backward",
+                                    as_number(ring_bytes(bwd, g, grad_in)), num, bdivs))
         elif n.target in (C.all_reduce_start, C.grad_all_reduce):
             # all_reduce_start sums a partial forward; grad_all_reduce sums a gradient
             inp = n.args[0]

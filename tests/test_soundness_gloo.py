@@ -153,7 +153,72 @@ def _body(rank: int, world: int) -> None:
                 # whose one-device error happens to be tiny must not make that a failure
                 if err > max(4 * err_one, 1e-6):
                     failures.append(f"{where}: grad {k} error {err:.2e} vs one fp32 device {err_one:.2e}")
+    failures += _redistribution(rank)
     assert not failures, "\n".join(failures)
+
+
+class Chain(nn.Module):
+    """Three bias-free linears; ``x`` may arrive laid out as the test says."""
+
+    def __init__(self, act: bool) -> None:
+        super().__init__()
+        self.act = act
+        self.fcs = nn.ModuleList([nn.Linear(16, 16, bias=False) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for fc in self.fcs:
+            x = F.gelu(fc(x)) if self.act else fc(x)
+        return (x * torch.linspace(-1, 1, 16)).sum() / x.shape[0]
+
+
+def _redistribution(rank: int) -> list[str]:
+    """Redistribution takes the cheap forms: a partial sum the next op wants cut is
+    reduce-scattered (linears with nothing between them, not alternated: P(sum)@y ->
+    S(-1)@y), a cut moved to another
+    dim is an all-to-all (input rows cut over y, the GEMM wants its features cut over y),
+    and both train like one device, input gradients included."""
+    from shardc.runtime import collectives as C
+
+    failures = []
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 16, generator=g)
+    mesh = shardc.Mesh.parse("x2y2z1d1")
+    torch.manual_seed(0)
+    cases = [("reduce_scatter", C.reduce_scatter_start, {"transpose_alternate": False}, None, False),
+             ("all_to_all", C.all_to_all_start, {}, shardc.Layout.of(2, {"y": 0}), True)]
+    for name, target, kw, lay, act in cases:
+        model = Chain(act)
+        xr = x.clone().requires_grad_(True)
+        layouts = {0: lay} if lay is not None else None
+        sm = shardc.compile(copy.deepcopy(model), mesh, example_inputs=(xr,), input_layouts=layouts, **kw)
+        if not any(n.target is target for n in sm.graph_module.graph.nodes):
+            failures.append(f"{name}: the program has no {target.__name__}")
+        if lay is not None:
+            local = shardc.placement.local_slice(x, lay.clean(mesh), mesh.coords(rank), mesh)
+        else:
+            local = shardc.shard_batch(x, mesh)
+        local = local.clone().requires_grad_(True)
+        loss = sm(local)
+        loss.backward()
+        grads = sm.full_grads()
+        ref = copy.deepcopy(model).double()
+        xd = x.double().requires_grad_(True)
+        ref_loss = ref(xd)
+        ref_loss.backward()
+        if abs(loss.item() - ref_loss.item()) > 1e-5 * max(1.0, abs(ref_loss.item())):
+            failures.append(f"{name}: loss {loss.item()} vs {ref_loss.item()}")
+        for k, p in ref.named_parameters():
+            if _rel(grads[k], p.grad) > 1e-5:  # fp32 against float64, a 16-wide chain
+                failures.append(f"{name}: grad {k} error {_rel(grads[k], p.grad):.2e}")
+        want = (shardc.placement.local_slice(xd.grad, lay.clean(mesh), mesh.coords(rank), mesh)
+                if lay is not None else shardc.shard_batch(xd.grad, mesh))
+        if _rel(local.grad, want) > 1e-5:
+            failures.append(f"{name}: input grad error {_rel(local.grad, want):.2e}")
+        measured = sm.measured_comm()
+        reported = shardc.comm_report(sm).by_key()
+        if measured != {k: v for k, v in reported.items() if v}:
+            failures.append(f"{name}: measured {measured} != reported {reported}")
+    return failures
 
 
 def test_findings_match_one_device() -> None:
