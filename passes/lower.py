@@ -20,8 +20,9 @@ FSDP/ZeRO-3 part), and the first use all-gathers it over z.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -186,9 +187,8 @@ class Lowering:
                     lay = lay.with_replicated(axis)
         for axis, op, d in scatter:
             if self._next_cut(lay, target, d, axis, gval):
-                here, self.src = self.src, self._partial_origin(node, axis).meta.get(SOURCE, self.src)
-                node, lay = self._reduce_scatter(node, lay, axis, op, d, gval)
-                self.src = here
+                with self._at_origin(node, axis):
+                    node, lay = self._reduce_scatter(node, lay, axis, op, d, gval)
             else:
                 node, lay = self._reduce(node, lay, axis, op, gval)
         # 3. shards the target has and we lack -> local slice (no communication)
@@ -206,12 +206,20 @@ class Lowering:
         self.cache[key] = node
         return node
 
+    @contextlib.contextmanager
+    def _at_origin(self, node: fx.Node, axis: str) -> Iterator[None]:
+        """Emit as the op that made ``node``'s partial value over ``axis``: the reduction
+        completes that op, so the report and explain attribute it there."""
+        here, self.src = self.src, self._partial_origin(node, axis).meta.get(SOURCE, self.src)
+        try:
+            yield
+        finally:
+            self.src = here
+
     def _reduce(self, node: fx.Node, lay: Layout, axis: str, op: str, gval: Any
                 ) -> tuple[fx.Node, Layout]:
-        # the reduction completes the op that made the partial: report it there
-        here, self.src = self.src, self._partial_origin(node, axis).meta.get(SOURCE, self.src)
-        node = self._all_reduce(node, lay, axis, op, gval)
-        self.src = here
+        with self._at_origin(node, axis):
+            node = self._all_reduce(node, lay, axis, op, gval)
         return node, lay.with_replicated(axis)
 
     def _next_cut(self, lay: Layout, target: Layout, d: int, axis: str, gval: Any) -> bool:
@@ -246,11 +254,8 @@ class Lowering:
         """Cut over ``axis`` along ``src`` -> along ``dst``: an all-to-all moves (G-1)/G of
         the piece, where gathering and slicing would move (G-1) times it."""
         out = lay.with_replicated(axis).with_shard(axis, dst)
-        buf = Layout(lay.ndim + 1, ((),) + out.dims, out.partial, (1,) + out.interleave)
-        start = self.emit(C.all_to_all_start, (node, self.rt, axis, src, dst), layout=buf, val=None,
-                          kind="collective")
-        start.meta[COMM] = {"collective": "all_to_all", "axis": axis, "src": src, "dst": dst}
-        done = self.emit(C.wait, (start,), layout=buf, val=None, kind="wait")
+        done = self._stacked(C.all_to_all_start, (node, self.rt, axis, src, dst), out,
+                             {"collective": "all_to_all", "axis": axis, "src": src, "dst": dst})
         return self.emit(C.concat_received, (done, src), layout=out, val=gval), out
 
     @staticmethod
@@ -284,22 +289,23 @@ class Lowering:
         as torch.amax splits them), and the all-gather's backward returns each rank its
         piece's gradient."""
         out = lay.with_replicated(axis)
-        buf = Layout(lay.ndim + 1, ((),) + out.dims, out.partial, (1,) + out.interleave)
-        start = self.emit(C.all_gather_start, (node, self.rt, axis, "slice"), layout=buf, val=None,
-                          kind="collective")
-        start.meta[COMM] = {"collective": "all_gather", "axis": axis, "dim": 0}
-        done = self.emit(C.wait, (start,), layout=buf, val=None, kind="wait")
+        done = self._stacked(C.all_gather_start, (node, self.rt, axis, "slice"), out,
+                             {"collective": "all_gather", "axis": axis, "dim": 0})
         red = aten.amax.default if op == "max" else aten.amin.default
         return self.emit(red, (done, [0]), layout=out, val=gval)
 
+    def _stacked(self, target: Callable, args: tuple, out: Layout, comm: dict) -> fx.Node:
+        """Issue a collective that fills a (G, *piece) buffer and wait for it; the buffer's
+        dims are ``out``'s shifted by one (dim 0 indexes the ranks of the axis)."""
+        buf = Layout(out.ndim + 1, ((),) + out.dims, out.partial, (1,) + out.interleave)
+        start = self.emit(target, args, layout=buf, val=None, kind="collective")
+        start.meta[COMM] = comm
+        return self.emit(C.wait, (start,), layout=buf, val=None, kind="wait")
+
     def _all_gather(self, node: fx.Node, lay: Layout, axis: str, dim: int, gval: Any) -> fx.Node:
         out = lay.with_replicated(axis)
-        # the (G, *shard) buffer: its dims are the tensor's shifted by one, axis gathered
-        buf = Layout(lay.ndim + 1, ((),) + out.dims, out.partial, (1,) + out.interleave)
-        start = self.emit(C.all_gather_start, (node, self.rt, axis, "slice"), layout=buf, val=None,
-                          kind="collective")
-        start.meta[COMM] = {"collective": "all_gather", "axis": axis, "dim": dim}
-        done = self.emit(C.wait, (start,), layout=buf, val=None, kind="wait")
+        done = self._stacked(C.all_gather_start, (node, self.rt, axis, "slice"), out,
+                             {"collective": "all_gather", "axis": axis, "dim": dim})
         k = lay.interleave[dim]
         if k == 1:
             return self.emit(C.concat_gathered, (done, dim), layout=out, val=gval)

@@ -21,7 +21,7 @@ import torch.fx as fx
 from shardc.context import FALLBACK
 from shardc.errors import ShardcError
 from shardc.mesh import BATCH_AXES
-from shardc.placement import Layout
+from shardc.placement import PARTIAL_OPS, Layout
 from shardc.runtime import ops as R
 from shardc.passes.lower import Fallback, Lowering, Val
 
@@ -189,7 +189,7 @@ _MASKING = {aten.masked_fill.Scalar}
 
 
 def _arg_kind(a: Any, axis: str) -> str:
-    """How one argument of a pointwise op sits on ``axis``: "sum"/"avg"/"max" (partial),
+    """How one argument of a pointwise op sits on ``axis``: a partial op (PARTIAL_OPS),
     "S" (sharded), "R" (replicated tensor), "0" (the number zero), "c" (another number)."""
     if isinstance(a, Val):
         if a.layout is None:
@@ -213,8 +213,8 @@ def _partial_ok(target: Any, args: list[Any], axis: str, out_dtype: Any = None) 
     pieces also commutes with adding a replicated value (mean(a_r + c) = mean(a_r) + c).
     Repeated arguments count as often as they appear: x * x is not linear in x."""
     kinds = [_arg_kind(a, axis) for a in args]
-    ps = {k for k in kinds if k in ("sum", "avg", "max")}
-    if len(ps) != 1 or "max" in ps:
+    ps = {k for k in kinds if k in PARTIAL_OPS}
+    if len(ps) != 1 or ps & {"max", "min"}:
         return False
     op = ps.pop()
     n_partial = sum(1 for k in kinds if k == op)

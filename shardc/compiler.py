@@ -6,6 +6,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from shardc.context import CompileContext, Options
 from shardc.errors import ShardcError
@@ -132,7 +133,13 @@ def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Optio
 def _input_layouts(example_inputs: tuple, names: list[str], given: Mapping[int, Layout],
                    mesh: Mesh) -> tuple[tuple[tuple[str, Layout], ...], frozenset[str]]:
     """Check ``input_layouts`` against the example inputs; key them by placeholder name."""
-    flat = [x for x in example_inputs]
+    flat, _ = pytree.tree_flatten(example_inputs)
+    if len(flat) != len(names):  # export keeps one placeholder per tensor leaf
+        flat = [x for x in flat if isinstance(x, torch.Tensor)]
+    if given and (len(flat) != len(example_inputs) or len(flat) != len(names)):
+        raise ShardcError("shardc.compile: input_layouts needs example_inputs to be a flat tuple of "
+                          "tensors (its keys are positions in it); nest nothing, or pass no "
+                          "input_layouts.")
     out = []
     for i, lay in given.items():
         if not isinstance(i, int) or not 0 <= i < len(flat) or not isinstance(flat[i], torch.Tensor):
@@ -145,7 +152,12 @@ def _input_layouts(example_inputs: tuple, names: list[str], given: Mapping[int, 
             raise ShardcError(f"shardc.compile: input_layouts[{i}] = {lay} does not evenly divide "
                               f"the input's shape {list(flat[i].shape)} on {mesh}.")
         out.append((names[i], lay.clean(mesh)))
-    grads = frozenset(n for n, x in zip(names, flat) if isinstance(x, torch.Tensor) and x.requires_grad)
+    wants_grad = [isinstance(x, torch.Tensor) and x.requires_grad for x in flat]
+    if any(wants_grad) and len(flat) != len(names):
+        raise ShardcError("shardc.compile: an example input requires grad, but the inputs do not "
+                          "map one to one onto the traced program's inputs; pass a flat tuple of "
+                          "tensors.")
+    grads = frozenset(n for n, w in zip(names, wants_grad) if w)
     return tuple(out), grads
 
 
