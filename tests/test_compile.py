@@ -308,3 +308,20 @@ def test_explain_every_mesh_of_8(fake_world, name: str) -> None:
             assert "P(max)@x" in text, mesh
         assert shardc.comm_report(sm).total_bytes() > 0, mesh
     assert compiled >= 19, compiled  # only x8 may cut the heads too finely
+
+
+def test_input_layouts_refuses_bad_input(fake_world) -> None:
+    fake_world(4)
+    x = torch.randn(8, 16)
+    mesh = shardc.Mesh(x=2, y=2)
+    with pytest.raises(shardc.ShardcError, match="not the position of a tensor"):
+        shardc.compile(MLPChain(), mesh, (x, x), input_layouts={5: shardc.Layout.of(2, {"x": 0})})
+    with pytest.raises(shardc.ShardcError, match="with ndim=2"):
+        shardc.compile(MLPChain(), mesh, (x, x), input_layouts={0: shardc.Layout.of(3, {"x": 0})})
+    with pytest.raises(shardc.ShardcError, match="does not evenly divide"):
+        shardc.compile(MLPChain(), mesh, (x[:6], x[:6]),
+                       input_layouts={0: shardc.Layout.of(2, {"x": 0, "y": 0})})
+    # a layout that fits: the rank's input is its piece, and the program says so
+    sm = shardc.compile(MLPChain(), mesh, (x, x), input_layouts={0: shardc.Layout.of(2, {"y": 1})})
+    ph = next(n for n in sm.graph_module.graph.nodes if n.op == "placeholder" and n.name == "x")
+    assert str(ph.meta["shardc_placement"]) == "[S(1)@y]"
