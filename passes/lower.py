@@ -1,7 +1,7 @@
 """Lower the traced global graph into this rank's program.
 
 Reads:  the exported graph (ATen ops on global shapes, ``node.meta["val"]``), the
-        parameter/input roles of its placeholders, the op rules of ``passes/rules.py``
+        parameter/input roles of its placeholders, the op rules of ``passes/rules/``
 Writes: a new graph of local ops on shards, with every collective as a start node and a
         wait node; each node's ``meta[PLACEMENT]`` (its Layout) and ``meta[GLOBAL_VAL]``;
         ``meta[FALLBACK]`` where an op had no rule and ran replicated

@@ -1,0 +1,153 @@
+"""The rule table, the helpers every family shares, and the replicated fallback."""
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from shardc.context import FALLBACK
+from shardc.placement import Layout
+from shardc.passes.lower import Fallback, Lowering, Val
+
+
+aten = torch.ops.aten
+Rule = Callable[[Lowering, fx.Node], Any]
+RULES: dict[Any, Rule] = {}
+
+
+def register_rule(*ops: Any) -> Callable[[Rule], Rule]:
+    def deco(fn: Rule) -> Rule:
+        for op in ops:
+            RULES[op] = fn
+        return fn
+    return deco
+
+
+# ------------------------------------------------------------------------ helpers
+def is_val(a: Any) -> bool:
+    return isinstance(a, Val)
+
+
+def local_args(L: Lowering, node: fx.Node, repl: dict[fx.Node, fx.Node]) -> tuple[tuple, dict]:
+    """The node's args with old nodes replaced by their new nodes."""
+    def sub(n: fx.Node) -> Any:
+        if n in repl:
+            return repl[n]
+        v = L.env[n]
+        if isinstance(v, Val):
+            assert v.node is not None, f"unmaterialised parameter used by {node.format_node()}"
+            return v.node
+        return v
+    args = fx.node.map_arg(node.args, sub)
+    kwargs = fx.node.map_arg(node.kwargs, sub)
+    return args, kwargs
+
+
+def tensor_inputs(L: Lowering, node: fx.Node) -> list[tuple[fx.Node, Val]]:
+    out = []
+    seen = set()
+    for a in node.all_input_nodes:
+        v = L.env.get(a)
+        if isinstance(v, Val) and a not in seen:
+            seen.add(a)
+            out.append((a, v))
+    return out
+
+
+def drop_dims(lay: Layout, keep: list[int | None], ndim: int) -> Layout:
+    """Map a layout through a dim map (old dim -> new dim or None); unmapped shards must
+    have been gathered already."""
+    dims: list[tuple[str, ...]] = [() for _ in range(ndim)]
+    il = [1] * ndim
+    for d, axes in enumerate(lay.dims):
+        if not axes:
+            continue
+        nd = keep[d]
+        assert nd is not None, (lay, keep)
+        dims[nd] = axes
+        il[nd] = lay.interleave[d]
+    return Layout(ndim, tuple(dims), lay.partial, tuple(il))
+
+
+def replicate_dims(lay: Layout, dims: list[int]) -> Layout:
+    for d in dims:
+        for a in lay.dims[d % lay.ndim] if lay.ndim else ():
+            lay = lay.with_replicated(a)
+    return lay
+
+
+def no_partial(lay: Layout) -> Layout:
+    for a, _ in lay.partial:
+        lay = lay.with_replicated(a)
+    return lay
+
+
+def emit_like(L: Lowering, node: fx.Node, need: dict[fx.Node, Layout], out: Layout,
+              args_fix: Callable[[tuple], tuple] | None = None, target: Any = None) -> Val:
+    """Bring each input to its needed layout, emit the node's op on the local tensors."""
+    repl = {a: L.to_layout(L.env[a], lay) for a, lay in need.items()}
+    args, kwargs = local_args(L, node, repl)
+    if args_fix is not None:
+        args = args_fix(args)
+    n = L.emit(target or node.target, args, kwargs, layout=out, val=node.meta.get("val"))
+    return Val(n, out.clean(L.mesh), node.meta.get("val"))
+
+
+def as_list(x: Any) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+# ---------------------------------------------------------------------- fallback
+def fallback_rule(L: Lowering, node: fx.Node) -> Any:
+    """No rule: gather every input, run the op on whole tensors, output replicated."""
+    need = {}
+    gathered = []
+    for a, v in tensor_inputs(L, node):
+        rep = Layout.replicate(v.ndim)
+        if v.layout is not None and v.layout.clean(L.mesh) != rep:
+            gathered.append(f"{a.name} {v.layout}")
+        need[a] = rep
+    fb = Fallback(str(node.target), L.src.module, L.src.line, gathered)
+    L.fallbacks.append(fb)
+    val = node.meta.get("val")
+    repl = {a: L.to_layout(L.env[a], lay) for a, lay in need.items()}
+    args, kwargs = local_args(L, node, repl)
+    if isinstance(val, (list, tuple)):
+        n = L.emit(node.target, args, kwargs, layout=None, val=val)
+        n.meta[FALLBACK] = fb
+        outs = []
+        for i, v in enumerate(val):
+            if isinstance(v, torch.Tensor):
+                lay = Layout.replicate(v.dim())
+                outs.append(Val(L.emit(operator.getitem, (n, i), layout=lay, val=v), lay, v))
+            else:
+                outs.append(v)
+        return outs
+    lay = Layout.replicate(val.dim()) if isinstance(val, torch.Tensor) else None
+    n = L.emit(node.target, args, kwargs, layout=lay, val=val)
+    n.meta[FALLBACK] = fb
+    if lay is None:
+        return val
+    return Val(n, lay, val)
+
+
+@register_rule(operator.getitem)
+def getitem_rule(L: Lowering, node: fx.Node) -> Any:
+    src = L.env[node.args[0]]
+    if isinstance(src, (list, tuple)):
+        return src[node.args[1]]
+    return fallback_rule(L, node)
+
+
+@register_rule(aten._assert_tensor_metadata.default, aten._assert_scalar.default,
+               aten.sym_constrain_range_for_size.default)
+def drop_rule(L: Lowering, node: fx.Node) -> Any:
+    return None
+
+
+def materialise_then(L: Lowering, node: fx.Node) -> Any:
+    ins_nodes = tensor_inputs(L, node)
+    need = {a: Layout.replicate(v.ndim) for a, v in ins_nodes}
+    return emit_like(L, node, need, Layout.replicate(node.meta["val"].dim()))

@@ -1,0 +1,179 @@
+"""GEMMs: Algorithm 1's weight blocks, the alternating transposition, fused projections
+(interleaved columns), and products of two activations."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch.fx as fx
+
+from shardc.errors import ShardcError
+from shardc.placement import Layout
+from shardc.passes.lower import Lowering, Val
+from shardc.passes.rules.common import (aten, emit_like, fallback_rule, no_partial, register_rule,
+                                        replicate_dims)
+from shardc.passes.rules.pointwise import pointwise_layouts
+
+
+# ------------------------------------------------------------------------- GEMMs
+def _infer_interleave(L: Lowering, node: fx.Node, n_out: int, g: int) -> int:
+    """How a GEMM's output features are later cut: a fused QKV projection is split into
+    3 equal parts (or viewed as (3, heads, head_dim)); sharding its columns in plain
+    blocks would give a rank all of q and none of v, so they are interleaved instead."""
+    frontier = [(node, 0)]
+    seen = set()
+    while frontier:
+        n, depth = frontier.pop(0)
+        if n in seen or depth > 6:
+            continue
+        seen.add(n)
+        for u in n.users:
+            t = u.target
+            if t in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+                val = u.meta.get("val")
+                dim = (u.args[2] if len(u.args) > 2 else 0) % len(n.meta["val"].shape)
+                if dim == len(n.meta["val"].shape) - 1 and isinstance(val, (list, tuple)):
+                    sizes = {v.shape[dim] for v in val}
+                    if len(sizes) == 1 and len(val) > 1:
+                        return len(val)
+            elif t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+                src = list(n.meta["val"].shape)
+                dst = list(u.meta["val"].shape)
+                if dst and src and dst[-1] == src[-1]:
+                    frontier.append((u, depth + 1))
+                    continue
+                # the last dim split as (c, ...): interleave when c is not cut by g
+                prod, i = 1, len(dst)
+                while i > 0 and prod < src[-1]:
+                    i -= 1
+                    prod *= dst[i]
+                if prod == src[-1] and i < len(dst) - 1:
+                    c = dst[i]
+                    if c % g != 0 and (src[-1] // c) % g == 0:
+                        return c
+            elif t in (aten.add.Tensor, aten.dropout.default, aten._to_copy.default, aten.to.dtype,
+                       aten.alias.default, aten.clone.default, aten.contiguous.default,
+                       aten.mul.Tensor):
+                frontier.append((u, depth + 1))
+    return 1
+
+
+def _is_param(v: Any) -> bool:
+    return isinstance(v, Val) and v.layout is None and v.param is not None and v.ndim == 2
+
+
+@register_rule(aten.linear.default, aten.mm.default, aten.matmul.default, aten.addmm.default)
+def gemm_rule(L: Lowering, node: fx.Node) -> Any:
+    t = node.target
+    if t is aten.addmm.default:
+        bias_node, x_node, w_node = node.args[0], node.args[1], node.args[2]
+        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+            return fallback_rule(L, node)
+    elif t is aten.linear.default:
+        x_node, w_node = node.args[0], node.args[1]
+        bias_node = node.args[2] if len(node.args) > 2 else None
+    else:
+        x_node, w_node = node.args[0], node.args[1]
+        bias_node = None
+    x, w = L.env[x_node], L.env[w_node]
+    if not _is_param(w) or not isinstance(x, Val) or x.layout is None:
+        if t in (aten.matmul.default,) or (t is aten.mm.default):
+            return act_gemm_rule(L, node)
+        return fallback_rule(L, node)
+    mesh = L.mesh
+    # weight in (k, n) terms: linear stores (n, k)
+    w_kn_shape = w.shape[::-1] if t is aten.linear.default else w.shape
+    K, N = w_kn_shape
+    feat = x.layout.clean(mesh).dims[-1]
+    if not L.ctx.options.transpose_alternate:
+        transposed = False
+    elif "x" in feat:
+        transposed = True  # the previous layer left its columns over x: swap roles
+    elif "y" in feat or mesh.size("y") == 1:
+        transposed = False
+    else:
+        # Whole input features on a mesh with y > 1 and x == 1: the transposed layer cuts
+        # nothing over x and leaves its output over y, so the next layer needs no slice;
+        # the normal one would slice this input over y and pay an all-reduce of dI for it.
+        transposed = mesh.size("x") == 1
+    k_axis, n_axis = ("x", "y") if transposed else ("y", "x")
+    gk, gn = mesh.size(k_axis), mesh.size(n_axis)
+    il = _infer_interleave(L, node, N, gn) if gn > 1 else 1
+    for size, what, axis, g, mult in ((K, "in_features (k)", k_axis, gk, 1),
+                                      (N, "out_features (n)", n_axis, gn, il)):
+        if g > 1 and size % (g * mult):
+            fix = -(-size // (g * mult)) * g * mult
+            raise ShardcError(
+                f"shardc.compile: {w.param!r} ({node.target} in {L.src.module or '?'} at "
+                f"{L.src.line or '?'}) has {what}={size}, which mesh axis {axis!r} (size {g})"
+                + (f" in {mult} interleaved groups" if mult > 1 else "")
+                + f" does not evenly divide. {L.mesh}. Pad {what.split()[0]} to {fix} or change "
+                f"the size of {axis!r}.")
+    shard_k = gk > 1
+    shard_n = gn > 1
+    # activation: features cut over the k axis, whole over the n axis
+    xl = no_partial(x.layout.clean(mesh))
+    for a in (k_axis, n_axis):
+        xl = xl.with_replicated(a)
+    # the contraction dim is cut over the k axis only: an input whose features arrive cut
+    # over another axis (z, data) is gathered there first
+    xl = replicate_dims(xl, [-1])
+    if shard_k:
+        xl = xl.with_shard(k_axis, -1)
+    # weight: Algorithm 1's block (k over k_axis, n over n_axis)
+    w_kn = Layout(2)
+    if shard_k:
+        w_kn = w_kn.with_shard(k_axis, 0)
+    if shard_n:
+        w_kn = w_kn.with_shard(n_axis, 1).with_interleave(1, il)
+    if t is aten.linear.default:
+        w_need = Layout(2, tuple(reversed(w_kn.dims)), (), tuple(reversed(w_kn.interleave)))
+    else:
+        w_need = w_kn
+    out = Layout(xl.ndim, xl.dims[:-1] + ((n_axis,) if shard_n else (),), (),
+                 xl.interleave[:-1] + (il,))
+    if shard_k:
+        out = out.with_partial(k_axis, "sum")
+    xn = L.to_layout(x, xl)
+    wn = L.to_layout(w, w_need)
+    L.decisions.append(
+        f"{L.src.module or node.name}: {'transposed' if transposed else 'normal'} GEMM "
+        f"k={K} over {k_axis if shard_k else '-'}, n={N} over {n_axis if shard_n else '-'}"
+        + (f" (columns interleaved in {il} groups)" if il > 1 else ""))
+    gval = node.meta["val"]
+    target = aten.mm.default if t is aten.addmm.default else t
+    mm = L.emit(target, (xn, wn), layout=out, val=gval)
+    mm.meta["shardc_gemm"] = {"m": int(math.prod(x.shape[:-1])), "k": K, "n": N,
+                              "transposed": transposed, "param": w.param}
+    res = Val(mm, out.clean(mesh), gval)
+    if bias_node is None:
+        return res
+    b = L.env[bias_node]
+    out2, needs = pointwise_layouts(L, aten.add.Tensor, [res, b], list(gval.shape))
+    a = L.to_layout(res, needs[0])
+    bn = L.to_layout(b, needs[1])
+    n = L.emit(aten.add.Tensor, (a, bn), layout=out2, val=gval)
+    return Val(n, out2.clean(mesh), gval)
+
+
+@register_rule(aten.bmm.default)
+def act_gemm_rule(L: Lowering, node: fx.Node) -> Any:
+    """A product of two activations (attention scores): batch dims keep their shards,
+    the matrix dims are whole."""
+    a, b = L.env[node.args[0]], L.env[node.args[1]]
+    val = node.meta["val"]
+    if not isinstance(a, Val) or not isinstance(b, Val) or a.ndim < 2 or b.ndim < 2:
+        return fallback_rule(L, node)
+    nd = val.dim()
+    al = no_partial(a.layout) if a.layout is not None else Layout.replicate(a.ndim)
+    al = replicate_dims(al, [a.ndim - 2, a.ndim - 1])
+    out = Layout(nd, tuple(al.dims[:-2][-(nd - 2):] if nd > 2 else ()) + ((), ()), (),
+                 tuple(al.interleave[:-2][-(nd - 2):] if nd > 2 else ()) + (1, 1)) \
+        if a.ndim == nd else Layout.replicate(nd)
+    bl = Layout.replicate(b.ndim)
+    if b.ndim == nd and b.ndim > 2:
+        bl = Layout(b.ndim, tuple(out.dims[d] if b.shape[d] == val.shape[d] else () for d in range(nd - 2)) + ((), ()),
+                    (), tuple(out.interleave[d] if b.shape[d] == val.shape[d] else 1 for d in range(nd - 2)) + (1, 1))
+    if a.ndim != nd:
+        al = Layout.replicate(a.ndim)
+    return emit_like(L, node, {node.args[0]: al, node.args[1]: bl}, out)

@@ -1,0 +1,197 @@
+"""Pointwise ops (and every ATen op tagged pointwise) and factories: shards follow the
+output, and a partial value flows on only through ops linear in it."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from shardc.mesh import BATCH_AXES
+from shardc.placement import PARTIAL_OPS, Layout
+from shardc.runtime import ops as R
+from shardc.passes.lower import Lowering, Val
+from shardc.passes.rules.common import (aten, emit_like, fallback_rule, materialise_then,
+                                        register_rule, tensor_inputs)
+
+
+# --------------------------------------------------------------------- factories
+@register_rule(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
+               aten.zeros.default, aten.ones.default, aten.empty.memory_format,
+               aten.scalar_tensor.default, aten.new_ones.default, aten.new_zeros.default,
+               aten.new_full.default, aten.new_empty.default, aten.lift_fresh_copy.default,
+               aten.tril.default, aten.triu.default)
+def factory_rule(L: Lowering, node: fx.Node) -> Any:
+    """Tensors made from constants: every rank computes the whole (global) tensor; a
+    consumer that needs a shard cuts it locally."""
+    val = node.meta["val"]
+    need = {a: Layout.replicate(v.ndim) for a, v in tensor_inputs(L, node)}
+    return emit_like(L, node, need, Layout.replicate(val.dim()))
+
+
+# --------------------------------------------------------------------- pointwise
+LINEAR_UNARY = {aten.clone.default, aten.alias.default, aten.contiguous.default, aten.neg.default,
+                aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
+                aten.detach.default, aten.type_as.default, aten.view_as.default}
+
+
+# Ops through which a partial value may flow and stay partial, by how they are linear.
+# Anything else needs its partial inputs reduced first: f(a + b) != f(a) + f(b).
+_ADDITIVE = {aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar}
+_SCALING = {aten.mul.Tensor, aten.mul.Scalar}
+_DIVIDING = {aten.div.Tensor, aten.div.Scalar}
+_MASKING = {aten.masked_fill.Scalar}
+
+
+def _arg_kind(a: Any, axis: str) -> str:
+    """How one argument of a pointwise op sits on ``axis``: a partial op (PARTIAL_OPS),
+    "S" (sharded), "R" (replicated tensor), "0" (the number zero), "c" (another number)."""
+    if isinstance(a, Val):
+        if a.layout is None:
+            return "R"
+        p = dict(a.layout.partial).get(axis)
+        if p is not None:
+            return p
+        return "S" if a.layout.shard_dim(axis) is not None else "R"
+    if isinstance(a, bool) or a is None:
+        return "c"
+    if isinstance(a, (int, float)):
+        return "0" if a == 0 else "c"
+    return "c"
+
+
+def _partial_ok(target: Any, args: list[Any], axis: str, out_dtype: Any = None) -> bool:
+    """Can ``target`` run on each rank's piece of a partial value over ``axis`` and give a
+    partial value of the same kind? ``args`` are the op's positional arguments, tensors as
+    ``Val``s. Only for ops linear in their partial arguments: a sum of pieces commutes
+    with additions of other pieces and with scaling by a replicated factor; a mean of
+    pieces also commutes with adding a replicated value (mean(a_r + c) = mean(a_r) + c).
+    Repeated arguments count as often as they appear: x * x is not linear in x."""
+    kinds = [_arg_kind(a, axis) for a in args]
+    ps = {k for k in kinds if k in PARTIAL_OPS}
+    if len(ps) != 1 or ps & {"max", "min"}:
+        return False
+    op = ps.pop()
+    n_partial = sum(1 for k in kinds if k == op)
+    others = [k for k in kinds if k != op]
+    if target in LINEAR_UNARY or target in (aten.dropout.default, aten.native_dropout.default):
+        if out_dtype is not None and not (out_dtype.is_floating_point or out_dtype.is_complex):
+            return False  # a cast to an integer type rounds each piece
+        src = args[0].val.dtype if isinstance(args[0], Val) else None
+        if out_dtype is not None and src is not None and src.is_floating_point and \
+                out_dtype.is_floating_point and torch.finfo(out_dtype).eps > torch.finfo(src).eps:
+            return False  # a narrowing cast: sum in the wider type, round once, as one device
+        # type_as / view_as read only the dtype or shape of their second argument, so the
+        # partial value must be the first
+        return kinds[0] == op and n_partial == 1 and all(k in ("c", "0", "R", "S") for k in others)
+    if target in _ADDITIVE:
+        # a + b of two partial pieces is the piece of the sum; a constant or replicated
+        # addend would be added once per rank to a sum (but exactly once to a mean)
+        return all(k == "0" or (op == "avg" and k in ("R", "c")) for k in others)
+    if target in _SCALING:
+        return n_partial == 1 and all(k in ("R", "c", "0") for k in others)
+    if target in _DIVIDING:
+        return kinds[0] == op and n_partial == 1 and all(k in ("R", "c") for k in kinds[1:])
+    if target in _MASKING:
+        # masked_fill(x, mask, 0): zeroing entries is linear in x; any other fill is not
+        return kinds[0] == op and n_partial == 1 and kinds[1] == "R" and kinds[2] == "0"
+    return False
+
+
+def pointwise_layouts(L: Lowering, target: Any, ins: list[Val | None], out_shape: list[int],
+                      args: list[Any] | None = None, out_dtype: Any = None
+                      ) -> tuple[Layout, list[Layout | None]]:
+    """(output layout, layout each of ``ins`` must arrive in). ``args`` are the op's
+    positional arguments (default: ``ins``), which decide whether a partial input may
+    stay partial."""
+    if args is None:
+        args = list(ins)
+    nd = len(out_shape)
+    decided = [v for v in ins if v is not None and v.layout is not None and v.ndim == nd
+               and v.shape == out_shape]
+    decided.sort(key=lambda v: -len(v.layout.sharded_axes()) if v.layout else 0)
+    out = Layout.replicate(nd)
+    if decided:
+        p = decided[0].layout
+        out = Layout(nd, p.dims, (), p.interleave)
+    # batch-dim shards from any input whose dim matches (e.g. a mask broadcast over heads)
+    for v in ins:
+        if v is None or v.layout is None:
+            continue
+        off = nd - v.ndim
+        for d, axes in enumerate(v.layout.dims):
+            for a in axes:
+                if out.placement(a).__class__.__name__ == "Replicate" and v.shape[d] == out_shape[d + off] \
+                        and not out.dims[d + off] and a in BATCH_AXES:
+                    out = out.with_shard(a, d + off)
+    axes_p = set()
+    for v in ins:
+        if v is not None and v.layout is not None:
+            axes_p |= {a for a, _ in v.layout.partial}
+    for a in sorted(axes_p):
+        if _partial_ok(target, args, a, out_dtype) and out.placement(a).__class__.__name__ == "Replicate":
+            op = [dict(v.layout.partial)[a] for v in ins if v is not None and v.layout is not None
+                  and a in dict(v.layout.partial)][0]
+            out = out.with_partial(a, op)
+    needs: list[Layout | None] = []
+    for v in ins:
+        if v is None:
+            needs.append(None)
+            continue
+        off = nd - v.ndim
+        need = Layout.replicate(v.ndim)
+        dims = []
+        il = []
+        for d in range(v.ndim):
+            od = d + off
+            if v.shape[d] == out_shape[od] and out.dims[od]:
+                dims.append(out.dims[od])
+                il.append(out.interleave[od])
+            else:
+                dims.append(())
+                il.append(1)
+        partial = ()
+        if v.layout is not None:
+            partial = tuple(p for p in v.layout.partial if p in out.partial)
+        need = Layout(v.ndim, tuple(dims), partial, tuple(il))
+        needs.append(need)
+    return out, needs
+
+
+@register_rule("pointwise", aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor,
+               aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.gelu.default,
+               aten.silu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default,
+               aten.clone.default, aten.alias.default, aten.contiguous.default, aten._to_copy.default,
+               aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.detach.default,
+               aten.type_as.default, aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.bitwise_and.Tensor,
+               aten.bitwise_or.Tensor, aten.__and__.Tensor, aten.__or__.Tensor, aten.eq.Tensor,
+               aten.eq.Scalar, aten.ne.Scalar, aten.ne.Tensor, aten.le.Tensor, aten.lt.Tensor,
+               aten.ge.Tensor, aten.gt.Tensor, aten.le.Scalar, aten.lt.Scalar, aten.ge.Scalar,
+               aten.gt.Scalar, aten.logical_not.default, aten.bitwise_not.default, aten.neg.default,
+               aten.exp.default, aten.log.default, aten.sqrt.default, aten.abs.default,
+               aten.reciprocal.default, aten.clamp.default, aten.erf.default, aten.sin.default,
+               aten.cos.default, aten.maximum.default, aten.minimum.default, aten.add.Scalar,
+               aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.pow.Tensor_Tensor,
+               aten.view_as.default, aten.softplus.default, aten.log1p.default, aten.expm1.default)
+def pointwise_rule(L: Lowering, node: fx.Node) -> Any:
+    val = node.meta["val"]
+    if not isinstance(val, torch.Tensor):  # several outputs (frexp): no layout rule for that
+        return fallback_rule(L, node)
+    ins_nodes = tensor_inputs(L, node)
+    ins = [v for _, v in ins_nodes]
+    # a value derived only from parameters: keep it whole (rare: scaled weights)
+    if node.target in (aten.alias.default, aten.detach.default, aten._to_copy.default, aten.to.dtype,
+                       aten.to.dtype_layout, aten.contiguous.default, aten.clone.default) \
+            and len(ins) == 1 and ins[0].layout is None and ins[0].param:
+        v = ins[0]
+        extra = tuple(node.args[1:]) if node.target is not aten._to_copy.default else ()
+        if node.target in (aten.alias.default, aten.detach.default, aten.contiguous.default,
+                           aten.clone.default):
+            return Val(None, None, val, v.param, v.ptrans, v.pchain)
+        if node.kwargs and node.target is aten._to_copy.default:
+            return materialise_then(L, node)
+        return Val(None, None, val, v.param, v.ptrans, v.pchain + ((node.target, extra),))
+    args = [L.env[a] if isinstance(a, fx.Node) else a for a in node.args]
+    out, needs = pointwise_layouts(L, node.target, ins, list(val.shape), args, val.dtype)
+    need = {a: n for (a, _), n in zip(ins_nodes, needs)}
+    return emit_like(L, node, need, out)

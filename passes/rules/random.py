@@ -1,0 +1,32 @@
+"""Dropout: the global mask one device would draw, cut to this rank's piece."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from shardc.placement import Layout
+from shardc.runtime import ops as R
+from shardc.passes.lower import Lowering, Val
+from shardc.passes.rules.common import aten, register_rule
+
+
+@register_rule(aten.dropout.default, aten.native_dropout.default)
+def dropout_rule(L: Lowering, node: fx.Node) -> Any:
+    x = L.env[node.args[0]]
+    p = float(node.args[1])
+    train = bool(node.args[2]) if len(node.args) > 2 and node.args[2] is not None else True
+    lay = x.layout if x.layout is not None else Layout.replicate(x.ndim)
+    lay = Layout(lay.ndim, lay.dims, tuple(q for q in lay.partial if q[1] != "max"), lay.interleave).clean(L.mesh)
+    xn = L.to_layout(x, lay)
+    gval = x.val
+    n = L.emit(R.global_dropout, (xn, p, train, list(gval.shape), L.rt, lay.dims, lay.interleave),
+               layout=lay, val=gval)
+    out = Val(n, lay, gval)
+    if node.target is aten.native_dropout.default:
+        mask_val = node.meta["val"][1]
+        # the mask is rarely used (only by a hand-written backward); give it whole
+        m = L.emit(aten.ones_like.default, (n,), {"dtype": torch.bool}, layout=lay, val=mask_val)
+        return [out, Val(m, lay, mask_val)]
+    return out

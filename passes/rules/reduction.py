@@ -1,0 +1,185 @@
+"""Reductions, normalisation and losses: sums and means over cut dims leave partials,
+layer norm over a cut hidden dim uses distributed statistics or a gather, and
+cross-entropy over cut vocabulary is Megatron's fused form."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from shardc.context import PLACEMENT
+from shardc.placement import Layout
+from shardc.runtime import ops as R
+from shardc.passes.lower import Lowering, Val
+from shardc.passes.rules.common import (as_list, aten, drop_dims, emit_like, fallback_rule,
+                                        materialise_then, no_partial, register_rule, replicate_dims)
+
+
+# -------------------------------------------------------------------- reductions
+@register_rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default,
+               aten.amax.default, aten.amin.default)
+def reduce_rule(L: Lowering, node: fx.Node) -> Any:
+    x = L.env[node.args[0]]
+    val = node.meta["val"]
+    if x.layout is None:
+        return materialise_then(L, node)
+    if node.target in (aten.sum.default, aten.mean.default):
+        dims, keepdim = list(range(x.ndim)), False
+    else:
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        dims = list(range(x.ndim)) if dims is None or dims == [] else [d % x.ndim for d in as_list(dims)]
+        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    is_max = node.target in (aten.amax.default, aten.amin.default)
+    need = x.layout
+    if is_max:
+        need = no_partial(replicate_dims(need, dims))
+    elif any(p[1] == "max" for p in need.partial):
+        need = no_partial(need)
+    mean = node.target in (aten.mean.dim, aten.mean.default)
+    # a sum over shards is a partial sum, a mean over equal shards the mean of their
+    # means; a partial input stays partial (the mean of a partial sum is a partial sum)
+    out_partial: dict[str, str] = dict(need.partial)
+    for d in dims:
+        for a in need.dims[d]:
+            out_partial[a] = "avg" if mean else "sum"
+    keep = []
+    j = 0
+    for d in range(x.ndim):
+        if d in dims:
+            keep.append(j if keepdim else None)
+            j += 1 if keepdim else 0
+        else:
+            keep.append(j)
+            j += 1
+    base = Layout(x.ndim, tuple(() if d in dims else need.dims[d] for d in range(x.ndim)), (),
+                  tuple(1 if d in dims else need.interleave[d] for d in range(x.ndim)))
+    out = drop_dims(base, keep, val.dim())
+    out = Layout(out.ndim, out.dims, tuple(sorted(out_partial.items())), out.interleave)
+    return emit_like(L, node, {node.args[0]: need}, out)
+
+
+# ------------------------------------------------------------------ normalisation
+@register_rule(aten.layer_norm.default)
+def layer_norm_rule(L: Lowering, node: fx.Node) -> Any:
+    x = L.env[node.args[0]]
+    shape = list(node.args[1])
+    w = L.env[node.args[2]] if len(node.args) > 2 and node.args[2] is not None else None
+    b = L.env[node.args[3]] if len(node.args) > 3 and node.args[3] is not None else None
+    eps = node.args[4] if len(node.args) > 4 else 1e-5
+    val = node.meta["val"]
+    mesh = L.mesh
+    xl = no_partial(x.layout.clean(mesh))
+    nd = len(shape)
+    norm_dims = list(range(x.ndim - nd, x.ndim))
+    feat_axes = [a for d in norm_dims for a in xl.dims[d]]
+    D = math.prod(shape)
+    rows = math.prod(x.shape[:-nd]) if x.ndim > nd else 1
+    use_stats = False
+    if len(feat_axes) == 1 and nd == 1:
+        a = feat_axes[0]
+        g = mesh.size(a)
+        # bytes of the two statistic all-reduces vs gathering the input over the axis
+        stats = 2 * (2 * (g - 1) / g) * rows / math.prod(mesh.size(b) for b in xl.dims[0] or ())
+        gather = (g - 1) * rows * D / g / math.prod(mesh.size(b) for b in xl.dims[0] or ())
+        use_stats = stats < gather
+    if not use_stats:
+        xl = replicate_dims(xl, norm_dims)
+        need = {node.args[0]: xl}
+        pl = Layout.replicate(nd)
+        if w is not None:
+            need[node.args[2]] = pl
+        if b is not None:
+            need[node.args[3]] = pl
+        return emit_like(L, node, need, xl)
+    a = feat_axes[0]
+    L.decisions.append(f"{L.src.module or node.name}: layer norm over a hidden dim cut over {a}: "
+                       f"distributed statistics (2 all-reduces of {rows} values) instead of a gather")
+    xn = L.to_layout(x, xl)
+    gval = x.val
+    stat_val = torch.empty(list(x.shape[:-1]) + [1], device="meta", dtype=gval.dtype)
+    stat_lay = Layout(x.ndim, xl.dims[:-1] + ((),), (), xl.interleave[:-1] + (1,))
+    part = stat_lay.with_partial(a, "sum")
+
+    def allreduce(n: fx.Node) -> fx.Node:
+        return L._all_reduce(n, part, a, "sum", stat_val)
+
+    s = L.emit(aten.sum.dim_IntList, (xn, [-1], True), layout=part, val=stat_val)
+    mean = L.emit(aten.div.Tensor, (allreduce(s), D), layout=stat_lay, val=stat_val)
+    xc = L.emit(aten.sub.Tensor, (xn, mean), layout=xl, val=gval)
+    sq = L.emit(aten.mul.Tensor, (xc, xc), layout=xl, val=gval)
+    s2 = L.emit(aten.sum.dim_IntList, (sq, [-1], True), layout=part, val=stat_val)
+    var = L.emit(aten.div.Tensor, (allreduce(s2), D), layout=stat_lay, val=stat_val)
+    ve = L.emit(aten.add.Tensor, (var, eps), layout=stat_lay, val=stat_val)
+    rstd = L.emit(aten.rsqrt.default, (ve,), layout=stat_lay, val=stat_val)
+    y = L.emit(aten.mul.Tensor, (xc, rstd), layout=xl, val=gval)
+    pl = Layout(1).with_shard(a, 0)
+    if w is not None:
+        y = L.emit(aten.mul.Tensor, (y, L.to_layout(w, pl)), layout=xl, val=gval)
+    if b is not None:
+        y = L.emit(aten.add.Tensor, (y, L.to_layout(b, pl)), layout=xl, val=gval)
+    return Val(y, xl, val)
+
+
+# ------------------------------------------------------------------------- losses
+@register_rule(aten.cross_entropy_loss.default)
+def cross_entropy_rule(L: Lowering, node: fx.Node) -> Any:
+    x, tgt = L.env[node.args[0]], L.env[node.args[1]]
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+    ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+    smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
+    val = node.meta["val"]
+    mesh = L.mesh
+    if weight is not None or smoothing or x.ndim != 2 or tgt.ndim != 1:
+        return fallback_rule(L, node)
+    xl = no_partial(x.layout.clean(mesh))
+    rows = xl.dims[0]
+    cls = xl.dims[1]
+    if len(cls) > 1 or xl.interleave[1] != 1:
+        xl = replicate_dims(xl, [1])
+        cls = ()
+    tl = Layout(1, (rows,), (), (xl.interleave[0],))
+    xn = L.to_layout(x, xl)
+    tn = L.to_layout(tgt, tl)
+    n_rows = x.shape[0]
+    vec_val = torch.empty([n_rows], device="meta", dtype=x.val.dtype)
+    vec = Layout(1, (rows,))
+    if cls:
+        c = cls[0]
+        L.decisions.append(f"{L.src.module or node.name}: vocabulary-parallel cross-entropy over {c} "
+                           f"(3 all-reduces of {n_rows} values, never the logits)")
+        mx = L.emit(R.row_max, (xn,), layout=vec.with_partial(c, "max"), val=vec_val)
+        mx = L._all_reduce(mx, vec.with_partial(c, "max"), c, "max", vec_val)
+        se = L.emit(R.sum_exp_shifted, (xn, mx), layout=vec.with_partial(c, "sum"), val=vec_val)
+        se = L._all_reduce(se, vec.with_partial(c, "sum"), c, "sum", vec_val)
+        tlg = L.emit(R.target_logit, (xn, tn, L.rt, c), layout=vec.with_partial(c, "sum"), val=vec_val)
+        tlg = L._all_reduce(tlg, vec.with_partial(c, "sum"), c, "sum", vec_val)
+        per_row = L.emit(R.nll_from_parts, (se, mx, tlg, tn, ignore), layout=vec, val=vec_val)
+        if reduction == 0:
+            return Val(per_row, vec.clean(mesh), val)
+        total = L.emit(aten.sum.default, (per_row,), layout=Layout(0), val=val)
+    else:
+        if reduction == 0:
+            return emit_like(L, node, {node.args[0]: xl, node.args[1]: tl}, vec)
+        total = L.emit(R.cross_entropy_sum, (xn, tn, ignore), layout=Layout(0), val=val)
+    part = Layout(0)
+    for a in rows:
+        part = part.with_partial(a, "sum")
+    total.meta[PLACEMENT] = part.clean(mesh)
+    if reduction == 2:
+        return Val(total, part.clean(mesh), val)
+    # mean: divide by the number of counted targets over the whole batch
+    cnt_val = torch.empty([], device="meta", dtype=torch.float32)
+    cnt = L.emit(R.valid_count, (tn, ignore), layout=part, val=cnt_val)
+    lay = part
+    for a in rows:
+        cnt = L._all_reduce(cnt, lay, a, "sum", cnt_val)
+        lay = lay.with_replicated(a)
+    shards = math.prod(mesh.size(a) for a in rows) if rows else 1
+    avg = Layout(0)
+    for a in rows:
+        avg = avg.with_partial(a, "avg")
+    n = L.emit(R.mean_over_shards, (total, cnt, shards), layout=avg, val=val)
+    return Val(n, avg.clean(mesh), val)

@@ -1,0 +1,227 @@
+"""Shape-changing ops: views and reshapes, permutes, slices along a dim, split, cat, pad."""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch.fx as fx
+
+from shardc.placement import Layout
+from shardc.passes.lower import Lowering, Val
+from shardc.passes.rules.common import (as_list, aten, drop_dims, emit_like, fallback_rule,
+                                        materialise_then, no_partial, register_rule, replicate_dims)
+
+
+# ---------------------------------------------------------------- shape-changing
+def _view_groups(src: list[int], dst: list[int]) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of dims of equal product: [( [in dims], [out dims] ), ...]."""
+    groups = []
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        gi, gj = [], []
+        pi = pj = 1
+        if i < len(src):
+            gi.append(i); pi *= src[i]; i += 1
+        if j < len(dst):
+            gj.append(j); pj *= dst[j]; j += 1
+        while pi != pj:
+            if pi < pj and i < len(src):
+                gi.append(i); pi *= src[i]; i += 1
+            elif j < len(dst):
+                gj.append(j); pj *= dst[j]; j += 1
+            else:
+                break
+        # absorb trailing size-1 dims into this group
+        while i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
+            gi.append(i); i += 1
+        while j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
+            gj.append(j); j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def view_layout(L: Lowering, lay: Layout, src: list[int], dst: list[int]) -> tuple[Layout, Layout]:
+    """(input layout the view needs, output layout) for a reshape src -> dst."""
+    need = lay
+    out_dims: list[tuple[str, ...]] = [() for _ in dst]
+    out_il = [1] * len(dst)
+    for gi, gj in _view_groups(src, dst):
+        sharded = [d for d in gi if lay.dims[d]]
+        if not sharded:
+            continue
+        g_in = [d for d in gi if src[d] != 1]
+        g_out = [d for d in gj if dst[d] != 1]
+        d = sharded[0]
+        axes = lay.dims[d]
+        f = 1
+        for a in axes:
+            f *= L.mesh.size(a)
+        k = lay.interleave[d]
+        ok = len(sharded) == 1 and g_in and g_in[0] == d and g_out
+        target = None
+        if ok:
+            if len(g_in) == 1 and len(g_out) == 1:
+                target, til = g_out[0], k
+            elif len(g_in) == 1:  # one dim split into several
+                if k == 1 and dst[g_out[0]] % f == 0:
+                    target, til = g_out[0], 1
+                elif k > 1 and dst[g_out[0]] == k and len(g_out) > 1 and dst[g_out[1]] % f == 0:
+                    target, til = g_out[1], 1
+            elif k == 1 and len(g_out) == 1:  # several dims merged, shard on the outermost
+                target, til = g_out[0], 1
+        if target is None:
+            for dd in sharded:
+                for a in lay.dims[dd]:
+                    need = need.with_replicated(a)
+            continue
+        out_dims[target] = axes
+        out_il[target] = til
+    out = Layout(len(dst), tuple(out_dims), need.partial, tuple(out_il))
+    return need, out
+
+
+@register_rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+               aten.flatten.using_ints, aten.unflatten.int, aten.expand.default, aten.squeeze.dim,
+               aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default)
+def view_rule(L: Lowering, node: fx.Node) -> Any:
+    x = L.env[node.args[0]]
+    val = node.meta["val"]
+    dst = list(val.shape)
+    if x.layout is None:  # a reshaped parameter: use it whole
+        return materialise_then(L, node)
+    if node.target is aten.expand.default:
+        off = len(dst) - x.ndim
+        need = x.layout
+        for d in range(x.ndim):
+            if x.shape[d] != dst[d + off]:
+                need = replicate_dims(need, [d])
+        keep = [d + off for d in range(x.ndim)]
+        out = drop_dims(need, keep, len(dst))
+    else:
+        need, out = view_layout(L, x.layout, x.shape, dst)
+    xn = L.to_layout(x, need)
+    local = out.clean(L.mesh).local_shape(dst, L.mesh)
+    if node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                       aten.flatten.using_ints, aten.unflatten.int, aten.squeeze.dim,
+                       aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default):
+        n = L.emit(aten.reshape.default, (xn, local), layout=out, val=val)
+    else:
+        n = L.emit(aten.expand.default, (xn, local), layout=out, val=val)
+    return Val(n, out.clean(L.mesh), val)
+
+
+@register_rule(aten.transpose.int, aten.permute.default, aten.t.default)
+def permute_rule(L: Lowering, node: fx.Node) -> Any:
+    x = L.env[node.args[0]]
+    val = node.meta["val"]
+    nd = x.ndim
+    if node.target is aten.t.default:
+        perm = list(range(nd))[::-1]
+    elif node.target is aten.transpose.int:
+        a, b = node.args[1] % max(nd, 1), node.args[2] % max(nd, 1)
+        perm = list(range(nd))
+        perm[a], perm[b] = perm[b], perm[a]
+    else:
+        perm = [d % nd for d in node.args[1]]
+    if x.layout is None:
+        if nd == 2 and perm == [1, 0]:
+            return Val(None, None, val, x.param, not x.ptrans, x.pchain)
+        return materialise_then(L, node)
+    keep: list[int | None] = [None] * nd
+    for new, old in enumerate(perm):
+        keep[old] = new
+    out = drop_dims(x.layout, keep, nd)
+    return emit_like(L, node, {node.args[0]: x.layout}, out)
+
+
+@register_rule(aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.cumsum.default,
+               aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
+               aten._log_softmax.default, aten.flip.default, aten.roll.default)
+def along_dim_rule(L: Lowering, node: fx.Node) -> Any:
+    """Ops that work along one dim: that dim must be whole, the others keep their shards."""
+    x = L.env[node.args[0]]
+    if x.layout is None:
+        return materialise_then(L, node)
+    if node.target in (aten.flip.default, aten.roll.default):
+        dims = as_list(node.args[1] if node.target is aten.flip.default else
+                       (node.args[2] if len(node.args) > 2 else list(range(x.ndim))))
+    else:
+        dims = [node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)]
+    dims = [d % x.ndim for d in dims]
+    need = no_partial(replicate_dims(x.layout, dims))
+    if node.target is aten.select.int:
+        keep = [None if d == dims[0] else (d if d < dims[0] else d - 1) for d in range(x.ndim)]
+        out = drop_dims(need, keep, x.ndim - 1)
+    else:
+        out = need
+    return emit_like(L, node, {node.args[0]: need}, out)
+
+
+@register_rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+               aten.unbind.int)
+def split_rule(L: Lowering, node: fx.Node) -> Any:
+    x = L.env[node.args[0]]
+    vals = node.meta["val"]
+    if x.layout is None:
+        return fallback_rule(L, node)
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    if node.target is aten.unbind.int:
+        dim = node.args[1] if len(node.args) > 1 else 0
+    dim %= x.ndim
+    lay = no_partial(x.layout) if any(p[1] == "max" for p in x.layout.partial) else x.layout
+    sizes = [v.shape[dim] for v in vals]
+    axes = lay.dims[dim]
+    k = lay.interleave[dim]
+    if axes and not (node.target is not aten.unbind.int and k == len(sizes) and len(set(sizes)) == 1):
+        lay = replicate_dims(lay, [dim])
+        axes = ()
+    xn = L.to_layout(x, lay)
+    f = 1
+    for a in axes:
+        f *= L.mesh.size(a)
+    if node.target is aten.unbind.int:
+        n = L.emit(node.target, (xn, dim), layout=None, val=vals)
+        keep = [None if d == dim else (d if d < dim else d - 1) for d in range(x.ndim)]
+        out_lay = drop_dims(lay, keep, x.ndim - 1)
+    else:
+        local_sizes = [s // f for s in sizes]
+        n = L.emit(aten.split_with_sizes.default, (xn, local_sizes, dim), layout=None, val=vals)
+        out_lay = lay.with_interleave(dim, 1)
+    outs = []
+    for i, v in enumerate(vals):
+        g = L.emit(operator.getitem, (n, i), layout=out_lay, val=v)
+        outs.append(Val(g, out_lay.clean(L.mesh), v))
+    return outs
+
+
+@register_rule(aten.cat.default, aten.stack.default)
+def cat_rule(L: Lowering, node: fx.Node) -> Any:
+    tensors = [L.env[t] for t in node.args[0]]
+    val = node.meta["val"]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    dim %= val.dim()
+    first = next((t for t in tensors if t.layout is not None), None)
+    base = no_partial(first.layout) if first is not None else Layout.replicate(tensors[0].ndim)
+    if node.target is aten.cat.default:
+        base = replicate_dims(base, [dim])
+        out = base
+    else:
+        keep = [d if d < dim else d + 1 for d in range(base.ndim)]
+        out = drop_dims(base, keep, val.dim())
+    need = {}
+    for t_node, t in zip(node.args[0], tensors):
+        lay = base
+        for d in range(t.ndim):
+            if t.shape[d] != first.shape[d] if first is not None else False:
+                lay = replicate_dims(lay, [d])
+        need[t_node] = lay
+    return emit_like(L, node, need, out)
+
+
+@register_rule(aten.constant_pad_nd.default, aten.pad.default)
+def pad_rule(L: Lowering, node: fx.Node) -> Any:
+    x = L.env[node.args[0]]
+    pads = node.args[1]
+    dims = [x.ndim - 1 - i for i in range(len(pads) // 2)]
+    need = no_partial(replicate_dims(x.layout, dims)) if x.layout is not None else Layout.replicate(x.ndim)
+    return emit_like(L, node, {node.args[0]: need}, need)
