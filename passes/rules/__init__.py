@@ -1,9 +1,13 @@
 """Sharding rules, one per ATen op: the table the lowering pass looks ops up in.
 
-A rule receives the lowering state and one node of the global graph. It reads the
-placements its inputs already have, decides the placements it needs (the lowering
-inserts the collectives that get them there) and the placement of its output, and emits
-the local op. Ops without a rule fall back to ``fallback_rule``: inputs gathered, run
+A rule receives the lowering state and one node of the global graph and returns the
+node's value on this rank. Where the decision can be made from layouts alone it is a
+*strategy* (``STRATEGIES``, ``@strategy``): a pure function from the node and its
+inputs' layouts and shapes to the layout each input must arrive in and the layout of the
+output; ``apply_strategy`` then does the one lowering step (redistribute, emit). Rules
+that emit more than one op (GEMMs with Algorithm 1's weight storage, layer norm's
+distributed statistics, vocabulary-parallel embedding and cross-entropy, dropout) decide
+and emit in one function. Ops without a rule fall back to ``fallback_rule``: inputs gathered, run
 replicated, recorded so ``explain`` and the comm report name the op and its source line.
 
 Tags: an ATen op tagged ``torch.Tag.pointwise`` uses the pointwise rule unless the table
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 from shardc.passes.rules import (attention, embedding, matrix, pointwise, random,  # noqa: F401
                                  reduction, view)
-from shardc.passes.rules.common import RULES, Rule, fallback_rule, register_rule
+from shardc.passes.rules.common import (RULES, STRATEGIES, Rule, Strategy, fallback_rule,
+                                        register_rule, strategy)
 
-__all__ = ["RULES", "Rule", "fallback_rule", "register_rule"]
+__all__ = ["RULES", "STRATEGIES", "Rule", "Strategy", "fallback_rule", "register_rule", "strategy"]

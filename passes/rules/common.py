@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx as fx
 
 from shardc.context import FALLBACK
+from shardc.mesh import Mesh
 from shardc.placement import Layout
 from shardc.passes.lower import Fallback, Lowering, Val
 
@@ -93,6 +95,47 @@ def emit_like(L: Lowering, node: fx.Node, need: dict[fx.Node, Layout], out: Layo
         args = args_fix(args)
     n = L.emit(target or node.target, args, kwargs, layout=out, val=node.meta.get("val"))
     return Val(n, out.clean(L.mesh), node.meta.get("val"))
+
+
+@dataclass
+class Strategy:
+    """What a rule decides, before anything is emitted: the layout each tensor input must
+    arrive in (the lowering inserts the collectives or local slices that get it there)
+    and the layout of the output. A strategy function computes it from the node's static
+    arguments and its inputs' layouts and shapes alone, so it can be tested one by one
+    without compiling or running anything."""
+
+    needs: dict[fx.Node, Layout]
+    out: Layout
+
+
+# node of the global graph, the value of each of its input nodes (a Val for a tensor), the
+# mesh -> Strategy
+Decide = Callable[[fx.Node, Mapping[fx.Node, Any], Mesh], Strategy]
+STRATEGIES: dict[Any, Decide] = {}
+
+
+def strategy(*ops: Any) -> Callable[[Decide], Decide]:
+    """Record ``fn`` as the pure layout decision of ``ops`` (its rule applies it)."""
+    def deco(fn: Decide) -> Decide:
+        for op in ops:
+            STRATEGIES[op] = fn
+        return fn
+    return deco
+
+
+def input_vals(L: Lowering, node: fx.Node) -> dict[fx.Node, Any]:
+    return {a: L.env[a] for a in node.all_input_nodes}
+
+
+def tensor_vals(vals: Mapping[fx.Node, Any]) -> list[tuple[fx.Node, Val]]:
+    return [(a, v) for a, v in vals.items() if isinstance(v, Val)]
+
+
+def apply_strategy(L: Lowering, node: fx.Node, decide: Decide) -> Val:
+    """The one lowering step of a strategy rule: decide, redistribute, emit the local op."""
+    s = decide(node, input_vals(L, node), L.mesh)
+    return emit_like(L, node, s.needs, s.out)
 
 
 def as_list(x: Any) -> list:

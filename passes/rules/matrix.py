@@ -149,7 +149,7 @@ def gemm_rule(L: Lowering, node: fx.Node) -> Any:
     if bias_node is None:
         return res
     b = L.env[bias_node]
-    out2, needs = pointwise_layouts(L, aten.add.Tensor, [res, b], list(gval.shape))
+    out2, needs = pointwise_layouts(aten.add.Tensor, [res, b], list(gval.shape))
     a = L.to_layout(res, needs[0])
     bn = L.to_layout(b, needs[1])
     n = L.emit(aten.add.Tensor, (a, bn), layout=out2, val=gval)

@@ -2,17 +2,17 @@
 output, and a partial value flows on only through ops linear in it."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
 
-from shardc.mesh import BATCH_AXES
+from shardc.mesh import BATCH_AXES, Mesh
 from shardc.placement import PARTIAL_OPS, Layout
-from shardc.runtime import ops as R
 from shardc.passes.lower import Lowering, Val
-from shardc.passes.rules.common import (aten, emit_like, fallback_rule, materialise_then,
-                                        register_rule, tensor_inputs)
+from shardc.passes.rules.common import (Strategy, apply_strategy, aten, fallback_rule,
+                                        materialise_then, register_rule, strategy, tensor_inputs,
+                                        tensor_vals)
 
 
 # --------------------------------------------------------------------- factories
@@ -22,11 +22,19 @@ from shardc.passes.rules.common import (aten, emit_like, fallback_rule, material
                aten.new_full.default, aten.new_empty.default, aten.lift_fresh_copy.default,
                aten.tril.default, aten.triu.default)
 def factory_rule(L: Lowering, node: fx.Node) -> Any:
+    return apply_strategy(L, node, factory_strategy)
+
+
+@strategy(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
+               aten.zeros.default, aten.ones.default, aten.empty.memory_format,
+               aten.scalar_tensor.default, aten.new_ones.default, aten.new_zeros.default,
+               aten.new_full.default, aten.new_empty.default, aten.lift_fresh_copy.default,
+               aten.tril.default, aten.triu.default)
+def factory_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
     """Tensors made from constants: every rank computes the whole (global) tensor; a
     consumer that needs a shard cuts it locally."""
-    val = node.meta["val"]
-    need = {a: Layout.replicate(v.ndim) for a, v in tensor_inputs(L, node)}
-    return emit_like(L, node, need, Layout.replicate(val.dim()))
+    return Strategy({a: Layout.replicate(v.ndim) for a, v in tensor_vals(vals)},
+                    Layout.replicate(node.meta["val"].dim()))
 
 
 # --------------------------------------------------------------------- pointwise
@@ -98,7 +106,7 @@ def _partial_ok(target: Any, args: list[Any], axis: str, out_dtype: Any = None) 
     return False
 
 
-def pointwise_layouts(L: Lowering, target: Any, ins: list[Val | None], out_shape: list[int],
+def pointwise_layouts(target: Any, ins: list[Val | None], out_shape: list[int],
                       args: list[Any] | None = None, out_dtype: Any = None
                       ) -> tuple[Layout, list[Layout | None]]:
     """(output layout, layout each of ``ins`` must arrive in). ``args`` are the op's
@@ -191,7 +199,27 @@ def pointwise_rule(L: Lowering, node: fx.Node) -> Any:
         if node.kwargs and node.target is aten._to_copy.default:
             return materialise_then(L, node)
         return Val(None, None, val, v.param, v.ptrans, v.pchain + ((node.target, extra),))
-    args = [L.env[a] if isinstance(a, fx.Node) else a for a in node.args]
-    out, needs = pointwise_layouts(L, node.target, ins, list(val.shape), args, val.dtype)
-    need = {a: n for (a, _), n in zip(ins_nodes, needs)}
-    return emit_like(L, node, need, out)
+    return apply_strategy(L, node, pointwise_strategy)
+
+
+@strategy("pointwise", aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor,
+               aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.gelu.default,
+               aten.silu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default,
+               aten.clone.default, aten.alias.default, aten.contiguous.default, aten._to_copy.default,
+               aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.detach.default,
+               aten.type_as.default, aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.bitwise_and.Tensor,
+               aten.bitwise_or.Tensor, aten.__and__.Tensor, aten.__or__.Tensor, aten.eq.Tensor,
+               aten.eq.Scalar, aten.ne.Scalar, aten.ne.Tensor, aten.le.Tensor, aten.lt.Tensor,
+               aten.ge.Tensor, aten.gt.Tensor, aten.le.Scalar, aten.lt.Scalar, aten.ge.Scalar,
+               aten.gt.Scalar, aten.logical_not.default, aten.bitwise_not.default, aten.neg.default,
+               aten.exp.default, aten.log.default, aten.sqrt.default, aten.abs.default,
+               aten.reciprocal.default, aten.clamp.default, aten.erf.default, aten.sin.default,
+               aten.cos.default, aten.maximum.default, aten.minimum.default, aten.add.Scalar,
+               aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.pow.Tensor_Tensor,
+               aten.view_as.default, aten.softplus.default, aten.log1p.default, aten.expm1.default)
+def pointwise_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    val = node.meta["val"]
+    ins = tensor_vals(vals)
+    args = [vals[a] if isinstance(a, fx.Node) else a for a in node.args]
+    out, needs = pointwise_layouts(node.target, [v for _, v in ins], list(val.shape), args, val.dtype)
+    return Strategy({a: n for (a, _), n in zip(ins, needs) if n is not None}, out)

@@ -18,7 +18,9 @@ def dropout_rule(L: Lowering, node: fx.Node) -> Any:
     p = float(node.args[1])
     train = bool(node.args[2]) if len(node.args) > 2 and node.args[2] is not None else True
     lay = x.layout if x.layout is not None else Layout.replicate(x.ndim)
-    lay = Layout(lay.ndim, lay.dims, tuple(q for q in lay.partial if q[1] != "max"), lay.interleave).clean(L.mesh)
+    # dropout scales each entry by 0 or 1/(1-p): linear, so a sum or mean stays partial
+    keep = tuple(q for q in lay.partial if q[1] in ("sum", "avg"))
+    lay = Layout(lay.ndim, lay.dims, keep, lay.interleave).clean(L.mesh)
     xn = L.to_layout(x, lay)
     gval = x.val
     n = L.emit(R.global_dropout, (xn, p, train, list(gval.shape), L.rt, lay.dims, lay.interleave),

@@ -4,27 +4,35 @@ cross-entropy over cut vocabulary is Megatron's fused form."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
 
 from shardc.context import PLACEMENT
+from shardc.mesh import Mesh
 from shardc.placement import Layout
 from shardc.runtime import ops as R
 from shardc.passes.lower import Lowering, Val
-from shardc.passes.rules.common import (as_list, aten, drop_dims, emit_like, fallback_rule,
-                                        materialise_then, no_partial, register_rule, replicate_dims)
+from shardc.passes.rules.common import (Strategy, apply_strategy, as_list, aten, drop_dims,
+                                        emit_like, fallback_rule, materialise_then, no_partial,
+                                        register_rule, replicate_dims, strategy)
 
 
 # -------------------------------------------------------------------- reductions
 @register_rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default,
                aten.amax.default, aten.amin.default)
 def reduce_rule(L: Lowering, node: fx.Node) -> Any:
-    x = L.env[node.args[0]]
-    val = node.meta["val"]
-    if x.layout is None:
+    if L.env[node.args[0]].layout is None:
         return materialise_then(L, node)
+    return apply_strategy(L, node, reduce_strategy)
+
+
+@strategy(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default,
+          aten.amax.default, aten.amin.default)
+def reduce_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    x = vals[node.args[0]]
+    val = node.meta["val"]
     if node.target in (aten.sum.default, aten.mean.default):
         dims, keepdim = list(range(x.ndim)), False
     else:
@@ -35,7 +43,7 @@ def reduce_rule(L: Lowering, node: fx.Node) -> Any:
     need = x.layout
     if is_max:
         need = no_partial(replicate_dims(need, dims))
-    elif any(p[1] == "max" for p in need.partial):
+    elif any(p[1] in ("max", "min") for p in need.partial):
         need = no_partial(need)
     mean = node.target in (aten.mean.dim, aten.mean.default)
     # a sum over shards is a partial sum, a mean over equal shards the mean of their
@@ -57,7 +65,7 @@ def reduce_rule(L: Lowering, node: fx.Node) -> Any:
                   tuple(1 if d in dims else need.interleave[d] for d in range(x.ndim)))
     out = drop_dims(base, keep, val.dim())
     out = Layout(out.ndim, out.dims, tuple(sorted(out_partial.items())), out.interleave)
-    return emit_like(L, node, {node.args[0]: need}, out)
+    return Strategy({node.args[0]: need}, out)
 
 
 # ------------------------------------------------------------------ normalisation

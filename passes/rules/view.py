@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Mapping
 
 import torch.fx as fx
 
+from shardc.mesh import Mesh
 from shardc.placement import Layout
 from shardc.passes.lower import Lowering, Val
-from shardc.passes.rules.common import (as_list, aten, drop_dims, emit_like, fallback_rule,
-                                        materialise_then, no_partial, register_rule, replicate_dims)
+from shardc.passes.rules.common import (Strategy, apply_strategy, as_list, aten, drop_dims,
+                                        fallback_rule, materialise_then, no_partial, register_rule,
+                                        replicate_dims, strategy)
 
 
 # ---------------------------------------------------------------- shape-changing
@@ -113,35 +115,48 @@ def view_rule(L: Lowering, node: fx.Node) -> Any:
 @register_rule(aten.transpose.int, aten.permute.default, aten.t.default)
 def permute_rule(L: Lowering, node: fx.Node) -> Any:
     x = L.env[node.args[0]]
-    val = node.meta["val"]
-    nd = x.ndim
+    if x.layout is None:
+        if x.ndim == 2 and _perm(node, 2) == [1, 0]:  # a transposed weight: decided at its use
+            return Val(None, None, node.meta["val"], x.param, not x.ptrans, x.pchain)
+        return materialise_then(L, node)
+    return apply_strategy(L, node, permute_strategy)
+
+
+def _perm(node: fx.Node, nd: int) -> list[int]:
     if node.target is aten.t.default:
-        perm = list(range(nd))[::-1]
-    elif node.target is aten.transpose.int:
+        return list(range(nd))[::-1]
+    if node.target is aten.transpose.int:
         a, b = node.args[1] % max(nd, 1), node.args[2] % max(nd, 1)
         perm = list(range(nd))
         perm[a], perm[b] = perm[b], perm[a]
-    else:
-        perm = [d % nd for d in node.args[1]]
-    if x.layout is None:
-        if nd == 2 and perm == [1, 0]:
-            return Val(None, None, val, x.param, not x.ptrans, x.pchain)
-        return materialise_then(L, node)
-    keep: list[int | None] = [None] * nd
-    for new, old in enumerate(perm):
+        return perm
+    return [d % nd for d in node.args[1]]
+
+
+@strategy(aten.transpose.int, aten.permute.default, aten.t.default)
+def permute_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    x = vals[node.args[0]]
+    keep: list[int | None] = [None] * x.ndim
+    for new, old in enumerate(_perm(node, x.ndim)):
         keep[old] = new
-    out = drop_dims(x.layout, keep, nd)
-    return emit_like(L, node, {node.args[0]: x.layout}, out)
+    return Strategy({node.args[0]: x.layout}, drop_dims(x.layout, keep, x.ndim))
 
 
 @register_rule(aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.cumsum.default,
                aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
                aten._log_softmax.default, aten.flip.default, aten.roll.default)
 def along_dim_rule(L: Lowering, node: fx.Node) -> Any:
-    """Ops that work along one dim: that dim must be whole, the others keep their shards."""
-    x = L.env[node.args[0]]
-    if x.layout is None:
+    if L.env[node.args[0]].layout is None:
         return materialise_then(L, node)
+    return apply_strategy(L, node, along_dim_strategy)
+
+
+@strategy(aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.cumsum.default,
+          aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
+          aten._log_softmax.default, aten.flip.default, aten.roll.default)
+def along_dim_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    """Ops that work along one dim: that dim must be whole, the others keep their shards."""
+    x = vals[node.args[0]]
     if node.target in (aten.flip.default, aten.roll.default):
         dims = as_list(node.args[1] if node.target is aten.flip.default else
                        (node.args[2] if len(node.args) > 2 else list(range(x.ndim))))
@@ -154,7 +169,7 @@ def along_dim_rule(L: Lowering, node: fx.Node) -> Any:
         out = drop_dims(need, keep, x.ndim - 1)
     else:
         out = need
-    return emit_like(L, node, {node.args[0]: need}, out)
+    return Strategy({node.args[0]: need}, out)
 
 
 @register_rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
@@ -168,7 +183,7 @@ def split_rule(L: Lowering, node: fx.Node) -> Any:
     if node.target is aten.unbind.int:
         dim = node.args[1] if len(node.args) > 1 else 0
     dim %= x.ndim
-    lay = no_partial(x.layout) if any(p[1] == "max" for p in x.layout.partial) else x.layout
+    lay = no_partial(x.layout) if any(p[1] in ("max", "min") for p in x.layout.partial) else x.layout
     sizes = [v.shape[dim] for v in vals]
     axes = lay.dims[dim]
     k = lay.interleave[dim]
@@ -196,7 +211,12 @@ def split_rule(L: Lowering, node: fx.Node) -> Any:
 
 @register_rule(aten.cat.default, aten.stack.default)
 def cat_rule(L: Lowering, node: fx.Node) -> Any:
-    tensors = [L.env[t] for t in node.args[0]]
+    return apply_strategy(L, node, cat_strategy)
+
+
+@strategy(aten.cat.default, aten.stack.default)
+def cat_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    tensors = [vals[t] for t in node.args[0]]
     val = node.meta["val"]
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     dim %= val.dim()
@@ -215,13 +235,17 @@ def cat_rule(L: Lowering, node: fx.Node) -> Any:
             if t.shape[d] != first.shape[d] if first is not None else False:
                 lay = replicate_dims(lay, [d])
         need[t_node] = lay
-    return emit_like(L, node, need, out)
+    return Strategy(need, out)
 
 
 @register_rule(aten.constant_pad_nd.default, aten.pad.default)
 def pad_rule(L: Lowering, node: fx.Node) -> Any:
-    x = L.env[node.args[0]]
-    pads = node.args[1]
-    dims = [x.ndim - 1 - i for i in range(len(pads) // 2)]
+    return apply_strategy(L, node, pad_strategy)
+
+
+@strategy(aten.constant_pad_nd.default, aten.pad.default)
+def pad_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    x = vals[node.args[0]]
+    dims = [x.ndim - 1 - i for i in range(len(node.args[1]) // 2)]
     need = no_partial(replicate_dims(x.layout, dims)) if x.layout is not None else Layout.replicate(x.ndim)
-    return emit_like(L, node, {node.args[0]: need}, need)
+    return Strategy({node.args[0]: need}, need)
