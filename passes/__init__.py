@@ -5,7 +5,7 @@ ATen graph every pass after it starts from.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch.fx as fx
 
@@ -25,6 +25,19 @@ PIPELINE: list[Pass] = [
     # only reorders: after every node exists, so the order it makes is the final one
     prefetch_pass,
 ]
+
+
+# passes on the whole-step program (``joint.py``), each ``pass(jp, ctx) -> jp``, in order
+STEP_PIPELINE: list[Callable] = []
+
+
+def run_step_pipeline(jp: Any, ctx: CompileContext) -> Any:
+    for p in STEP_PIPELINE:
+        jp = p(jp, ctx)
+    for gm in (jp.forward, jp.backward):
+        gm.graph.lint()
+        gm.recompile()
+    return jp
 
 
 def run_pipeline(gm: fx.GraphModule, ctx: CompileContext, passes: list[Pass] | None = None

@@ -58,7 +58,8 @@ def _canonical_names(model: nn.Module) -> dict[str, str]:
 
 def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | None = None, *,
             transpose_alternate: bool = True, overlap: bool = True, prefetch_depth: int = 1,
-            gemm_modes: str = "default", machine: Any = None,
+            gemm_modes: str = "default", step_graph: bool = True, bucket_mb: float = 25.0,
+            machine: Any = None,
             input_layouts: Mapping[int, Layout] | None = None) -> ShardedModule:
     """Compile ``model`` into this rank's program for ``mesh``. Collective: call it on
     every rank, after ``torch.distributed.init_process_group``, with the same model and
@@ -91,7 +92,8 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
     example_inputs = tuple(example_inputs)
     _check_batch(example_inputs, mesh, input_layouts or {})
     options = Options(transpose_alternate=transpose_alternate, overlap=overlap,
-                      prefetch_depth=prefetch_depth, gemm_modes=gemm_modes)
+                      prefetch_depth=prefetch_depth, gemm_modes=gemm_modes,
+                      step_graph=step_graph, bucket_mb=bucket_mb)
     return _compile(model, mesh, example_inputs, options, dist.get_rank(), input_layouts)
 
 

@@ -26,6 +26,12 @@ class Options:
     overlap: bool = True
     prefetch_depth: int = 1
     gemm_modes: str = "default"
+    # run forward and backward as one traced program (passes/joint.py) so the step
+    # passes can move and pack backward collectives; False: autograd's own backward
+    step_graph: bool = True
+    # size of the buckets the post-backward gradient reductions are packed into (MiB);
+    # 0 reduces each gradient on its own
+    bucket_mb: float = 25.0
 
     def __post_init__(self) -> None:
         if self.gemm_modes not in GEMM_MODES:
@@ -38,6 +44,8 @@ class Options:
                 f"shardc.compile: gemm_modes={self.gemm_modes!r} (timing NN/NT/TN per GEMM) is not "
                 "implemented yet; every GEMM runs in PyTorch's default form. Use "
                 "gemm_modes='default'.")
+        if self.bucket_mb < 0:
+            raise ValueError(f"shardc.compile: bucket_mb must be >= 0, got {self.bucket_mb}.")
         if self.prefetch_depth < 0:
             raise ValueError(f"shardc.compile: prefetch_depth must be >= 0, got {self.prefetch_depth}.")
 

@@ -1,6 +1,7 @@
 """ShardedModule: one rank's compiled program plus its parameter shards."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -105,10 +106,20 @@ class ShardedModule(nn.Module):
                              if n.op == "placeholder" and n.meta.get(KIND) == "input"]
         self._input_layouts = [n.meta.get(PLACEMENT) for n in program.graph.nodes
                                if n.op == "placeholder" and n.meta.get(KIND) == "input"]
+        # The eager program sums parameter gradients over these axes in hooks; the whole-
+        # step program does it inside its backward graph, so the hooks stand aside then.
+        self._joint: dict[tuple, Any] = {}
+        self._joint_failed: str | None = None
+        self._hooks_active = True
         for name, axes in self.grad_reductions.items():
             p = self.get_parameter(name)
             for axis in axes:
-                p.register_hook(C.grad_reduce_hook(runtime.key, axis))
+                p.register_hook(self._eager_only(C.grad_reduce_hook(runtime.key, axis)))
+
+    def _eager_only(self, hook: Any) -> Any:
+        def run(g: torch.Tensor) -> torch.Tensor:
+            return hook(g) if self._hooks_active else g
+        return run
 
     # ------------------------------------------------------------------- running
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -140,8 +151,47 @@ class ShardedModule(nn.Module):
                         f"of the example input {list(gval.shape)} laid out as {lay} is {want} "
                         f"(by default dim 0 is split over data x z = {batch}). Pass "
                         "shardc.shard_batch(global_batch, mesh).")
-        out = self.graph_module(*args)
+        out = self._run(args)
         return pytree.tree_unflatten(list(out), self._out_spec)
+
+    def _run(self, args: list[Any]) -> Any:
+        """The whole-step program when a backward may follow, else the forward program."""
+        needs = [isinstance(a, torch.Tensor) and a.requires_grad and
+                 (role == "param" or (role == "input" and target in self.ctx.grad_inputs))
+                 for a, (role, target) in zip(args, self._feeds)]
+        if not (self.ctx.options.step_graph and torch.is_grad_enabled() and any(needs)) \
+                or self._joint_failed is not None:
+            self._hooks_active = True
+            return self.graph_module(*args)
+        key = tuple((tuple(a.shape), a.dtype, w) if isinstance(a, torch.Tensor) else (repr(a),)
+                    for a, w in zip(args, needs))
+        jp = self._joint.get(key)
+        if jp is None:
+            jp = self._build_joint(args, needs)
+            if jp is None:
+                self._hooks_active = True
+                return self.graph_module(*args)
+            self._joint[key] = jp
+        from shardc.runtime.step import JointStep
+
+        self._hooks_active = False
+        return JointStep.apply(jp, *args)
+
+    def _build_joint(self, args: list[Any], needs: list[bool]) -> Any:
+        from shardc.passes.joint import trace_joint
+        from shardc.passes import run_step_pipeline
+
+        names = [target if role == "param" else None for role, target in self._feeds]
+        try:
+            jp = trace_joint(self.graph_module, self.ctx, args, needs, names)
+        except Exception as e:  # noqa: BLE001 - the eager program is always there
+            # every rank traces the same program, so every rank falls back together
+            self._joint_failed = f"{type(e).__name__}: {e}"
+            warnings.warn("shardc: the whole-step program could not be traced "
+                          f"({self._joint_failed}); running the forward program with "
+                          "autograd's backward (no overlap or bucketing passes).", stacklevel=3)
+            return None
+        return run_step_pipeline(jp, self.ctx)
 
     # ------------------------------------------------------------- full tensors
     def _gather_full(self, name: str, local: torch.Tensor) -> torch.Tensor:

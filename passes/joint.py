@@ -1,0 +1,247 @@
+"""The whole training step as one graph: forward and backward of the rank's program,
+every collective of either a node with its own issue and wait.
+
+Reads:  the rank's forward program (after ``grad_sync``: every backward collective is
+        decided, as the adjoint of a forward node or a ``grad_all_reduce``), the
+        parameters' post-backward reductions (``reduce_params``), this rank's inputs
+Writes: a ``JointProgram``: the joint graph split into the part that runs when the
+        module is called (forward) and the part that runs in ``backward()``; every
+        collective node calls a ``runtime.functional.run_*`` function that counts its
+        bytes, and carries ``meta[COMM] = {collective, axis, phase}``
+Keeps:  the arithmetic: the graph records exactly the ops eager autograd runs, in
+        its order; the later passes only move nodes and pack collectives
+
+How: each collective of the forward program is swapped for its traceable counterpart in
+``runtime.functional`` (same signature), and ``make_fx`` traces, on fake tensors,
+``outputs = program(*inputs); grads = autograd.grad(outputs, params, tangents)`` followed
+by the parameters' step-phase reductions. Fake tensors draw no random numbers and move no
+bytes, so tracing leaves the generator and the counters as they were.
+
+The split: a node belongs to forward when a forward output depends on it; everything
+else (what needs a tangent, and the gradients' reductions) is backward. Forward returns
+its outputs and the values backward reads ("saved"); backward takes the saved values and
+the tangents. This saves what autograd itself would save, give or take the views of it.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from shardc.context import COMM, PROGRAM, CompileContext
+from shardc.runtime import collectives as C
+from shardc.runtime import functional as F
+
+SWAP = {
+    C.all_gather_start: F.all_gather_start,
+    C.all_reduce_start: F.all_reduce_start,
+    C.reduce_scatter_start: F.reduce_scatter_start,
+    C.all_to_all_start: F.all_to_all_start,
+    C.wait: F.wait,
+    C.grad_all_reduce: F.grad_all_reduce,
+}
+
+PART = "shardc_part"  # node.meta: "forward" or "backward"
+
+
+@dataclass
+class JointProgram:
+    """What the step runs: ``forward(*primals) -> (*outputs, *saved)`` and
+    ``backward(*saved, *tangents) -> grads`` (one per entry of ``grad_of``)."""
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    n_outputs: int
+    diff_outputs: list[int]  # outputs that take a tangent
+    grad_of: list[int]  # primal index of each gradient backward returns
+    n_saved: int
+    joint: fx.GraphModule  # the unsplit graph (for explain and tests)
+    notes: list[str] = field(default_factory=list)  # what each pass did, for explain
+
+
+RUN_FUNCTIONS = {fn for fn, _ in F.RUNNERS.values()}
+
+
+def collective_nodes(g: fx.Graph) -> list[fx.Node]:
+    """The collective issues of a joint graph (after tracing), in graph order."""
+    return [n for n in g.nodes if n.op == "call_function" and n.target in RUN_FUNCTIONS]
+
+
+def trace_joint(program: fx.GraphModule, ctx: CompileContext, primals: Sequence[Any],
+                needs_grad: Sequence[bool], param_names: Sequence[str | None]) -> JointProgram:
+    """Trace the joint step of ``program`` for inputs shaped like ``primals``.
+
+    ``needs_grad[i]``: primal i gets a gradient (a trainable parameter or an input that
+    asked for one); ``param_names[i]``: the parameter it holds, if any, whose
+    post-backward reductions (``reduce_params``) the step applies."""
+    prog = fx.GraphModule(program, copy_graph(program.graph))
+    for n in prog.graph.nodes:
+        if n.op == "call_function" and n.target in SWAP:
+            n.target = SWAP[n.target]
+    prog.recompile()
+    reduce_params: dict[str, list[str]] = program.meta[PROGRAM].reduce_params
+    grad_idx = [i for i, w in enumerate(needs_grad) if w]
+    n_primals = len(primals)
+    diff_outputs: list[int] = []
+    n_outputs = 0
+    unused: list[int] = []
+
+    def joint(*flat: Any) -> Any:
+        nonlocal n_outputs
+        ins, tangents = flat[:n_primals], flat[n_primals:]
+        with F.phase("forward"):
+            outs = list(prog(*ins))
+        n_outputs = len(outs)
+        diff = [outs[i] for i in diff_outputs]
+        wrt = [ins[i] for i in grad_idx]
+        with F.phase("backward"):
+            grads = list(torch.autograd.grad(diff, wrt, tangents[:len(diff)], allow_unused=True))
+        for k, (i, g) in enumerate(zip(grad_idx, grads)):
+            if g is None:
+                unused.append(i)
+                continue
+            for axis in reduce_params.get(param_names[i] or "", []):
+                g = F.step_all_reduce(g, ctx.rt, axis)
+            grads[k] = g
+        return (*outs, *[g for g in grads if g is not None])
+
+    # which outputs take a tangent: the floating ones that depend on a primal needing grad
+    with torch.enable_grad():
+        probe = _probe_outputs(prog, primals, needs_grad)
+    diff_outputs.extend(i for i, d in enumerate(probe) if d is not None)
+    tangents = [torch.zeros_like(d) for d in probe if d is not None]
+    F.TRACE_LOG.clear()
+    args = [_as_input(p, w) for p, w in zip(primals, needs_grad)] + tangents
+    with torch.enable_grad():
+        gm = make_fx(joint, tracing_mode="fake")(*args)
+    log = list(F.TRACE_LOG)
+    F.TRACE_LOG.clear()
+    _point_at_runners(gm, log, ctx)
+    grad_of = [i for i in grad_idx if i not in unused]
+    fwd, bwd, n_saved = _split(gm, n_primals, n_outputs, len(tangents))
+    return JointProgram(fwd, bwd, n_outputs, diff_outputs, grad_of, n_saved, gm)
+
+
+def copy_graph(g: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    out = new.graph_copy(g, {})
+    new.output(out)
+    return new
+
+
+def _as_input(p: Any, needs_grad: bool) -> Any:
+    if isinstance(p, torch.Tensor):
+        t = p.detach()
+        return t.requires_grad_(needs_grad)
+    return p
+
+
+def _probe_outputs(prog: fx.GraphModule, primals: Sequence[Any], needs_grad: Sequence[bool]
+                   ) -> list[torch.Tensor | None]:
+    """Run the program on fake tensors to learn which outputs carry a gradient (and
+    their local shapes), with the collectives' log kept clean."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        ins = [mode.from_tensor(p).requires_grad_(w) if isinstance(p, torch.Tensor) else p
+               for p, w in zip(primals, needs_grad)]
+        outs = list(prog(*ins))
+    F.TRACE_LOG.clear()
+    F._SHAPES.clear()
+    res: list[torch.Tensor | None] = []
+    for o in outs:
+        if isinstance(o, torch.Tensor) and o.requires_grad and o.dtype.is_floating_point:
+            res.append(torch.empty(o.shape, dtype=o.dtype, device=o.device))
+        else:
+            res.append(None)
+    return res
+
+
+def _point_at_runners(gm: fx.GraphModule, log: list[tuple[str, str, str]], ctx: CompileContext
+                      ) -> None:
+    nodes = _collective_nodes_raw(gm.graph)
+    if len(nodes) != len(log):
+        raise RuntimeError(f"joint trace: {len(nodes)} collective nodes but {len(log)} issued")
+    for n, (collective, axis, ph) in zip(nodes, log):
+        fn, name = F.RUNNERS[n.target]
+        assert name == collective, (name, collective)
+        n.target = fn
+        n.args = (*n.args, ctx.rt, axis, ph)
+        n.meta[COMM] = {"collective": collective, "axis": axis, "phase": ph}
+    gm.recompile()
+
+
+def _collective_nodes_raw(g: fx.Graph) -> list[fx.Node]:
+    return [n for n in g.nodes if n.op == "call_function" and n.target in F.RUNNERS]
+
+
+def _split(gm: fx.GraphModule, n_primals: int, n_outputs: int, n_tangents: int
+           ) -> tuple[fx.GraphModule, fx.GraphModule, int]:
+    g = gm.graph
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    primals, tangents = placeholders[:n_primals], placeholders[n_primals:]
+    assert len(tangents) == n_tangents
+    out_node = next(n for n in g.nodes if n.op == "output")
+    outs = list(out_node.args[0])
+    fwd_outs, grads = outs[:n_outputs], outs[n_outputs:]
+    fwd: set[fx.Node] = set(primals)
+    stack = [o for o in fwd_outs if isinstance(o, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n in fwd:
+            continue
+        fwd.add(n)
+        stack.extend(n.all_input_nodes)
+    # a tuple-valued forward node (dropout's (out, mask), a split) is saved through its
+    # elements: taking an element is free, and only tensors can be saved for backward
+    for n in list(fwd):
+        for u in n.users:
+            if u.op == "call_function" and u.target is operator.getitem:
+                fwd.add(u)
+    for n in g.nodes:
+        if n.op not in ("placeholder", "output"):
+            n.meta[PART] = "forward" if n in fwd else "backward"
+    saved = [n for n in g.nodes if n in fwd and any(u not in fwd and u.op != "output" or
+                                                    (u.op == "output" and _is_grad_use(u, n, n_outputs))
+                                                    for u in n.users)]
+    # forward graph
+    fg = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in g.nodes:
+        if n in fwd:
+            env[n] = fg.node_copy(n, lambda a: env[a])
+    fg.output(tuple(_arg(o, env) for o in fwd_outs) + tuple(env[s] for s in saved))
+    # backward graph
+    bg = fx.Graph()
+    benv: dict[fx.Node, fx.Node] = {}
+    for s in saved:
+        ph = bg.placeholder(f"saved_{s.name}")
+        ph.meta.update(s.meta)
+        benv[s] = ph
+    for t in tangents:
+        benv[t] = bg.node_copy(t)
+    for n in g.nodes:
+        if n.op in ("placeholder", "output") or n in fwd:
+            continue
+        benv[n] = bg.node_copy(n, lambda a: benv[a])
+    bg.output(tuple(_arg(o, benv) for o in grads))
+    fwd_gm = fx.GraphModule(gm, fg)
+    bwd_gm = fx.GraphModule(gm, bg)
+    return fwd_gm, bwd_gm, len(saved)
+
+
+def _is_grad_use(out: fx.Node, n: fx.Node, n_outputs: int) -> bool:
+    """Whether ``n`` appears among the gradients the joint graph returns (a gradient that
+    is a forward value, e.g. of an input used once through an identity)."""
+    outs = out.args[0]
+    assert isinstance(outs, (tuple, list))
+    return any(o is n for o in list(outs)[n_outputs:])
+
+
+def _arg(o: Any, env: dict[fx.Node, fx.Node]) -> Any:
+    return env[o] if isinstance(o, fx.Node) else o

@@ -1,0 +1,255 @@
+"""The collectives of ``runtime.collectives`` again, written so that ``make_fx`` records
+them: forward and backward of a training step become one graph whose every collective
+is a node.
+
+``runtime.collectives`` runs a collective inside an autograd Function that calls
+``torch.distributed`` directly and carries the async ``Work`` on the buffer; that cannot
+be traced, and its backward collectives happen inside autograd where no pass reaches
+them. Here the same operations issue torch's functional collectives
+(``_c10d_functional.*``, which return a tensor and are waited by ``wait_tensor``), and
+each autograd Function's backward issues the adjoint with functional collectives too.
+Tracing ``forward + autograd.grad`` through them with ``make_fx`` gives the joint program
+(``passes/joint.py``); nothing here runs at training time.
+
+Each function has the signature of its counterpart in ``runtime.collectives``, so the
+joint tracer swaps a node's target and nothing else. While tracing, every collective
+appends what it is (collective, axis, phase) to ``TRACE_LOG`` in issue order: the traced
+graph holds the collective nodes in the same order, and the joint builder reads the axis
+and phase of each from there.
+
+The training-time implementations, which count bytes like ``runtime.collectives`` does,
+are the ``run_*`` functions at the end: the joint builder points each collective node at
+one of them.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from shardc.runtime.collectives import get_runtime
+from shardc.runtime.volume import ring_bytes
+
+_fc = torch.ops._c10d_functional
+
+# (collective, axis, phase) of each functional collective issued while tracing
+TRACE_LOG: list[tuple[str, str, str]] = []
+# buffers whose wait must reshape the flat result a functional collective returns
+_SHAPES: dict[int, tuple[int, ...]] = {}
+_PHASE = ["forward"]
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Collectives issued inside are recorded as belonging to phase ``name``
+    (autograd runs backward functions while ``phase("backward")`` is active)."""
+    old = _PHASE[0]
+    _PHASE[0] = name
+    try:
+        yield
+    finally:
+        _PHASE[0] = old
+
+
+def _gname(rt: str, axis: str) -> str:
+    return get_runtime(rt).group(axis).group_name
+
+
+def _log(collective: str, axis: str, ph: str | None = None) -> None:
+    TRACE_LOG.append((collective, axis, ph or _PHASE[0]))
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return _fc.wait_tensor(t)
+
+
+def _gather(x: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
+    """(G * d0, ...) of ``x`` (made contiguous, at least 1-d) from every rank of ``axis``."""
+    g = get_runtime(rt).mesh.size(axis)
+    flat = x.contiguous()
+    flat = flat.reshape(1) if flat.dim() == 0 else flat
+    _log("all_gather", axis)
+    return _wait(_fc.all_gather_into_tensor(flat, g, _gname(rt, axis)))
+
+
+def _scatter(front: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
+    g = get_runtime(rt).mesh.size(axis)
+    _log("reduce_scatter", axis)
+    return _wait(_fc.reduce_scatter_tensor(front.contiguous(), "sum", g, _gname(rt, axis)))
+
+
+def _reduce(x: torch.Tensor, rt: str, axis: str, op: str = "sum") -> torch.Tensor:
+    _log("all_reduce", axis)
+    return _wait(_fc.all_reduce(x.contiguous(), op, _gname(rt, axis)))
+
+
+def _exchange(x: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
+    g = get_runtime(rt).mesh.size(axis)
+    n = x.shape[0] // g
+    _log("all_to_all", axis)
+    return _wait(_fc.all_to_all_single(x.contiguous(), [n] * g, [n] * g, _gname(rt, axis)))
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, grad: str) -> torch.Tensor:
+        ctx.rt, ctx.axis, ctx.grad, ctx.shape = rt, axis, grad, tuple(x.shape)
+        g = get_runtime(rt).mesh.size(axis)
+        flat = x.contiguous()
+        flat = flat.reshape(1) if flat.dim() == 0 else flat
+        _log("all_gather", axis)
+        buf = _fc.all_gather_into_tensor(flat, g, _gname(rt, axis))
+        _SHAPES[id(buf)] = (g, *x.shape)
+        return buf
+
+    @staticmethod
+    def backward(ctx: Any, g_flat: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        r = get_runtime(ctx.rt)
+        g = r.mesh.size(ctx.axis)
+        if ctx.grad == "reduce_scatter":
+            out = _scatter(g_flat, ctx.rt, ctx.axis)
+            return out.reshape(ctx.shape), None, None, None
+        return g_flat.reshape((g, *ctx.shape))[r.coord(ctx.axis)], None, None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, op: str) -> torch.Tensor:
+        _log("all_reduce", axis)
+        return _fc.all_reduce(x.contiguous(), op, _gname(rt, axis))
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return g, None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, dim: int) -> torch.Tensor:
+        ctx.rt, ctx.axis, ctx.dim = rt, axis, dim
+        g = get_runtime(rt).mesh.size(axis)
+        _log("reduce_scatter", axis)
+        return _fc.reduce_scatter_tensor(x.movedim(dim, 0).contiguous(), "sum", g, _gname(rt, axis))
+
+    @staticmethod
+    def backward(ctx: Any, g_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        full = _gather(g_out, ctx.rt, ctx.axis)
+        return full.movedim(0, ctx.dim), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, src: int, dst: int) -> torch.Tensor:
+        g = get_runtime(rt).mesh.size(axis)
+        ctx.rt, ctx.axis, ctx.dst = rt, axis, dst
+        send = x.unflatten(dst, (g, x.shape[dst] // g)).movedim(dst, 0).contiguous()
+        ctx.send_shape = tuple(send.shape)
+        n = send.shape[0] // g
+        _log("all_to_all", axis)
+        buf = _fc.all_to_all_single(send, [n] * g, [n] * g, _gname(rt, axis))
+        return buf
+
+    @staticmethod
+    def backward(ctx: Any, g_buf: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        back = _exchange(g_buf, ctx.rt, ctx.axis)
+        return back.movedim(0, ctx.dst).flatten(ctx.dst, ctx.dst + 1), None, None, None, None
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, buf: torch.Tensor) -> torch.Tensor:
+        return _wait(buf)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
+class _GradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
+        ctx.rt, ctx.axis = rt, axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return _reduce(g, ctx.rt, ctx.axis), None, None
+
+
+# ------------------------------------------------- the counterparts of collectives.*
+def all_gather_start(x: torch.Tensor, rt: str, axis: str, grad: str) -> torch.Tensor:
+    return _AllGather.apply(x, rt, axis, grad)
+
+
+def all_reduce_start(x: torch.Tensor, rt: str, axis: str, op: str = "sum") -> torch.Tensor:
+    return _AllReduce.apply(x, rt, axis, op)
+
+
+def reduce_scatter_start(x: torch.Tensor, rt: str, axis: str, dim: int) -> torch.Tensor:
+    return _ReduceScatter.apply(x, rt, axis, dim)
+
+
+def all_to_all_start(x: torch.Tensor, rt: str, axis: str, src: int, dst: int) -> torch.Tensor:
+    return _AllToAll.apply(x, rt, axis, src, dst)
+
+
+def wait(buf: torch.Tensor) -> torch.Tensor:
+    shape = _SHAPES.pop(id(buf), None)
+    out = _Wait.apply(buf)
+    return out.view(shape) if shape is not None else out
+
+
+def grad_all_reduce(x: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
+    return _GradAllReduce.apply(x, rt, axis)
+
+
+def step_all_reduce(g: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
+    """The post-backward sum of a parameter's gradient over ``axis`` (phase "step")."""
+    with phase("step"):
+        return _reduce(g, rt, axis)
+
+
+# ------------------------------------------------------------ what the program runs
+# Each takes the functional collective's own arguments and then (rt, axis, phase): it
+# counts the bytes it hands to torch.distributed, as runtime.collectives does, and
+# issues the collective. The result is waited by a separate ``wait_tensor`` node.
+def run_all_gather(x: torch.Tensor, group_size: int, group_name: str, rt: str, axis: str,
+                   ph: str) -> torch.Tensor:
+    _count(rt, "all_gather", axis, ph, x)
+    return _fc.all_gather_into_tensor(x, group_size, group_name)
+
+
+def run_reduce_scatter(x: torch.Tensor, op: str, group_size: int, group_name: str, rt: str,
+                       axis: str, ph: str) -> torch.Tensor:
+    _count(rt, "reduce_scatter", axis, ph, x)
+    return _fc.reduce_scatter_tensor(x, op, group_size, group_name)
+
+
+def run_all_reduce(x: torch.Tensor, op: str, group_name: str, rt: str, axis: str,
+                   ph: str) -> torch.Tensor:
+    _count(rt, "all_reduce", axis, ph, x)
+    return _fc.all_reduce(x, op, group_name)
+
+
+def run_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                   group_name: str, rt: str, axis: str, ph: str) -> torch.Tensor:
+    _count(rt, "all_to_all", axis, ph, x)
+    return _fc.all_to_all_single(x, out_splits, in_splits, group_name)
+
+
+def _count(rt: str, collective: str, axis: str, ph: str, t: torch.Tensor) -> None:
+    r = get_runtime(rt)
+    nbytes = t.numel() * t.element_size()
+    r.measured[(collective, axis, ph)] += ring_bytes(collective, r.mesh.size(axis), nbytes)
+    r.calls[(collective, axis, ph)] += 1
+
+
+# functional op -> (training-time function, collective name)
+RUNNERS = {
+    _fc.all_gather_into_tensor.default: (run_all_gather, "all_gather"),
+    _fc.reduce_scatter_tensor.default: (run_reduce_scatter, "reduce_scatter"),
+    _fc.all_reduce.default: (run_all_reduce, "all_reduce"),
+    _fc.all_to_all_single.default: (run_all_to_all, "all_to_all"),
+}
+WAIT = _fc.wait_tensor.default
