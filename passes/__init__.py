@@ -13,7 +13,9 @@ from shardc.context import CompileContext
 
 from .grad_sync import grad_sync_pass
 from .lower import lower_pass
+from .bucket import bucket_pass
 from .prefetch import prefetch_pass
+from .schedule import schedule_pass
 
 Pass = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
 
@@ -27,16 +29,27 @@ PIPELINE: list[Pass] = [
 ]
 
 
-# passes on the whole-step program (``joint.py``), each ``pass(jp, ctx) -> jp``, in order
-STEP_PIPELINE: list[Callable] = []
+# passes on each part (forward, backward) of the whole-step program (``joint.py``), in
+# order; the same signature as the pipeline's
+STEP_PIPELINE: list[Pass] = [
+    # packs post-backward reductions; before scheduling, which then places the buckets
+    bucket_pass,
+    # only reorders, last: issues early, waits late, blocking paths first
+    schedule_pass,
+]
 
 
-def run_step_pipeline(jp: Any, ctx: CompileContext) -> Any:
-    for p in STEP_PIPELINE:
-        jp = p(jp, ctx)
-    for gm in (jp.forward, jp.backward):
-        gm.graph.lint()
-        gm.recompile()
+def run_step_pipeline(jp: Any, ctx: CompileContext, passes: list[Pass] | None = None) -> Any:
+    """Run the step passes on the forward and the backward part of ``jp`` (a JointProgram)."""
+    for part in ("forward", "backward"):
+        gm = getattr(jp, part)
+        for p in STEP_PIPELINE if passes is None else passes:
+            try:
+                gm = p(gm, ctx)
+            except Exception as e:  # noqa: BLE001 - name the pass, keep the cause
+                raise RuntimeError(f"shardc: step pass {p.__name__} failed on the {part}: "
+                                   f"{type(e).__name__}: {e}") from e
+        setattr(jp, part, gm)
     return jp
 
 

@@ -1,0 +1,126 @@
+"""Pack the post-backward gradient reductions into buckets.
+
+Reads:  a part of the whole-step program (``joint.py``); its step-phase all-reduces
+        (``meta[COMM]["phase"] == "step"``: a parameter's gradient summed over data, or
+        over any axis whose ranks saw different tokens) and ``ctx.options.bucket_mb``
+Writes: one all-reduce per bucket: the gradients flattened and concatenated, reduced
+        once, and each gradient read back as a view of the result; ``meta[BUCKET]`` on
+        the new collective (its parameters' count and bytes)
+Keeps:  the bytes moved (the ring's volume is linear in the size, so a bucket moves
+        exactly the sum of its members: measured == reported stays exact); which values
+        are summed over which axis
+
+Why: one all-reduce per parameter pays each collective's fixed cost (a ring's 2(G-1)
+latency steps, a gloo or NCCL launch) once per parameter; DDP packs gradients into
+25 MiB buckets for that reason. Buckets fill in the order backward produces the
+gradients (the graph's order), one axis and dtype per bucket, and close when the next
+gradient would make them larger than ``bucket_mb`` (a gradient larger than that alone
+gets a bucket of its own). The scheduling pass then issues each bucket as soon as its
+last gradient exists, so the reduction of the last layers overlaps the backward of the
+first.
+
+Numerics: the sum of each element over the ranks is the same, but a reduction algorithm
+may add the ranks' values in an order that depends on the element's offset in the
+buffer (a ring starts each chunk at another rank), so with more than two ranks a packed
+gradient can differ from the unpacked one in the last bits: at most the rounding of a
+sum of G values, (G-1) units of the last place. Two values add the same way in either
+order, so on two ranks the result is bitwise the same.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from shardc.context import COMM, CompileContext
+from shardc.runtime import functional as F
+
+aten = torch.ops.aten
+BUCKET = "shardc_bucket"  # node.meta of a bucket's collective: {"members", "bytes"}
+
+
+def _step_reductions(gm: fx.GraphModule) -> list[fx.Node]:
+    """The step-phase sums whose result only leaves the graph (a gradient returned):
+    reading it back from a bucket later than its own wait then changes nothing."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is F.run_all_reduce and \
+                n.meta.get(COMM, {}).get("phase") == "step" and n.args[1] == "sum" and \
+                len(n.users) == 1:
+            (w,) = n.users
+            if w.target is F.WAIT and all(u.op == "output" for u in w.users):
+                out.append(n)
+    return out
+
+
+def _nbytes(n: fx.Node) -> int:
+    v = n.meta["val"]
+    return v.numel() * v.element_size()
+
+
+def bucket_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    limit = ctx.options.bucket_mb * 2 ** 20
+    if limit <= 0:
+        return gm
+    groups: dict[tuple, list[list[fx.Node]]] = {}
+    for n in _step_reductions(gm):
+        key = (n.meta[COMM]["axis"], n.meta["val"].dtype, n.args[2])
+        buckets = groups.setdefault(key, [[]])
+        cur = buckets[-1]
+        if cur and sum(_nbytes(m) for m in cur) + _nbytes(n) > limit:
+            buckets.append(cur := [])
+        cur.append(n)
+    made = 0
+    for buckets in groups.values():
+        for b in buckets:
+            if len(b) > 1:
+                _pack(gm, b)
+                made += 1
+    if made:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _pack(gm: fx.GraphModule, members: list[fx.Node]) -> None:
+    g = gm.graph
+    waits = [next(iter(n.users)) for n in members]
+    # the bucket goes out where its last gradient is ready
+    last = max(members, key=lambda n: _index(g, n))
+    rt, axis, ph = last.args[-3:]
+    gname = last.args[2]
+    with g.inserting_before(last):
+        flats = []
+        for n in members:
+            f = g.call_function(aten.view.default, (n.args[0], [-1]))
+            f.meta["val"] = n.meta["val"].reshape(-1)
+            flats.append(f)
+        cat = g.call_function(aten.cat.default, (flats,))
+        total = sum(n.meta["val"].numel() for n in members)
+        cat.meta["val"] = members[0].meta["val"].new_empty(total)
+        issue = g.call_function(F.run_all_reduce, (cat, "sum", gname, rt, axis, ph))
+        issue.meta["val"] = cat.meta["val"]
+        issue.meta[COMM] = dict(last.meta[COMM])
+        issue.meta[BUCKET] = {"members": len(members), "bytes": sum(_nbytes(n) for n in members)}
+        done = g.call_function(F.WAIT, (issue,))
+        done.meta["val"] = cat.meta["val"]
+        off = 0
+        for n, w in zip(members, waits):
+            numel = n.meta["val"].numel()
+            piece = g.call_function(aten.slice.Tensor, (done, 0, off, off + numel))
+            piece.meta["val"] = cat.meta["val"][off:off + numel]
+            view = g.call_function(aten.view.default, (piece, list(n.meta["val"].shape)))
+            view.meta["val"] = n.meta["val"]
+            w.replace_all_uses_with(view)
+            off += numel
+    for w, n in zip(waits, members):
+        g.erase_node(w)
+        g.erase_node(n)
+
+
+def _index(g: fx.Graph, n: fx.Node) -> int:
+    for i, m in enumerate(g.nodes):
+        if m is n:
+            return i
+    raise KeyError(n)
+

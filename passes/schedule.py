@@ -1,0 +1,151 @@
+"""Order each part of the whole-step program so collectives overlap compute.
+
+Reads:  a part (forward or backward) of the whole-step program (``joint.py``): its
+        collective issues (``run_*`` nodes) and their ``wait_tensor`` nodes
+Writes: nothing new; a new order of the nodes; ``gm.meta[SCHEDULE]``: per collective,
+        the compute it now overlaps (nodes between its issue and its wait)
+Keeps:  every data dependence; the order of the weight all-gathers of forward (the
+        prefetch pass chose it); every rank computes the same order (the same graph and
+        the same rule), so every group still sees its collectives in the same order
+
+Why: traced in autograd's order, a backward collective is waited right after it is
+issued, and a GEMM's input gradient (dI) comes after its weight gradient (dW), so
+nothing overlaps. The paper's OAR issues dI's all-reduce before the dW GEMM and waits
+after it; ORS issues a weight gradient's reduce-scatter as soon as the gradient exists
+and waits as late as possible; a data-parallel bucket goes out when its last gradient
+exists. All three are one rule on the dependency graph:
+
+* a collective is issued as soon as its input exists;
+* a node on the way to a *blocking* collective (one whose result later compute reads:
+  dI's all-reduce, an activation's all-gather) comes before other ready compute, so the
+  collective leaves early and the other compute (dW) runs while it is in flight;
+* a wait runs only when nothing else can: when the next compute needs its result, or at
+  the end.
+
+The order is ``networkx.lexicographical_topological_sort`` of the dependency graph with
+that priority (ties: the traced order). A weight all-gather of forward reads only a
+parameter, so it could go first; it keeps the place the prefetch pass gave it (an edge
+from the node before it), or every gather would be in flight at once.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import networkx as nx
+import torch.fx as fx
+
+from shardc.context import COMM, CompileContext
+from shardc.passes.joint import collective_nodes
+from shardc.runtime import functional as F
+
+SCHEDULE = "shardc_schedule"  # gm.meta: list of {collective, axis, phase, overlapped}
+
+
+def _feeds_only_outputs(n: fx.Node, issues: set[fx.Node], seen: dict[fx.Node, bool]) -> bool:
+    """Whether ``n``'s value reaches nothing but the graph's outputs (through waits,
+    views and further collectives): a terminal value, e.g. a reduced gradient."""
+    if n in seen:
+        return seen[n]
+    res = True
+    for u in n.users:
+        if u.op == "output":
+            continue
+        if u.op == "call_function" and (u.target is F.WAIT or u in issues or _is_view(u)):
+            res = _feeds_only_outputs(u, issues, seen)
+        else:
+            res = False
+        if not res:
+            break
+    seen[n] = res
+    return res
+
+
+def _is_view(n: fx.Node) -> bool:
+    name = getattr(n.target, "__name__", "")
+    return name.split(".")[0] in ("view", "slice", "reshape", "cat", "_unsafe_view")
+
+
+def _param_gather(n: fx.Node) -> bool:
+    """An all-gather whose input is computed from placeholders alone (a weight shard,
+    maybe viewed): the prefetch pass placed it."""
+    stack, seen = [n.args[0]], set()
+    while stack:
+        a = stack.pop()
+        if not isinstance(a, fx.Node) or a in seen:
+            continue
+        seen.add(a)
+        if a.op == "placeholder":
+            continue
+        if a.op != "call_function" or a.target is F.WAIT or a.target in _RUN:
+            return False
+        stack.extend(a.all_input_nodes)
+    return True
+
+
+def schedule_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    if not ctx.options.overlap:
+        return gm
+    g = gm.graph
+    order = {n: i for i, n in enumerate(g.nodes)}
+    body = [n for n in g.nodes if n.op not in ("placeholder", "output")]
+    issues = collective_nodes(g)
+    issue_set = set(issues)
+    pinned = {n for n in issues if n.target is F.run_all_gather and _param_gather(n)}
+    seen: dict[fx.Node, bool] = {}
+    blocking = [n for n in issues if n not in pinned and not _feeds_only_outputs(n, issue_set, seen)]
+    urgent: set[fx.Node] = set()
+    stack = [a for n in blocking for a in n.all_input_nodes]
+    while stack:
+        a = stack.pop()
+        if a in urgent or a.op == "placeholder" or a.target is F.WAIT:
+            continue
+        urgent.add(a)
+        stack.extend(a.all_input_nodes)
+
+    dag = nx.DiGraph()
+    dag.add_nodes_from(body)
+    for n in body:
+        for a in n.all_input_nodes:
+            if a.op != "placeholder":
+                dag.add_edge(a, n)
+    prev = None
+    for n in body:
+        if n in pinned and prev is not None:
+            dag.add_edge(prev, n)
+        prev = n
+
+    def key(n: fx.Node) -> tuple[int, int]:
+        if n.target is F.WAIT:
+            return (2, order[n])
+        if (n in issue_set and n not in pinned) or n in urgent:
+            return (0, order[n])
+        return (1, order[n])
+
+    new = list(nx.lexicographical_topological_sort(dag, key=key))
+    out = next(n for n in g.nodes if n.op == "output")
+    for n in new:
+        out.prepend(n)
+    g.lint()
+    gm.recompile()
+    gm.meta[SCHEDULE] = _overlaps(g)
+    return gm
+
+
+def _overlaps(g: fx.Graph) -> list[dict[str, Any]]:
+    """Per collective: how many compute nodes (and which GEMMs) run between its issue and
+    its wait; what explain prints."""
+    pos = {n: i for i, n in enumerate(g.nodes)}
+    res = []
+    for n in collective_nodes(g):
+        waits = [u for u in n.users if u.target is F.WAIT]
+        end = pos[waits[0]] if waits else pos[n]
+        between = [m for m in g.nodes if pos[n] < pos[m] < end and m.op == "call_function"
+                   and m.target is not F.WAIT and m.target not in _RUN]
+        gemms = [m.name for m in between if "mm" in str(m.target)]
+        info = dict(n.meta.get(COMM, {}))
+        info.update(node=n.name, overlapped=len(between), gemms=gemms)
+        res.append(info)
+    return res
+
+
+_RUN = {fn for fn, _ in F.RUNNERS.values()}
