@@ -25,6 +25,7 @@ the tangents. This saves what autograd itself would save, give or take the views
 from __future__ import annotations
 
 import operator
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -45,7 +46,8 @@ SWAP = {
     C.grad_all_reduce: F.grad_all_reduce,
 }
 
-PART = "shardc_part"  # node.meta: "forward" or "backward"
+PART = "shardc_part"
+_TRACE_LOCK = threading.Lock()  # node.meta: "forward" or "backward"
 
 
 @dataclass
@@ -114,12 +116,15 @@ def trace_joint(program: fx.GraphModule, ctx: CompileContext, primals: Sequence[
         probe = _probe_outputs(prog, primals, needs_grad)
     diff_outputs.extend(i for i, d in enumerate(probe) if d is not None)
     tangents = [torch.zeros_like(d) for d in probe if d is not None]
-    F.TRACE_LOG.clear()
+    F.STATE.log.clear()
     args = [_as_input(p, w) for p, w in zip(primals, needs_grad)] + tangents
-    with torch.enable_grad():
+    # make_fx keeps global state (its patcher); with torch's threaded process group the
+    # ranks are threads of one process and would trace at once. Tracing communicates
+    # nothing, so one rank at a time cannot deadlock.
+    with _TRACE_LOCK, torch.enable_grad():
         gm = make_fx(joint, tracing_mode="fake")(*args)
-    log = list(F.TRACE_LOG)
-    F.TRACE_LOG.clear()
+    log = list(F.STATE.log)
+    F.STATE.log.clear()
     _point_at_runners(gm, log, ctx)
     grad_of = [i for i in grad_idx if i not in unused]
     fwd, bwd, n_saved = _split(gm, n_primals, n_outputs, len(tangents))
@@ -151,8 +156,8 @@ def _probe_outputs(prog: fx.GraphModule, primals: Sequence[Any], needs_grad: Seq
         ins = [mode.from_tensor(p).requires_grad_(w) if isinstance(p, torch.Tensor) else p
                for p, w in zip(primals, needs_grad)]
         outs = list(prog(*ins))
-    F.TRACE_LOG.clear()
-    F._SHAPES.clear()
+    F.STATE.log.clear()
+    F.STATE.shapes.clear()
     res: list[torch.Tensor | None] = []
     for o in outs:
         if isinstance(o, torch.Tensor) and o.requires_grad and o.dtype.is_floating_point:

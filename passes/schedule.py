@@ -83,9 +83,10 @@ def _param_gather(n: fx.Node) -> bool:
 
 
 def schedule_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    if not ctx.options.overlap:
-        return gm
     g = gm.graph
+    if not ctx.options.overlap:
+        gm.meta[SCHEDULE] = _overlaps(g)
+        return gm
     order = {n: i for i, n in enumerate(g.nodes)}
     body = [n for n in g.nodes if n.op not in ("placeholder", "output")]
     issues = collective_nodes(g)

@@ -13,7 +13,7 @@ Tracing ``forward + autograd.grad`` through them with ``make_fx`` gives the join
 
 Each function has the signature of its counterpart in ``runtime.collectives``, so the
 joint tracer swaps a node's target and nothing else. While tracing, every collective
-appends what it is (collective, axis, phase) to ``TRACE_LOG`` in issue order: the traced
+appends what it is (collective, axis, phase) to ``STATE.log`` in issue order: the traced
 graph holds the collective nodes in the same order, and the joint builder reads the axis
 and phase of each from there.
 
@@ -24,6 +24,7 @@ one of them.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Iterator
 
 import torch
@@ -33,23 +34,31 @@ from shardc.runtime.volume import ring_bytes
 
 _fc = torch.ops._c10d_functional
 
-# (collective, axis, phase) of each functional collective issued while tracing
-TRACE_LOG: list[tuple[str, str, str]] = []
-# buffers whose wait must reshape the flat result a functional collective returns
-_SHAPES: dict[int, tuple[int, ...]] = {}
-_PHASE = ["forward"]
+class _TraceState(threading.local):
+    """Per thread: torch's threaded process group runs every rank as a thread of one
+    process, and each traces its own program at the same time."""
+
+    def __init__(self) -> None:
+        # (collective, axis, phase) of each functional collective issued while tracing
+        self.log: list[tuple[str, str, str]] = []
+        # buffers whose wait must reshape the flat result a functional collective returns
+        self.shapes: dict[int, tuple[int, ...]] = {}
+        self.phase = "forward"
+
+
+STATE = _TraceState()
 
 
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
     """Collectives issued inside are recorded as belonging to phase ``name``
     (autograd runs backward functions while ``phase("backward")`` is active)."""
-    old = _PHASE[0]
-    _PHASE[0] = name
+    old = STATE.phase
+    STATE.phase = name
     try:
         yield
     finally:
-        _PHASE[0] = old
+        STATE.phase = old
 
 
 def _gname(rt: str, axis: str) -> str:
@@ -57,7 +66,7 @@ def _gname(rt: str, axis: str) -> str:
 
 
 def _log(collective: str, axis: str, ph: str | None = None) -> None:
-    TRACE_LOG.append((collective, axis, ph or _PHASE[0]))
+    STATE.log.append((collective, axis, ph or STATE.phase))
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
@@ -100,7 +109,7 @@ class _AllGather(torch.autograd.Function):
         flat = flat.reshape(1) if flat.dim() == 0 else flat
         _log("all_gather", axis)
         buf = _fc.all_gather_into_tensor(flat, g, _gname(rt, axis))
-        _SHAPES[id(buf)] = (g, *x.shape)
+        STATE.shapes[id(buf)] = (g, *x.shape)
         return buf
 
     @staticmethod
@@ -195,7 +204,7 @@ def all_to_all_start(x: torch.Tensor, rt: str, axis: str, src: int, dst: int) ->
 
 
 def wait(buf: torch.Tensor) -> torch.Tensor:
-    shape = _SHAPES.pop(id(buf), None)
+    shape = STATE.shapes.pop(id(buf), None)
     out = _Wait.apply(buf)
     return out.view(shape) if shape is not None else out
 

@@ -123,6 +123,7 @@ def explain(sm: Any) -> str:
     else:
         lines.append("  none")
     lines.append("")
+    lines += _step_section(sm)
     lines.append("communication per step (bytes one rank sends, ring model):")
     for phase in ("forward", "backward", "step"):
         per_axis = [f"{a} {_fmt_bytes(rep.total_bytes(axis=a, phase=phase))}"
@@ -130,3 +131,45 @@ def explain(sm: Any) -> str:
         lines.append(f"  {phase:8s} {_fmt_bytes(rep.total_bytes(phase=phase))}"
                      + (f"  ({', '.join(per_axis)})" if per_axis else ""))
     return "\n".join(lines) + "\n"
+
+
+def _step_section(sm: Any) -> list[str]:
+    """The whole-step program's collectives in the order they run, with what the step
+    passes did: each collective's compute overlap and each bucket's members."""
+    from shardc.passes.bucket import BUCKET
+    from shardc.passes.joint import collective_nodes
+    from shardc.passes.schedule import SCHEDULE
+    o = sm.ctx.options
+    head = (f"whole-step program (step_graph={o.step_graph}, overlap={o.overlap}, "
+            f"bucket_mb={o.bucket_mb:g}):")
+    if not o.step_graph:
+        return [head, "  off: backward is autograd's walk over the forward program", ""]
+    built = list(sm._joint.values())
+    if sm._joint_failed is not None:
+        return [head, f"  could not be built ({sm._joint_failed}); autograd's backward runs", ""]
+    if not built:
+        return [head, "  built on the first call that needs gradients (it needs the process "
+                "groups); call explain again after a training step", ""]
+    jp = built[-1]
+    lines = [head]
+    for part in ("forward", "backward"):
+        gm = getattr(jp, part)
+        overlap = {i["node"]: i for i in gm.meta.get(SCHEDULE, [])}
+        nodes = collective_nodes(gm.graph)
+        lines.append(f"  {part}: {len(nodes)} collectives, {len(gm.graph.nodes)} nodes")
+        for n in nodes:
+            c = n.meta["shardc_comm"]
+            val = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+            size = val.numel() * val.element_size() if val is not None else 0
+            text = f"    {n.name}: {c['collective']}@{c['axis']} {c['phase']} input {_fmt_bytes(size)}"
+            b = n.meta.get(BUCKET)
+            if b:
+                text += f"  bucket of {b['members']} gradients"
+            info = overlap.get(n.name)
+            if info is not None:
+                text += f"  overlaps {info['overlapped']} ops"
+                if info["gemms"]:
+                    text += f" incl. {len(info['gemms'])} GEMM(s)"
+            lines.append(text)
+    lines.append("")
+    return lines

@@ -32,6 +32,13 @@ def _set_param(root: nn.Module, name: str, p: nn.Parameter) -> None:
     mod.register_parameter(leaf, p)
 
 
+def _device_of(args: list[Any]) -> torch.device:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return torch.device("cpu")
+
+
 def write_local(full: torch.Tensor, layout: Layout, coords: dict[str, int], mesh: Mesh,
                 shard: torch.Tensor) -> None:
     """Copy ``shard`` into the block of ``full`` that the rank at ``coords`` holds."""
@@ -182,16 +189,24 @@ class ShardedModule(nn.Module):
         from shardc.passes import run_step_pipeline
 
         names = [target if role == "param" else None for role, target in self._feeds]
+        jp, err = None, None
         try:
-            jp = trace_joint(self.graph_module, self.ctx, args, needs, names)
+            jp = run_step_pipeline(trace_joint(self.graph_module, self.ctx, args, needs, names),
+                                   self.ctx)
         except Exception as e:  # noqa: BLE001 - the eager program is always there
-            # every rank traces the same program, so every rank falls back together
-            self._joint_failed = f"{type(e).__name__}: {e}"
-            warnings.warn("shardc: the whole-step program could not be traced "
+            err = f"{type(e).__name__}: {e}"
+        # Every rank must run the same program, or their collectives would not match: a
+        # rank that could not build it makes every rank fall back (one small all-reduce,
+        # once per input signature).
+        flag = torch.tensor([1.0 if err else 0.0], device=_device_of(args))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            self._joint_failed = err or "another rank could not build it"
+            warnings.warn("shardc: the whole-step program could not be built "
                           f"({self._joint_failed}); running the forward program with "
                           "autograd's backward (no overlap or bucketing passes).", stacklevel=3)
             return None
-        return run_step_pipeline(jp, self.ctx)
+        return jp
 
     # ------------------------------------------------------------- full tensors
     def _gather_full(self, name: str, local: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,292 @@
+"""Step time of shardc beside torch's own parallelisms on the same model, interleaved.
+
+    python benchmarks/vs_torch.py --world 4 --rounds 5 --steps 6            # TinyGPT
+    python benchmarks/vs_torch.py --world 4 --shape medium                  # more compute
+
+One spawn of ``--world`` gloo ranks (CPU, one thread each) runs every system on the
+same model, data and AdamW, round after round, so each system's figure is a median over
+rounds taken side by side with the others on the same (shared, noisy) machine; compare
+the ratios, not the milliseconds. Each system is paired with the shardc mesh that is the
+same parallelism:
+
+=================  ==================================  ===================
+torch              what it is                          shardc mesh
+=================  ==================================  ===================
+ddp                DistributedDataParallel, 25 MiB     x1y1z1d{W}
+fsdp2              fully_shard per block, reshard      x1y1z{W}d1
+tp_dp              DTensor Megatron TP x data (DDP)    x{W/2}y1z1d2
+=================  ==================================  ===================
+
+shardc runs each mesh twice: with the whole-step program and its passes (the default)
+and with ``step_graph=False`` (autograd's backward over the forward program: what
+shardc did before the step passes), which shows what the passes buy.
+
+Prints, per system: median step time over rounds (each round's figure is the median of
+``--steps`` steps after two warm-up steps), the ratio to its torch peer, and the loss
+after the last step (the same model and data: every system must agree to ~1e-5).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+SHAPES = {
+    # the peers' TinyGPT (../shared/peers): 3.4M parameters
+    "tiny": dict(vocab=512, dim=256, layers=4, heads=4, seq=64, batch=16),
+    # more compute per byte moved
+    "medium": dict(vocab=1024, dim=512, layers=4, heads=8, seq=128, batch=16),
+    # the issue's larger shape (hidden 1024, 8 layers, seq 256): minutes per step on CPU
+    "large": dict(vocab=2048, dim=1024, layers=8, heads=16, seq=256, batch=16),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.hd = dim // heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1 heads: under torch's tensor parallelism each rank holds only its heads
+        q = self.wq(x).view(B, T, -1, self.hd).transpose(1, 2)
+        k = self.wk(x).view(B, T, -1, self.hd).transpose(1, 2)
+        v = self.wv(x).view(B, T, -1, self.hd).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 4 * dim, bias=False)
+        self.fc2 = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.mlp = MLP(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList([Block(dim, heads) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def _model(shape: dict) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(shape["vocab"], shape["dim"], shape["layers"], shape["heads"], shape["seq"])
+
+
+def _batch(shape: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    seq = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"] + 1), generator=g)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+# ------------------------------------------------------------------------- systems
+# each builds (step function, parameters) on every rank; the step runs forward,
+# backward and AdamW on this rank's part of the global batch and returns the loss
+Step = Callable[[], float]
+
+
+def _slice(t: torch.Tensor, parts: int, i: int) -> torch.Tensor:
+    n = t.shape[0] // parts
+    return t[i * n:(i + 1) * n]
+
+
+def _train_step(model: nn.Module, params: Any, inputs: tuple, after_backward: Callable | None = None
+                ) -> Step:
+    opt = torch.optim.AdamW(params, lr=1e-3)
+
+    def step() -> float:
+        loss = model(*inputs)
+        loss.backward()
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
+
+
+def ddp(shape: dict, world: int) -> Step:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_model(shape), bucket_cap_mb=25)
+    r = dist.get_rank()
+    x, y = (_slice(t, world, r) for t in _batch(shape))
+    return _train_step(model, model.parameters(), (x, y))
+
+
+def fsdp2(shape: dict, world: int) -> Step:
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6 kept it here
+        from torch.distributed._composable.fsdp import fully_shard  # type: ignore
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = _model(shape)
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    r = dist.get_rank()
+    x, y = (_slice(t, world, r) for t in _batch(shape))
+    return _train_step(model, model.parameters(), (x, y))
+
+
+def tp_dp(shape: dict, world: int) -> Step:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, parallelize_module)
+
+    dp, tp = 2, world // 2
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = _model(shape)
+    for b in model.blocks:
+        # the block's input enters attn and mlp as one replicated DTensor: its gradient,
+        # a partial sum over tp, is all-reduced once per module (q, k and v share it)
+        shared = dict(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                      use_local_output=False)
+        parallelize_module(b, mesh["tp"], {
+            "attn": PrepareModuleInput(**shared), "mlp": PrepareModuleInput(**shared),
+            "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
+            "attn.wv": ColwiseParallel(), "attn.wo": RowwiseParallel(),
+            "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()})
+    dp_group = mesh["dp"].get_group()
+
+    def sync() -> None:
+        # one flat all-reduce of every local gradient over data, as DDP would
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                 for p in model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=dp_group)
+        flat /= dp
+        off = 0
+        for g in grads:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
+
+    i = mesh.get_coordinate()[0]
+    x, y = (_slice(t, dp, i) for t in _batch(shape))
+    return _train_step(model, model.parameters(), (x, y), sync)
+
+
+def shardc_mesh(spec: str, **kw: Any) -> Callable[[dict, int], Step]:
+    def build(shape: dict, world: int) -> Step:
+        import shardc
+
+        mesh = shardc.Mesh.parse(spec)
+        batch = _batch(shape)
+        sm = shardc.compile(_model(shape), mesh, example_inputs=batch, **kw)
+        return _train_step(sm, sm.parameters(), tuple(shardc.shard_batch(t, mesh) for t in batch))
+    return build
+
+
+def systems(world: int) -> list[tuple[str, str | None, Callable[[dict, int], Step]]]:
+    """(name, the torch peer it is compared with, builder)."""
+    out: list[tuple[str, str | None, Callable[[dict, int], Step]]] = [
+        ("ddp", None, ddp), ("fsdp2", None, fsdp2)]
+    if world >= 4 and world % 2 == 0:
+        out.append(("tp_dp", None, tp_dp))
+    pairs = [("ddp", f"x1y1z1d{world}"), ("fsdp2", f"x1y1z{world}d1")]
+    if world >= 4 and world % 2 == 0:
+        pairs.append(("tp_dp", f"x{world // 2}y1z1d2"))
+    for peer, spec in pairs:
+        out.append((f"shardc {spec}", peer, shardc_mesh(spec)))
+        out.append((f"shardc {spec} step_graph=False", peer, shardc_mesh(spec, step_graph=False)))
+    return out
+
+
+def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    shape = SHAPES[args.shape]
+    table: dict[str, list[float]] = {}
+    losses: dict[str, float] = {}
+    for rnd in range(args.rounds):
+        for name, _, build in systems(world):
+            step = build(shape, world)
+            for _ in range(2):
+                step()
+            times = []
+            for _ in range(args.steps):
+                dist.barrier()
+                t = time.perf_counter()
+                loss = step()
+                dist.barrier()
+                times.append(time.perf_counter() - t)
+            table.setdefault(name, []).append(statistics.median(times))
+            losses[name] = loss
+            if rank == 0:
+                print(f"round {rnd + 1}: {name}: {1e3 * statistics.median(times):.1f} ms", flush=True)
+    if rank == 0:
+        with open(out, "w") as f:
+            for name, peer, _ in systems(world):
+                f.write(f"{name}\t{peer or ''}\t{statistics.median(table[name])}\t{losses[name]}\n")
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "table.tsv")
+        mp.spawn(_rank, args=(args.world, os.path.join(d, "store"), args, out), nprocs=args.world)
+        rows = [line.rstrip("\n").split("\t") for line in open(out)]
+    med = {r[0]: float(r[2]) for r in rows}
+    s = SHAPES[args.shape]
+    print(f"\n{args.world} gloo ranks x 1 thread, shape {args.shape} {s}, torch {torch.__version__}, "
+          f"median of {args.rounds} interleaved rounds (each the median of {args.steps} steps)\n")
+    print(f"| system | step (ms) | vs its torch peer | loss after last step |")
+    print("| --- | --- | --- | --- |")
+    for name, peer, t, loss in rows:
+        ratio = f"{float(t) / med[peer]:.2f}x" if peer else ""
+        print(f"| {name} | {1e3 * float(t):.1f} | {ratio} | {float(loss):.5f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The step passes one by one, on small hand-built graphs of the shape the joint tracer
+produces (no process group needed: the passes only read and rearrange nodes).
+
+A backward layer as autograd traces it: dW = x^T g (a weight-gradient GEMM), then
+dI = g W^T, then dI's all-reduce over x issued and waited at once, then the next layer
+reads the reduced dI. The schedule pass must issue the all-reduce before the dW GEMM and
+wait after it (OAR); a weight gradient's reduce-scatter must be issued as soon as dW
+exists and waited last (ORS); the order of weight all-gathers must not change. The
+bucket pass must pack step-phase all-reduces of one axis and dtype up to the size limit,
+in order, and leave other collectives alone.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+import shardc
+from shardc.context import COMM, CompileContext, Options
+from shardc.passes.bucket import BUCKET, bucket_pass
+from shardc.passes.schedule import SCHEDULE, schedule_pass
+from shardc.runtime import functional as F
+
+aten = torch.ops.aten
+
+
+def _ctx(**kw) -> CompileContext:
+    return CompileContext(mesh=shardc.Mesh(x=2, data=2), options=Options(**kw), rt="rt-test")
+
+
+class G:
+    """A graph builder that keeps ``meta["val"]`` (what the passes read) on every node."""
+
+    def __init__(self) -> None:
+        self.g = fx.Graph()
+
+    def input(self, name: str, *shape: int, dtype=torch.float32) -> fx.Node:
+        n = self.g.placeholder(name)
+        n.meta["val"] = torch.empty(shape, dtype=dtype, device="meta")
+        return n
+
+    def op(self, target, *args) -> fx.Node:
+        n = self.g.call_function(target, args)
+        vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+        n.meta["val"] = target(*vals)
+        return n
+
+    def collective(self, kind: str, x: fx.Node, axis: str, phase: str) -> tuple[fx.Node, fx.Node]:
+        runner = {"all_reduce": F.run_all_reduce, "reduce_scatter": F.run_reduce_scatter,
+                  "all_gather": F.run_all_gather}[kind]
+        args = {"all_reduce": (x, "sum", "g"), "reduce_scatter": (x, "sum", 2, "g"),
+                "all_gather": (x, 2, "g")}[kind]
+        issue = self.g.call_function(runner, (*args, "rt-test", axis, phase))
+        v = x.meta["val"]
+        issue.meta["val"] = {"all_reduce": v, "reduce_scatter": v[: v.shape[0] // 2],
+                             "all_gather": torch.cat([v, v])}[kind]
+        issue.meta[COMM] = {"collective": kind, "axis": axis, "phase": phase}
+        wait = self.g.call_function(F.WAIT, (issue,))
+        wait.meta["val"] = issue.meta["val"]
+        return issue, wait
+
+    def module(self, *outs: fx.Node) -> fx.GraphModule:
+        self.g.output(tuple(outs))
+        return fx.GraphModule(torch.nn.Module(), self.g)
+
+
+def _layer_backward(b: G, g: fx.Node, x: fx.Node, w: fx.Node, i: int):
+    dw = b.op(aten.mm.default, b.op(aten.t.default, x), g)
+    dw.name = f"dW{i}"
+    di = b.op(aten.mm.default, g, b.op(aten.t.default, w))
+    di.name = f"dI{i}"
+    ar, wait = b.collective("all_reduce", di, "x", "backward")
+    rs, rs_wait = b.collective("reduce_scatter", dw, "z", "backward")
+    return wait, dw, ar, rs, rs_wait
+
+
+def test_schedule_overlaps_dI_all_reduce_with_dW_and_waits_reduce_scatter_last() -> None:
+    b = G()
+    g = b.input("g", 8, 16)
+    xs = [b.input(f"x{i}", 8, 16) for i in range(2)]
+    ws = [b.input(f"w{i}", 16, 16) for i in range(2)]
+    wait0, dw0, ar0, rs0, rs_wait0 = _layer_backward(b, g, xs[1], ws[1], 1)
+    wait1, dw1, ar1, rs1, rs_wait1 = _layer_backward(b, wait0, xs[0], ws[0], 0)
+    gm = schedule_pass(b.module(wait1, rs_wait0, rs_wait1), _ctx())
+    order = [n.name for n in gm.graph.nodes]
+    pos = {n: order.index(n.name) for n in gm.graph.nodes}
+    # OAR: dI first, its all-reduce issued, dW computed while it is in flight, then waited
+    assert pos[ar0] < pos[dw0] < pos[wait0], order
+    # ORS: the reduce-scatter leaves right after dW and is waited only after all compute
+    assert pos[rs0] < pos[ar1] and pos[rs_wait0] > max(pos[dw1], pos[ar1], pos[rs1]), order
+    info = {i["node"]: i for i in gm.meta[SCHEDULE]}
+    assert dw0.name in info[ar0.name]["gemms"]
+    # the graph still computes the same: every node after its inputs
+    gm.graph.lint()
+
+
+def test_schedule_off_keeps_the_traced_order() -> None:
+    b = G()
+    g, x, w = b.input("g", 8, 16), b.input("x", 8, 16), b.input("w", 16, 16)
+    wait, dw, ar, rs, rs_wait = _layer_backward(b, g, x, w, 0)
+    gm = b.module(wait, rs_wait)
+    before = [n.name for n in gm.graph.nodes]
+    gm = schedule_pass(gm, _ctx(overlap=False))
+    assert [n.name for n in gm.graph.nodes] == before
+    assert all(not i["gemms"] for i in gm.meta[SCHEDULE])
+
+
+def test_schedule_keeps_weight_gathers_where_prefetch_put_them() -> None:
+    # forward: gather w0, wait, mm; gather w1, wait, mm. A gather reads only a parameter,
+    # so it could run first; moving every gather to the top would hold every gathered
+    # weight at once. Their order among the compute must stay.
+    b = G()
+    x = b.input("x", 8, 16)
+    w0, w1 = b.input("w0", 8, 16), b.input("w1", 8, 16)
+    ag0, wt0 = b.collective("all_gather", w0, "z", "forward")
+    h = b.op(aten.mm.default, x, wt0)
+    ag1, wt1 = b.collective("all_gather", w1, "z", "forward")
+    h2 = b.op(aten.mm.default, h, wt1)
+    gm = schedule_pass(b.module(h2), _ctx())
+    order = [n.name for n in gm.graph.nodes]
+    assert order.index(ag1.name) > order.index(h.name), order
+
+
+def _step_grads(b: G, sizes: list[int], dtype=torch.float32, axis: str = "data"):
+    outs = []
+    for n in sizes:
+        g = b.op(aten.mul.Tensor, b.input(f"g{len(b.g.nodes)}", n, dtype=dtype), 2.0)
+        _, wait = b.collective("all_reduce", g, axis, "step")
+        outs.append(wait)
+    return outs
+
+
+def test_bucket_packs_in_order_up_to_the_limit() -> None:
+    b = G()
+    kib = 256  # float32 elements per KiB
+    outs = _step_grads(b, [100 * kib, 100 * kib, 100 * kib, 600 * kib, 50 * kib])
+    gm = bucket_pass(b.module(*outs), _ctx(bucket_mb=300 / 1024))
+    issues = [n for n in gm.graph.nodes if n.target is F.run_all_reduce]
+    members = [n.meta.get(BUCKET, {}).get("members", 1) for n in issues]
+    # 100+100+100 fill one 300 KiB bucket; 600 alone is larger than the limit; 50 alone
+    assert members == [3, 1, 1], members
+    sizes = [n.meta["val"].numel() for n in issues]
+    assert sizes == [300 * kib, 600 * kib, 50 * kib]
+    # every gradient still leaves the graph with its own shape
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    assert [tuple(a.meta["val"].shape) for a in out.args[0]] == \
+        [(100 * kib,), (100 * kib,), (100 * kib,), (600 * kib,), (50 * kib,)]
+    gm.graph.lint()
+
+
+def test_bucket_keeps_axes_and_dtypes_apart_and_can_be_off() -> None:
+    b = G()
+    outs = (_step_grads(b, [64, 64], axis="data") + _step_grads(b, [64, 64], axis="x")
+            + _step_grads(b, [64, 64], dtype=torch.float64))
+    gm = bucket_pass(b.module(*outs), _ctx())
+    issues = [n for n in gm.graph.nodes if n.target is F.run_all_reduce]
+    assert len(issues) == 3
+    keys = sorted((n.meta[COMM]["axis"], n.meta["val"].dtype.itemsize) for n in issues)
+    assert keys == [("data", 4), ("data", 8), ("x", 4)]
+    b2 = G()
+    outs = _step_grads(b2, [64, 64])
+    gm = bucket_pass(b2.module(*outs), _ctx(bucket_mb=0))
+    assert len([n for n in gm.graph.nodes if n.target is F.run_all_reduce]) == 2
+
+
+def test_bucket_leaves_backward_collectives_alone() -> None:
+    b = G()
+    g = b.input("g", 8, 16)
+    _, w1 = b.collective("all_reduce", b.op(aten.mul.Tensor, g, 2.0), "data", "backward")
+    _, w2 = b.collective("all_reduce", b.op(aten.mul.Tensor, g, 3.0), "data", "backward")
+    gm = bucket_pass(b.module(w1, w2), _ctx())
+    assert len([n for n in gm.graph.nodes if n.target is F.run_all_reduce]) == 2
