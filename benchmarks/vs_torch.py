@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     s = SHAPES[args.shape]
     print(f"\n{args.world} gloo ranks x 1 thread, shape {args.shape} {s}, torch {torch.__version__}, "
           f"median of {args.rounds} interleaved rounds (each the median of {args.steps} steps)\n")
-    print(f"| system | step (ms) | vs its torch peer | loss after last step |")
+    print("| system | step (ms) | vs its torch peer | loss after last step |")
     print("| --- | --- | --- | --- |")
     for name, peer, t, loss in rows:
         ratio = f"{float(t) / med[peer]:.2f}x" if peer else ""

@@ -178,6 +178,9 @@ def _point_at_runners(gm: fx.GraphModule, log: list[tuple[str, str, str]], ctx: 
         n.target = fn
         n.args = (*n.args, ctx.rt, axis, ph)
         n.meta[COMM] = {"collective": collective, "axis": axis, "phase": ph}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is F.TRACED_WAIT:
+            n.target = F.WAIT
     gm.recompile()
 
 

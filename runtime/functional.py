@@ -24,6 +24,7 @@ one of them.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from typing import Any, Iterator
 
@@ -44,6 +45,8 @@ class _TraceState(threading.local):
         # buffers whose wait must reshape the flat result a functional collective returns
         self.shapes: dict[int, tuple[int, ...]] = {}
         self.phase = "forward"
+        # at run time, under torch.profiler: id of a collective's result -> its number
+        self.flight: dict[int, int] = {}
 
 
 STATE = _TraceState()
@@ -222,36 +225,64 @@ def step_all_reduce(g: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
 # ------------------------------------------------------------ what the program runs
 # Each takes the functional collective's own arguments and then (rt, axis, phase): it
 # counts the bytes it hands to torch.distributed, as runtime.collectives does, and
-# issues the collective. The result is waited by a separate ``wait_tensor`` node.
+# issues the collective. The result is waited by a separate ``run_wait`` node.
+#
+# Under torch.profiler, the issue and the wait each leave a short labelled range
+# ("shardc.issue#K all_reduce@x backward 8192B" and "shardc.wait#K"): the two ends of
+# collective K's flight, which ``shardc.tracing`` joins into one span beside the compute
+# it overlapped.
+_ids = itertools.count()
+
+
+def _issue(rt: str, collective: str, axis: str, ph: str, x: torch.Tensor, call: Any) -> torch.Tensor:
+    nbytes = _count(rt, collective, axis, ph, x)
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return call()
+    k = next(_ids)
+    with torch.profiler.record_function(f"shardc.issue#{k} {collective}@{axis} {ph} {nbytes}B"):
+        out = call()
+    STATE.flight[id(out)] = k
+    return out
+
+
 def run_all_gather(x: torch.Tensor, group_size: int, group_name: str, rt: str, axis: str,
                    ph: str) -> torch.Tensor:
-    _count(rt, "all_gather", axis, ph, x)
-    return _fc.all_gather_into_tensor(x, group_size, group_name)
+    return _issue(rt, "all_gather", axis, ph, x,
+                  lambda: _fc.all_gather_into_tensor(x, group_size, group_name))
 
 
 def run_reduce_scatter(x: torch.Tensor, op: str, group_size: int, group_name: str, rt: str,
                        axis: str, ph: str) -> torch.Tensor:
-    _count(rt, "reduce_scatter", axis, ph, x)
-    return _fc.reduce_scatter_tensor(x, op, group_size, group_name)
+    return _issue(rt, "reduce_scatter", axis, ph, x,
+                  lambda: _fc.reduce_scatter_tensor(x, op, group_size, group_name))
 
 
 def run_all_reduce(x: torch.Tensor, op: str, group_name: str, rt: str, axis: str,
                    ph: str) -> torch.Tensor:
-    _count(rt, "all_reduce", axis, ph, x)
-    return _fc.all_reduce(x, op, group_name)
+    return _issue(rt, "all_reduce", axis, ph, x, lambda: _fc.all_reduce(x, op, group_name))
 
 
 def run_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
                    group_name: str, rt: str, axis: str, ph: str) -> torch.Tensor:
-    _count(rt, "all_to_all", axis, ph, x)
-    return _fc.all_to_all_single(x, out_splits, in_splits, group_name)
+    return _issue(rt, "all_to_all", axis, ph, x,
+                  lambda: _fc.all_to_all_single(x, out_splits, in_splits, group_name))
 
 
-def _count(rt: str, collective: str, axis: str, ph: str, t: torch.Tensor) -> None:
+def run_wait(t: torch.Tensor) -> torch.Tensor:
+    """Block until the collective that returned ``t`` is done."""
+    k = STATE.flight.pop(id(t), None)
+    if k is None:
+        return _fc.wait_tensor(t)
+    with torch.profiler.record_function(f"shardc.wait#{k}"):
+        return _fc.wait_tensor(t)
+
+
+def _count(rt: str, collective: str, axis: str, ph: str, t: torch.Tensor) -> int:
     r = get_runtime(rt)
     nbytes = t.numel() * t.element_size()
     r.measured[(collective, axis, ph)] += ring_bytes(collective, r.mesh.size(axis), nbytes)
     r.calls[(collective, axis, ph)] += 1
+    return nbytes
 
 
 # functional op -> (training-time function, collective name)
@@ -261,4 +292,6 @@ RUNNERS = {
     _fc.all_reduce.default: (run_all_reduce, "all_reduce"),
     _fc.all_to_all_single.default: (run_all_to_all, "all_to_all"),
 }
-WAIT = _fc.wait_tensor.default
+# what every wait node of a joint program calls (the traced ``wait_tensor`` is swapped)
+WAIT = run_wait
+TRACED_WAIT = _fc.wait_tensor.default

@@ -120,6 +120,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    from shardc.tracing import run_trace
+
+    opts: dict = {}
+    if args.no_overlap:
+        opts["overlap"] = False
+    if args.bucket_mb is not None:
+        opts["bucket_mb"] = args.bucket_mb
+    for path in run_trace(args.spec, args.mesh, args.out, png=args.png, **opts):
+        print(f"wrote {path}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="shardc", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -173,6 +186,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--out", default="bench")
     b.add_argument("--meshes", default="", help="comma-separated specs (default: all)")
     b.set_defaults(fn=cmd_bench)
+
+    t = sub.add_parser("trace", help="record one training step per rank with torch.profiler "
+                       "(Chrome/Perfetto traces; each collective a span from issue to wait)")
+    t.add_argument("spec")
+    t.add_argument("--mesh", required=True)
+    t.add_argument("--out", default="trace")
+    t.add_argument("--png", action="store_true", help="also draw rank 0's step (needs matplotlib)")
+    t.add_argument("--no-overlap", action="store_true", help="compile with overlap=False")
+    t.add_argument("--bucket-mb", type=float, default=None)
+    t.set_defaults(fn=cmd_trace)
 
     args = p.parse_args(argv)
     fn: Callable[[argparse.Namespace], int] = args.fn

@@ -18,7 +18,9 @@ pass settings, and trained two SGD steps on the same batches:
   every setting; buckets issue fewer calls for the same bytes;
 * the schedule overlaps: on a mesh with x > 1, some dI all-reduce of backward has a
   weight-gradient GEMM between its issue and its wait (the paper's OAR), and with
-  ``overlap=False`` none does.
+  ``overlap=False`` none does;
+* ``shardc.tracing.trace_step`` records one span per collective issued, from issue to
+  wait, with GEMMs in flight during backward.
 """
 from __future__ import annotations
 
@@ -169,7 +171,44 @@ def _overlap_check() -> list[str]:
     return out
 
 
-def _all(rank: int, world_size: int) -> None:
+def _trace_check(tmp: str) -> list[str]:
+    """shardc.trace_step: one span per collective the step issued, each from its issue to
+    its wait, on the right axis, and backward spans with GEMMs running in flight."""
+    import json
+
+    from shardc.tracing import collective_spans, trace_step
+
+    make, batches = _lm(GPT)
+    torch.manual_seed(0)
+    mesh = shardc.Mesh.parse("x2y1z1d2")
+    sm = shardc.compile(make(), mesh, example_inputs=batches[0], bucket_mb=0.005)
+    inputs = tuple(shardc.shard_batch(x, mesh) for x in batches[0])
+    sm(*inputs).backward()
+    sm.reset_measured_comm()
+    path = trace_step(sm, inputs, tmp, warmup=0)
+    calls = dict(sm.runtime.calls)
+    with open(path) as f:
+        trace = json.load(f)
+    spans = collective_spans(trace)
+    out = []
+    per_key: dict = {}
+    for sp in spans:
+        key = (sp["collective"], sp["axis"], sp["phase"])
+        per_key[key] = per_key.get(key, 0) + 1
+        if not sp["end"] >= sp["start"]:
+            out.append(f"trace: span {sp} ends before it starts")
+    if per_key != calls:
+        out.append(f"trace: spans per (collective, axis, phase) {per_key} != calls {calls}")
+    if not any(sp["phase"] == "backward" and any("mm" in n for n in sp["overlapped"])
+               for sp in spans):
+        out.append("trace: no backward collective has a GEMM in flight")
+    shown = [e for e in trace["traceEvents"] if e.get("cat") == "shardc"]
+    if len(shown) != len(spans):
+        out.append(f"trace: {len(shown)} spans written, {len(spans)} collectives")
+    return out
+
+
+def _all(rank: int, world_size: int, tmp: str) -> None:
     failures: list[str] = []
     for name in MODELS:
         for spec in MESHES:
@@ -178,9 +217,10 @@ def _all(rank: int, world_size: int) -> None:
             if name != "gpt_dropout" or spec in TWO_RANK_AXES:
                 failures += _one(name, spec)
     failures += _overlap_check()
+    failures += _trace_check(f"{tmp}/trace")
     if failures:
         raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures))
 
 
-def test_step_graph_matches_autograd_on_gloo() -> None:
-    run_on_ranks(_all, 4)
+def test_step_graph_matches_autograd_on_gloo(tmp_path) -> None:
+    run_on_ranks(_all, 4, str(tmp_path))
