@@ -128,8 +128,9 @@ def render_png(trace_path: str, png_path: str, title: str = "") -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError as e:  # an optional extra
-        raise RuntimeError("shardc trace --png needs matplotlib: pip install 'shardc[plot]'") from e
+    except ImportError as missing:  # an optional extra
+        raise RuntimeError("shardc trace --png needs matplotlib: pip install 'shardc[plot]'"
+                           ) from missing
     with open(trace_path) as f:
         trace = json.load(f)
     spans = collective_spans(trace)
