@@ -69,7 +69,14 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
     ``shardc.Layout`` of its global shape: a shard of any dim over any axis, replicated,
     or a partial sum (each rank passes an addend). The default splits dim 0 over data and
     z (``shard_batch``). An input whose example tensor requires grad gets its gradient:
-    the matching piece of the single-device gradient on every rank."""
+    the matching piece of the single-device gradient on every rank.
+
+    ``step_graph`` (default True) runs forward and backward as one traced program whose
+    passes move and pack the backward collectives: ``overlap`` schedules them against
+    compute (OAR, ORS, early buckets), ``bucket_mb`` packs the post-backward gradient
+    reductions into buckets of that many MiB (0: one per gradient). ``step_graph=False``
+    runs autograd's own backward over the forward program (bitwise the same gradients as
+    the step program with ``bucket_mb=0``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"shardc.compile: model must be a torch.nn.Module, got {type(model).__name__}.")
     if not dist.is_available() or not dist.is_initialized():
