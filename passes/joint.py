@@ -47,6 +47,7 @@ SWAP = {
 }
 
 PART = "shardc_part"
+N_OUTPUTS = "shardc_n_outputs"  # gm.meta of the unsplit joint graph
 _TRACE_LOCK = threading.Lock()  # node.meta: "forward" or "backward"
 
 
@@ -73,13 +74,27 @@ def collective_nodes(g: fx.Graph) -> list[fx.Node]:
     return [n for n in g.nodes if n.op == "call_function" and n.target in RUN_FUNCTIONS]
 
 
+class _NamingInterpreter(fx.Interpreter):
+    """Runs the program node by node so each collective is logged with the program node
+    that issued it (its backward's too: the autograd functions keep the name)."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        F.STATE.node = n.name
+        try:
+            return super().run_node(n)
+        finally:
+            F.STATE.node = ""
+
+
 def trace_joint(program: fx.GraphModule, ctx: CompileContext, primals: Sequence[Any],
-                needs_grad: Sequence[bool], param_names: Sequence[str | None]) -> JointProgram:
+                needs_grad: Sequence[bool], param_names: Sequence[str | None],
+                offline: bool = False) -> JointProgram:
     """Trace the joint step of ``program`` for inputs shaped like ``primals``.
 
     ``needs_grad[i]``: primal i gets a gradient (a trainable parameter or an input that
     asked for one); ``param_names[i]``: the parameter it holds, if any, whose
-    post-backward reductions (``reduce_params``) the step applies."""
+    post-backward reductions (``reduce_params``) the step applies. ``offline``: trace
+    without process groups (for the comm report; the result is not for running)."""
     prog = fx.GraphModule(program, copy_graph(program.graph))
     for n in prog.graph.nodes:
         if n.op == "call_function" and n.target in SWAP:
@@ -96,7 +111,7 @@ def trace_joint(program: fx.GraphModule, ctx: CompileContext, primals: Sequence[
         nonlocal n_outputs
         ins, tangents = flat[:n_primals], flat[n_primals:]
         with F.phase("forward"):
-            outs = list(prog(*ins))
+            outs = list(_NamingInterpreter(prog).run(*ins))
         n_outputs = len(outs)
         diff = [outs[i] for i in diff_outputs]
         wrt = [ins[i] for i in grad_idx]
@@ -107,7 +122,7 @@ def trace_joint(program: fx.GraphModule, ctx: CompileContext, primals: Sequence[
                 unused.append(i)
                 continue
             for axis in reduce_params.get(param_names[i] or "", []):
-                g = F.step_all_reduce(g, ctx.rt, axis)
+                g = F.step_all_reduce(g, ctx.rt, axis, param_names[i] or "")
             grads[k] = g
         return (*outs, *[g for g in grads if g is not None])
 
@@ -121,12 +136,21 @@ def trace_joint(program: fx.GraphModule, ctx: CompileContext, primals: Sequence[
     # make_fx keeps global state (its patcher); with torch's threaded process group the
     # ranks are threads of one process and would trace at once. Tracing communicates
     # nothing, so one rank at a time cannot deadlock.
-    with _TRACE_LOCK, torch.enable_grad():
-        gm = make_fx(joint, tracing_mode="fake")(*args)
+    F.STATE.offline = offline
+    try:
+        with _TRACE_LOCK, torch.enable_grad():
+            gm = make_fx(joint, tracing_mode="fake")(*args)
+    finally:
+        F.STATE.offline = False
     log = list(F.STATE.log)
     F.STATE.log.clear()
     _point_at_runners(gm, log, ctx)
     grad_of = [i for i in grad_idx if i not in unused]
+    if ctx.options.reshard_after_forward:
+        from shardc.passes.reshard import reshard_pass
+
+        gm.meta[N_OUTPUTS] = (n_outputs, n_primals)
+        gm = reshard_pass(gm, ctx)
     fwd, bwd, n_saved = _split(gm, n_primals, n_outputs, len(tangents))
     return JointProgram(fwd, bwd, n_outputs, diff_outputs, grad_of, n_saved, gm)
 
@@ -167,17 +191,18 @@ def _probe_outputs(prog: fx.GraphModule, primals: Sequence[Any], needs_grad: Seq
     return res
 
 
-def _point_at_runners(gm: fx.GraphModule, log: list[tuple[str, str, str]], ctx: CompileContext
-                      ) -> None:
+def _point_at_runners(gm: fx.GraphModule, log: list[tuple[str, str, str, str]],
+                      ctx: CompileContext) -> None:
     nodes = _collective_nodes_raw(gm.graph)
     if len(nodes) != len(log):
         raise RuntimeError(f"joint trace: {len(nodes)} collective nodes but {len(log)} issued")
-    for n, (collective, axis, ph) in zip(nodes, log):
+    for n, (collective, axis, ph, origin) in zip(nodes, log):
         fn, name = F.RUNNERS[n.target]
         assert name == collective, (name, collective)
         n.target = fn
         n.args = (*n.args, ctx.rt, axis, ph)
-        n.meta[COMM] = {"collective": collective, "axis": axis, "phase": ph}
+        # origin: the forward program's node that issued it, or "grad:<param>"
+        n.meta[COMM] = {"collective": collective, "axis": axis, "phase": ph, "origin": origin}
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is F.TRACED_WAIT:
             n.target = F.WAIT
@@ -197,14 +222,7 @@ def _split(gm: fx.GraphModule, n_primals: int, n_outputs: int, n_tangents: int
     out_node = next(n for n in g.nodes if n.op == "output")
     outs = list(out_node.args[0])
     fwd_outs, grads = outs[:n_outputs], outs[n_outputs:]
-    fwd: set[fx.Node] = set(primals)
-    stack = [o for o in fwd_outs if isinstance(o, fx.Node)]
-    while stack:
-        n = stack.pop()
-        if n in fwd:
-            continue
-        fwd.add(n)
-        stack.extend(n.all_input_nodes)
+    fwd = forward_nodes(g, n_outputs, n_primals)
     # a tuple-valued forward node (dropout's (out, mask), a split) is saved through its
     # elements: taking an element is free, and only tensors can be saved for backward
     for n in list(fwd):
@@ -241,6 +259,21 @@ def _split(gm: fx.GraphModule, n_primals: int, n_outputs: int, n_tangents: int
     fwd_gm = fx.GraphModule(gm, fg)
     bwd_gm = fx.GraphModule(gm, bg)
     return fwd_gm, bwd_gm, len(saved)
+
+
+def forward_nodes(g: fx.Graph, n_outputs: int, n_primals: int) -> set[fx.Node]:
+    """The primals (the placeholders before the tangents) and every node a forward
+    output depends on."""
+    out_node = next(n for n in g.nodes if n.op == "output")
+    fwd: set[fx.Node] = set([n for n in g.nodes if n.op == "placeholder"][:n_primals])
+    stack = [o for o in list(out_node.args[0])[:n_outputs] if isinstance(o, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n in fwd:
+            continue
+        fwd.add(n)
+        stack.extend(n.all_input_nodes)
+    return fwd
 
 
 def _is_grad_use(out: fx.Node, n: fx.Node, n_outputs: int) -> bool:

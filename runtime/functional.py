@@ -40,13 +40,19 @@ class _TraceState(threading.local):
     process, and each traces its own program at the same time."""
 
     def __init__(self) -> None:
-        # (collective, axis, phase) of each functional collective issued while tracing
-        self.log: list[tuple[str, str, str]] = []
+        # (collective, axis, phase, origin) of each functional collective issued while
+        # tracing; origin: the forward program's node that issued it, or "grad:<param>"
+        self.log: list[tuple[str, str, str, str]] = []
         # buffers whose wait must reshape the flat result a functional collective returns
         self.shapes: dict[int, tuple[int, ...]] = {}
         self.phase = "forward"
         # at run time, under torch.profiler: id of a collective's result -> its number
         self.flight: dict[int, int] = {}
+        # the forward program's node being traced (a backward collective is logged with
+        # the node whose autograd function issued it)
+        self.node = ""
+        # tracing for a report, without process groups: collectives get placeholder names
+        self.offline = False
 
 
 STATE = _TraceState()
@@ -65,41 +71,43 @@ def phase(name: str) -> Iterator[None]:
 
 
 def _gname(rt: str, axis: str) -> str:
+    if STATE.offline:
+        return f"shardc-offline-{axis}"
     return get_runtime(rt).group(axis).group_name
 
 
-def _log(collective: str, axis: str, ph: str | None = None) -> None:
-    STATE.log.append((collective, axis, ph or STATE.phase))
+def _log(collective: str, axis: str, ph: str | None = None, node: str | None = None) -> None:
+    STATE.log.append((collective, axis, ph or STATE.phase, node or STATE.node))
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
     return _fc.wait_tensor(t)
 
 
-def _gather(x: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
+def _gather(x: torch.Tensor, rt: str, axis: str, node: str) -> torch.Tensor:
     """(G * d0, ...) of ``x`` (made contiguous, at least 1-d) from every rank of ``axis``."""
     g = get_runtime(rt).mesh.size(axis)
     flat = x.contiguous()
     flat = flat.reshape(1) if flat.dim() == 0 else flat
-    _log("all_gather", axis)
+    _log("all_gather", axis, node=node)
     return _wait(_fc.all_gather_into_tensor(flat, g, _gname(rt, axis)))
 
 
-def _scatter(front: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
+def _scatter(front: torch.Tensor, rt: str, axis: str, node: str) -> torch.Tensor:
     g = get_runtime(rt).mesh.size(axis)
-    _log("reduce_scatter", axis)
+    _log("reduce_scatter", axis, node=node)
     return _wait(_fc.reduce_scatter_tensor(front.contiguous(), "sum", g, _gname(rt, axis)))
 
 
-def _reduce(x: torch.Tensor, rt: str, axis: str, op: str = "sum") -> torch.Tensor:
-    _log("all_reduce", axis)
+def _reduce(x: torch.Tensor, rt: str, axis: str, node: str, op: str = "sum") -> torch.Tensor:
+    _log("all_reduce", axis, node=node)
     return _wait(_fc.all_reduce(x.contiguous(), op, _gname(rt, axis)))
 
 
-def _exchange(x: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
+def _exchange(x: torch.Tensor, rt: str, axis: str, node: str) -> torch.Tensor:
     g = get_runtime(rt).mesh.size(axis)
     n = x.shape[0] // g
-    _log("all_to_all", axis)
+    _log("all_to_all", axis, node=node)
     return _wait(_fc.all_to_all_single(x.contiguous(), [n] * g, [n] * g, _gname(rt, axis)))
 
 
@@ -107,6 +115,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, grad: str) -> torch.Tensor:
         ctx.rt, ctx.axis, ctx.grad, ctx.shape = rt, axis, grad, tuple(x.shape)
+        ctx.node = STATE.node
         g = get_runtime(rt).mesh.size(axis)
         flat = x.contiguous()
         flat = flat.reshape(1) if flat.dim() == 0 else flat
@@ -120,7 +129,7 @@ class _AllGather(torch.autograd.Function):
         r = get_runtime(ctx.rt)
         g = r.mesh.size(ctx.axis)
         if ctx.grad == "reduce_scatter":
-            out = _scatter(g_flat, ctx.rt, ctx.axis)
+            out = _scatter(g_flat, ctx.rt, ctx.axis, ctx.node)
             return out.reshape(ctx.shape), None, None, None
         return g_flat.reshape((g, *ctx.shape))[r.coord(ctx.axis)], None, None, None
 
@@ -139,14 +148,14 @@ class _AllReduce(torch.autograd.Function):
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, dim: int) -> torch.Tensor:
-        ctx.rt, ctx.axis, ctx.dim = rt, axis, dim
+        ctx.rt, ctx.axis, ctx.dim, ctx.node = rt, axis, dim, STATE.node
         g = get_runtime(rt).mesh.size(axis)
         _log("reduce_scatter", axis)
         return _fc.reduce_scatter_tensor(x.movedim(dim, 0).contiguous(), "sum", g, _gname(rt, axis))
 
     @staticmethod
     def backward(ctx: Any, g_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        full = _gather(g_out, ctx.rt, ctx.axis)
+        full = _gather(g_out, ctx.rt, ctx.axis, ctx.node)
         return full.movedim(0, ctx.dim), None, None, None
 
 
@@ -154,7 +163,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, src: int, dst: int) -> torch.Tensor:
         g = get_runtime(rt).mesh.size(axis)
-        ctx.rt, ctx.axis, ctx.dst = rt, axis, dst
+        ctx.rt, ctx.axis, ctx.dst, ctx.node = rt, axis, dst, STATE.node
         send = x.unflatten(dst, (g, x.shape[dst] // g)).movedim(dst, 0).contiguous()
         ctx.send_shape = tuple(send.shape)
         n = send.shape[0] // g
@@ -164,7 +173,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g_buf: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        back = _exchange(g_buf, ctx.rt, ctx.axis)
+        back = _exchange(g_buf, ctx.rt, ctx.axis, ctx.node)
         return back.movedim(0, ctx.dst).flatten(ctx.dst, ctx.dst + 1), None, None, None, None
 
 
@@ -181,12 +190,12 @@ class _Wait(torch.autograd.Function):
 class _GradAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
-        ctx.rt, ctx.axis = rt, axis
+        ctx.rt, ctx.axis, ctx.node = rt, axis, STATE.node
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _reduce(g, ctx.rt, ctx.axis), None, None
+        return _reduce(g, ctx.rt, ctx.axis, ctx.node), None, None
 
 
 # ------------------------------------------------- the counterparts of collectives.*
@@ -216,10 +225,10 @@ def grad_all_reduce(x: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
     return _GradAllReduce.apply(x, rt, axis)
 
 
-def step_all_reduce(g: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
+def step_all_reduce(g: torch.Tensor, rt: str, axis: str, param: str) -> torch.Tensor:
     """The post-backward sum of a parameter's gradient over ``axis`` (phase "step")."""
     with phase("step"):
-        return _reduce(g, rt, axis)
+        return _reduce(g, rt, axis, f"grad:{param}")
 
 
 # ------------------------------------------------------------ what the program runs

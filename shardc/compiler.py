@@ -59,7 +59,7 @@ def _canonical_names(model: nn.Module) -> dict[str, str]:
 def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | None = None, *,
             transpose_alternate: bool = True, overlap: bool = True, prefetch_depth: int = 1,
             gemm_modes: str = "default", step_graph: bool = True, bucket_mb: float = 25.0,
-            machine: Any = None,
+            reshard_after_forward: bool = False, machine: Any = None,
             input_layouts: Mapping[int, Layout] | None = None) -> ShardedModule:
     """Compile ``model`` into this rank's program for ``mesh``. Collective: call it on
     every rank, after ``torch.distributed.init_process_group``, with the same model and
@@ -76,7 +76,9 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
     compute (OAR, ORS, early buckets), ``bucket_mb`` packs the post-backward gradient
     reductions into buckets of that many MiB (0: one per gradient). ``step_graph=False``
     runs autograd's own backward over the forward program (bitwise the same gradients as
-    the step program with ``bucket_mb=0``)."""
+    the step program with ``bucket_mb=0``). ``reshard_after_forward`` frees each gathered
+    weight after forward and gathers it again in backward (FSDP2's default): less memory,
+    one more all-gather per such weight, counted by the comm report."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"shardc.compile: model must be a torch.nn.Module, got {type(model).__name__}.")
     if not dist.is_available() or not dist.is_initialized():
@@ -100,7 +102,8 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
     _check_batch(example_inputs, mesh, input_layouts or {})
     options = Options(transpose_alternate=transpose_alternate, overlap=overlap,
                       prefetch_depth=prefetch_depth, gemm_modes=gemm_modes,
-                      step_graph=step_graph, bucket_mb=bucket_mb)
+                      step_graph=step_graph, bucket_mb=bucket_mb,
+                      reshard_after_forward=reshard_after_forward)
     return _compile(model, mesh, example_inputs, options, dist.get_rank(), input_layouts)
 
 

@@ -32,6 +32,9 @@ class Options:
     # size of the buckets the post-backward gradient reductions are packed into (MiB);
     # 0 reduces each gradient on its own
     bucket_mb: float = 25.0
+    # gather weights again in backward instead of keeping forward's (FSDP2's default
+    # memory behaviour); needs step_graph
+    reshard_after_forward: bool = False
 
     def __post_init__(self) -> None:
         if self.gemm_modes not in GEMM_MODES:
@@ -44,6 +47,9 @@ class Options:
                 f"shardc.compile: gemm_modes={self.gemm_modes!r} (timing NN/NT/TN per GEMM) is not "
                 "implemented yet; every GEMM runs in PyTorch's default form. Use "
                 "gemm_modes='default'.")
+        if self.reshard_after_forward and not self.step_graph:
+            raise ValueError("shardc.compile: reshard_after_forward=True re-gathers weights inside "
+                             "the whole-step program; it needs step_graph=True.")
         if self.bucket_mb < 0:
             raise ValueError(f"shardc.compile: bucket_mb must be >= 0, got {self.bucket_mb}.")
         if self.prefetch_depth < 0:

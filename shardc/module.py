@@ -117,6 +117,7 @@ class ShardedModule(nn.Module):
         # step program does it inside its backward graph, so the hooks stand aside then.
         self._joint: dict[tuple, Any] = {}
         self._joint_failed: str | None = None
+        self._offline: Any = None  # the step program traced for the report (reshard)
         self._hooks_active = True
         for name, axes in self.grad_reductions.items():
             p = self.get_parameter(name)
@@ -207,6 +208,56 @@ class ShardedModule(nn.Module):
                           "autograd's backward (no overlap or bucketing passes).", stacklevel=3)
             return None
         return jp
+
+    def regathered(self) -> list[str]:
+        """With ``reshard_after_forward``: the forward program's all-gather nodes whose
+        weight the step program gathers again in backward. Traced offline (fake tensors,
+        no communication) when no step has run yet."""
+        from shardc.passes.joint import collective_nodes, trace_joint
+        from shardc.passes.reshard import REGATHER
+
+        if not self.ctx.options.reshard_after_forward:
+            return []
+        built = [jp for jp in self._joint.values()]
+        if built:
+            jp = built[-1]
+        else:
+            if self._offline is None:
+                args, needs = self._example_args()
+                names = [t if role == "param" else None for role, t in self._feeds]
+                self._offline = trace_joint(self.graph_module, self.ctx, args, needs, names,
+                                            offline=True)
+            jp = self._offline
+        return [n.meta[REGATHER] for n in collective_nodes(jp.backward.graph) if REGATHER in n.meta]
+
+    def _example_args(self) -> tuple[list[Any], list[bool]]:
+        """Arguments shaped like this rank's (empty inputs of the local shapes)."""
+        batch = self.mesh.size("data") * self.mesh.size("z")
+        inputs = iter(zip(self._user_inputs, self._input_layouts))
+        args: list[Any] = []
+        needs: list[bool] = []
+        for role, target in self._feeds:
+            if role == "param":
+                p = self.get_parameter(target)
+                args.append(p)
+                needs.append(p.requires_grad)
+            elif role == "buffer":
+                args.append(self._buffers_full[target])
+                needs.append(False)
+            elif role == "constant":
+                args.append(self._ep_constants[target])
+                needs.append(False)
+            else:
+                gval, lay = next(inputs)
+                if isinstance(gval, torch.Tensor):
+                    shape = lay.local_shape(gval.shape, self.mesh) if isinstance(lay, Layout) else \
+                        ([gval.shape[0] // batch] + list(gval.shape[1:]) if gval.dim() else [])
+                    args.append(torch.zeros(shape, dtype=gval.dtype))
+                    needs.append(target in self.ctx.grad_inputs)
+                else:
+                    args.append(gval)
+                    needs.append(False)
+        return args, needs
 
     # ------------------------------------------------------------- full tensors
     def _gather_full(self, name: str, local: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Iterable
 
@@ -298,4 +298,10 @@ def comm_report(sm: Any) -> CommReport:
         if n.op == "placeholder" and n.meta.get(KIND) == "param":
             param_vals[n.meta[PARAM]] = n.meta[GLOBAL_VAL]
     rows = build_rows(gm, sm.mesh, sm.param_layouts, sm.grad_reductions, param_vals)
+    # reshard_after_forward: the weights backward gathers again, as the step program does
+    regathered = sm.regathered() if hasattr(sm, "regathered") else []
+    for node in regathered:
+        for r in [r for r in rows if r.node == node and r.collective == "all_gather"
+                  and r.phase == "forward"]:
+            rows.append(replace(r, phase="backward", op=f"{r.op} (gathered again)"))
     return CommReport(rows, sm.mesh)

@@ -68,6 +68,9 @@ def _train(model, mesh, batches, **kw):
     measured bytes, the call counts and the report."""
     torch.manual_seed(0)
     sm = shardc.compile(model, mesh, example_inputs=batches[0], **kw)
+    # built before any step (reshard_after_forward: from the step program traced offline)
+    sm.report_before_step = shardc.comm_report(sm).by_key()
+    sm.model_for_tests, sm.batch_for_tests = model, batches[0]
     opt = torch.optim.SGD(sm.parameters(), lr=1e-2)
     losses, grads, comm = [], [], []
     torch.manual_seed(7)  # the same dropout masks in every setting
@@ -98,10 +101,18 @@ def _one(name: str, spec: str) -> list[str]:
     out: list[str] = []
     _, ref_losses, ref_grads, ref_comm = _train(model, mesh, batches, step_graph=False)
     report = None
-    for kw in ({"bucket_mb": 0}, {"bucket_mb": 0, "overlap": False}, {}):
+    settings: list[dict] = [{"bucket_mb": 0}, {"bucket_mb": 0, "overlap": False}, {}]
+    if mesh.size("z") > 1:  # weights are gathered only over z
+        settings.insert(2, {"bucket_mb": 0, "reshard_after_forward": True})
+    for kw in settings:
         sm, losses, grads, comm = _train(model, mesh, batches, **kw)
         report = shardc.comm_report(sm).by_key()
         label = f"{where} {kw or 'defaults'}"
+        if report != sm.report_before_step:
+            out.append(f"{label}: report before the first step {sm.report_before_step} != "
+                       f"after {report}")
+        if kw.get("reshard_after_forward"):
+            out += _reshard_checks(label, sm, mesh)
         for step, (m, _) in enumerate(comm):
             if m != report:
                 out.append(f"{label}: step {step} measured {m} != reported {report}")
@@ -126,6 +137,32 @@ def _one(name: str, spec: str) -> list[str]:
             calls = sum(c for k, c in comm[0][1].items() if k[2] == "step")
             if ref_calls > 1 and not calls < ref_calls:
                 out.append(f"{label}: {calls} step-phase calls with buckets, {ref_calls} without")
+    return out
+
+
+def _saved_bytes(jp) -> int:
+    """Bytes forward keeps for backward (the forward graph's extra outputs)."""
+    out = next(n for n in jp.forward.graph.nodes if n.op == "output")
+    saved = list(out.args[0])[jp.n_outputs:]
+    return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in saved)
+
+
+def _reshard_checks(label: str, sm, mesh) -> list[str]:
+    """Weights gathered over z are gathered again in backward (as many bytes as forward's
+    weight gathers that backward reads), and forward saves less for backward."""
+    out = []
+    rep = shardc.comm_report(sm)
+    again = rep.total_bytes(collective="all_gather", axis="z", phase="backward")
+    if not again > 0:
+        out.append(f"{label}: no weight gathered again in backward")
+    (jp,) = sm._joint.values()
+    keep = shardc.compile(sm.model_for_tests, mesh, example_inputs=sm.batch_for_tests,
+                          bucket_mb=0)
+    keep(*[shardc.shard_batch(x, mesh) for x in sm.batch_for_tests]).backward()
+    (jp_keep,) = keep._joint.values()
+    if not _saved_bytes(jp) < _saved_bytes(jp_keep):
+        out.append(f"{label}: saves {_saved_bytes(jp)} B for backward, keeping gathered "
+                   f"weights {_saved_bytes(jp_keep)} B")
     return out
 
 
