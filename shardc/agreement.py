@@ -26,6 +26,8 @@ import torch.nn as nn
 
 from shardc.errors import ShardcError
 from shardc.mesh import Mesh
+from shardc.runtime.collectives import guarded
+from shardc.runtime.groups import default_device
 
 # (subject, ((field, value), ...)): "parameter 'fc.weight'", (("shape", "[16, 8]"), ...)
 Item = tuple[str, tuple[tuple[str, str], ...]]
@@ -182,8 +184,6 @@ def settle(items: list[Item] | None, failure: BaseException | None) -> None:
         if failure is not None:
             raise failure
         return
-    from shardc.runtime.groups import default_device
-
     device = default_device()
     # 33 bytes a rank: 1 status byte (1 = failed) and the description's sha256
     mine = torch.zeros(33, dtype=torch.uint8, device=device)
@@ -192,7 +192,8 @@ def settle(items: list[Item] | None, failure: BaseException | None) -> None:
     else:
         mine[1:] = torch.frombuffer(bytearray(_digest(items)), dtype=torch.uint8).to(device)
     rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, mine)
+    with guarded(None, "all_gather", None, "shardc.compile's agreement"):
+        dist.all_gather(rows, mine)
     got = [bytes(r.cpu().tolist()) for r in rows]
     failed = [r for r, g in enumerate(got) if g[0]]
     if not failed and all(g == got[0] for g in got):
@@ -203,7 +204,8 @@ def settle(items: list[Item] | None, failure: BaseException | None) -> None:
     text = "" if failure is None else (str(failure).strip() or type(failure).__name__)
     # JSON, not pickle: nothing a peer sends is ever executed
     detail = json.dumps([items if not failed else None, type(failure).__name__, text])
-    everyone = [json.loads(b) for b in _all_gather_bytes(detail.encode(), device)]
+    with guarded(None, "all_gather", None, "shardc.compile's agreement"):
+        everyone = [json.loads(b) for b in _all_gather_bytes(detail.encode(), device)]
     if failed:
         if failure is not None:
             raise failure
