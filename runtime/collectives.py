@@ -26,14 +26,16 @@ two compiled programs in one process never share state.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections import defaultdict
 from fractions import Fraction
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
+from shardc.errors import CollectiveError
 from shardc.mesh import Mesh
 from shardc.runtime.groups import axis_groups
 from shardc.runtime.volume import ring_bytes
@@ -45,6 +47,7 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 
 _RUNTIMES: dict[str, "Runtime"] = {}
 _WORK = "_shardc_work"  # attribute of a buffer whose collective is still in flight
+_WHAT = "_shardc_what"  # (runtime key, collective, axis, phase) of that collective
 _ids = itertools.count()
 
 
@@ -84,6 +87,44 @@ def get_runtime(key: str) -> Runtime:
     return _RUNTIMES[key]
 
 
+@contextlib.contextmanager
+def guarded(rt: str | None, collective: str, axis: str | None, phase: str) -> Iterator[None]:
+    """The one place a failed collective becomes a ``CollectiveError`` that names it:
+    gloo says "Connection closed by peer" or "Timed out waiting 5000ms for recv", not
+    which of the program's collectives, axis and ranks were involved. ``axis=None``: a
+    collective over every rank (``rt`` may then be None)."""
+    try:
+        yield
+    except RuntimeError as e:  # torch.distributed's DistError is a RuntimeError
+        if isinstance(e, CollectiveError):
+            raise
+        rank = dist.get_rank()
+        if axis is None or rt is None:
+            where = f"over all {dist.get_world_size()} ranks ({phase}; rank {rank})"
+        else:
+            mesh = get_runtime(rt).mesh
+            where = (f"over mesh axis '{axis}' ({phase}; rank {rank} with ranks "
+                     f"{mesh.group_of(rank, axis)} of {mesh})")
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CollectiveError(
+            f"shardc: {collective} {where} failed: {type(e).__name__}: {cause}\n"
+            "A rank of that group died, stopped issuing collectives, or issued a different "
+            "one (every rank must run the same program on same-shaped inputs). Collectives give "
+            "up after the process group's timeout: init_process_group(..., "
+            "timeout=datetime.timedelta(seconds=...)) sets it (torch's default: 30 minutes on "
+            "gloo, 10 on NCCL).") from e
+
+
+def _issue(buf: torch.Tensor, rt: str, collective: str, axis: str, phase: str, fn: Any,
+           *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Issue an async collective filling ``buf``; ``wait`` finishes it."""
+    with guarded(rt, collective, axis, phase):
+        work = fn(*args, async_op=True, **kwargs)
+    setattr(buf, _WORK, work)
+    setattr(buf, _WHAT, (rt, collective, axis, phase))
+    return buf
+
+
 # ---------------------------------------------------------------------------- forward
 class _AllGather(torch.autograd.Function):
     @staticmethod
@@ -97,8 +138,8 @@ class _AllGather(torch.autograd.Function):
         # gloo wants the output as (G*d0, ...): hand it a view, return the base
         out = buf.view((g * flat.shape[0], *flat.shape[1:]))
         r.count("all_gather", axis, "forward", x)
-        setattr(buf, _WORK, all_gather_flat(out, flat, group=r.group(axis), async_op=True))
-        return buf
+        return _issue(buf, rt, "all_gather", axis, "forward", all_gather_flat, out, flat,
+                      group=r.group(axis))
 
     @staticmethod
     def backward(ctx: Any, g_buf: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -110,7 +151,8 @@ class _AllGather(torch.autograd.Function):
             g_flat = g_buf.contiguous().reshape((-1, *shape[1:]) if len(shape) else (-1,))
             out = g_flat.new_empty((g_flat.shape[0] // g_buf.shape[0], *g_flat.shape[1:]))
             r.count("reduce_scatter", ctx.axis, "backward", g_flat)
-            reduce_scatter_flat(out, g_flat, group=r.group(ctx.axis))
+            with guarded(ctx.rt, "reduce_scatter", ctx.axis, "backward"):
+                reduce_scatter_flat(out, g_flat, group=r.group(ctx.axis))
             return out.view(shape), None, None, None
         # The gradient is already the same on every rank of the axis: keep our piece.
         return g_buf[r.coord(ctx.axis)], None, None, None
@@ -124,8 +166,8 @@ class _AllReduce(torch.autograd.Function):
         buf = x.detach().clone(memory_format=torch.contiguous_format)
         r.count("all_reduce", axis, "forward", buf)
         red = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(op, dist.ReduceOp.SUM)
-        setattr(buf, _WORK, dist.all_reduce(buf, op=red, group=r.group(axis), async_op=True))
-        return buf
+        return _issue(buf, rt, "all_reduce", axis, "forward", dist.all_reduce, buf, op=red,
+                      group=r.group(axis))
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -147,8 +189,8 @@ class _ReduceScatter(torch.autograd.Function):
         front = x.movedim(dim, 0).contiguous()
         out = front.new_empty((front.shape[0] // g, *front.shape[1:]))
         r.count("reduce_scatter", axis, "forward", front)
-        setattr(out, _WORK, reduce_scatter_flat(out, front, group=r.group(axis), async_op=True))
-        return out
+        return _issue(out, rt, "reduce_scatter", axis, "forward", reduce_scatter_flat, out, front,
+                      group=r.group(axis))
 
     @staticmethod
     def backward(ctx: Any, g_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -159,7 +201,8 @@ class _ReduceScatter(torch.autograd.Function):
         g_out = g_out.contiguous()
         full = g_out.new_empty((g * g_out.shape[0], *g_out.shape[1:]))
         r.count("all_gather", ctx.axis, "backward", g_out)
-        all_gather_flat(full, g_out, group=r.group(ctx.axis))
+        with guarded(ctx.rt, "all_gather", ctx.axis, "backward"):
+            all_gather_flat(full, g_out, group=r.group(ctx.axis))
         return full.movedim(0, ctx.dim), None, None, None
 
 
@@ -179,8 +222,8 @@ class _AllToAll(torch.autograd.Function):
         send = x.unflatten(dst, (g, n // g)).movedim(dst, 0).contiguous()
         buf = torch.empty_like(send)
         r.count("all_to_all", axis, "forward", send)
-        setattr(buf, _WORK, dist.all_to_all_single(buf, send, group=r.group(axis), async_op=True))
-        return buf
+        return _issue(buf, rt, "all_to_all", axis, "forward", dist.all_to_all_single, buf, send,
+                      group=r.group(axis))
 
     @staticmethod
     def backward(ctx: Any, g_buf: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -188,7 +231,8 @@ class _AllToAll(torch.autograd.Function):
         g_buf = g_buf.contiguous()
         back = torch.empty_like(g_buf)
         r.count("all_to_all", ctx.axis, "backward", g_buf)
-        dist.all_to_all_single(back, g_buf, group=r.group(ctx.axis))
+        with guarded(ctx.rt, "all_to_all", ctx.axis, "backward"):
+            dist.all_to_all_single(back, g_buf, group=r.group(ctx.axis))
         # back[i] is the gradient of the block this rank sent to rank i (a block of dst)
         return back.movedim(0, ctx.dst).flatten(ctx.dst, ctx.dst + 1), None, None, None, None
 
@@ -204,7 +248,8 @@ class _GradAllReduce(torch.autograd.Function):
         r = get_runtime(ctx.rt)
         g = g.clone(memory_format=torch.contiguous_format)
         r.count("all_reduce", ctx.axis, "backward", g)
-        dist.all_reduce(g, group=r.group(ctx.axis))
+        with guarded(ctx.rt, "all_reduce", ctx.axis, "backward"):
+            dist.all_reduce(g, group=r.group(ctx.axis))
         return g, None, None
 
 
@@ -250,7 +295,7 @@ def wait(buf: torch.Tensor) -> torch.Tensor:
     if work is not None:
         # some backends finish by copying the result into ``buf`` (gloo's reduce-scatter
         # does): outside autograd, or that copy would cut the gradient's path to ``buf``
-        with torch.no_grad():
+        with torch.no_grad(), guarded(*buf.__dict__.pop(_WHAT)):
             work.wait()
     return buf
 
@@ -310,7 +355,8 @@ def grad_reduce_hook(rt: str, axis: str):
     def hook(g: torch.Tensor) -> torch.Tensor:
         g = g.clone(memory_format=torch.contiguous_format)
         r.count("all_reduce", axis, "step", g)
-        dist.all_reduce(g, group=r.group(axis))
+        with guarded(rt, "all_reduce", axis, "step"):
+            dist.all_reduce(g, group=r.group(axis))
         return g
 
     return hook

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 import torch
 
-from shardc.runtime.collectives import get_runtime
+from shardc.runtime.collectives import get_runtime, guarded
 from shardc.runtime.volume import ring_bytes
 
 _fc = torch.ops._c10d_functional
@@ -46,8 +46,9 @@ class _TraceState(threading.local):
         # buffers whose wait must reshape the flat result a functional collective returns
         self.shapes: dict[int, tuple[int, ...]] = {}
         self.phase = "forward"
-        # at run time, under torch.profiler: id of a collective's result -> its number
-        self.flight: dict[int, int] = {}
+        # at run time: id of a collective's result -> (its number under torch.profiler
+        # or None, runtime key, collective, axis, phase), for its wait
+        self.flight: dict[int, tuple] = {}
         # the forward program's node being traced (a backward collective is logged with
         # the node whose autograd function issued it)
         self.node = ""
@@ -245,12 +246,15 @@ _ids = itertools.count()
 
 def _issue(rt: str, collective: str, axis: str, ph: str, x: torch.Tensor, call: Any) -> torch.Tensor:
     nbytes = _count(rt, collective, axis, ph, x)
-    if not torch.autograd.profiler._is_profiler_enabled:
-        return call()
-    k = next(_ids)
-    with torch.profiler.record_function(f"shardc.issue#{k} {collective}@{axis} {ph} {nbytes}B"):
-        out = call()
-    STATE.flight[id(out)] = k
+    k = None
+    with guarded(rt, collective, axis, ph):
+        if torch.autograd.profiler._is_profiler_enabled:
+            k = next(_ids)
+            with torch.profiler.record_function(f"shardc.issue#{k} {collective}@{axis} {ph} {nbytes}B"):
+                out = call()
+        else:
+            out = call()
+    STATE.flight[id(out)] = (k, rt, collective, axis, ph)
     return out
 
 
@@ -278,12 +282,14 @@ def run_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
 
 
 def run_wait(t: torch.Tensor) -> torch.Tensor:
-    """Block until the collective that returned ``t`` is done."""
-    k = STATE.flight.pop(id(t), None)
-    if k is None:
-        return _fc.wait_tensor(t)
-    with torch.profiler.record_function(f"shardc.wait#{k}"):
-        return _fc.wait_tensor(t)
+    """Block until the collective that returned ``t`` is done; a failure (a dead peer, a
+    timeout) becomes a CollectiveError naming the collective, axis and phase."""
+    k, rt, collective, axis, ph = STATE.flight.pop(id(t), (None, None, "collective", None, "?"))
+    with guarded(rt, collective, axis, ph):
+        if k is None:
+            return _fc.wait_tensor(t)
+        with torch.profiler.record_function(f"shardc.wait#{k}"):
+            return _fc.wait_tensor(t)
 
 
 def _count(rt: str, collective: str, axis: str, ph: str, t: torch.Tensor) -> int:

@@ -7,6 +7,8 @@ same order, as ``new_subgroups_by_enumeration`` requires.
 """
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -35,9 +37,23 @@ def axis_groups(mesh: Mesh) -> dict[str, dist.ProcessGroup | None]:
             elif mesh.size(axis) == mesh.world_size:
                 groups[axis] = dist.group.WORLD
             else:
-                groups[axis], _ = dist.new_subgroups_by_enumeration(mesh.groups(axis))
+                groups[axis], _ = dist.new_subgroups_by_enumeration(mesh.groups(axis),
+                                                                    timeout=world_timeout())
         _CACHE[key] = groups
     return _CACHE[key]
+
+
+def world_timeout() -> timedelta | None:
+    """The timeout the user gave ``init_process_group``. torch gives a new group its
+    backend's default (30 minutes on gloo) instead: without passing this on, a collective
+    on an axis waits on a dead rank half an hour whatever the user asked for."""
+    world = dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return world._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - private API; no backend for it or no such field
+            continue
+    return None
 
 
 def clear_cache() -> None:

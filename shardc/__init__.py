@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from shardc.compiler import compile, global_mean, shard_batch
-from shardc.errors import ShardcError, TraceError
+from shardc.errors import CollectiveError, ShardcError, TraceError
 from shardc.explain import explain
 from shardc.machine import Machine
 from shardc.mesh import Mesh
@@ -12,5 +12,6 @@ from shardc.planner import Candidate, plan
 from shardc.report import CommReport, CommRow, comm_report
 
 __all__ = ["Mesh", "compile", "shard_batch", "global_mean", "ShardedModule", "ShardcError",
-           "TraceError", "Layout", "Shard", "Replicate", "Partial", "explain", "comm_report",
+           "TraceError", "CollectiveError", "Layout", "Shard", "Replicate", "Partial", "explain",
+           "comm_report",
            "CommReport", "CommRow", "Machine", "plan", "Candidate"]

@@ -8,6 +8,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from shardc import validate
+from shardc.agreement import describe, settle
 from shardc.context import CompileContext, Options
 from shardc.errors import ShardcError
 from shardc.mesh import Mesh
@@ -15,7 +17,7 @@ from shardc.module import ShardedModule
 from shardc.placement import Layout
 from shardc.passes import run_pipeline
 from shardc.passes.trace import trace
-from shardc.runtime.collectives import Runtime
+from shardc.runtime.collectives import Runtime, guarded
 
 
 def _check_mesh(mesh: Any, world_size: int | None) -> Mesh:
@@ -37,6 +39,10 @@ def _check_batch(example_inputs: tuple, mesh: Mesh, laid_out: Mapping[int, Layou
     for i, x in enumerate(example_inputs):
         if i in (laid_out or {}):  # checked against its own layout by _input_layouts
             continue
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == 0:
+            raise ShardcError(
+                f"shardc.compile: example input {i} is an empty batch (0 rows in dim 0): there is "
+                f"nothing to trace a step on. Pass a global batch of a positive multiple of {n} rows.")
         if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] % n:
             raise ShardcError(
                 f"shardc.compile: example input {i} has batch size {x.shape[0]} (dim 0), which "
@@ -79,32 +85,68 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
     the step program with ``bucket_mb=0``). ``reshard_after_forward`` frees each gathered
     weight after forward and gathers it again in backward (FSDP2's default): less memory,
     one more all-gather per such weight, counted by the comm report."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"shardc.compile: model must be a torch.nn.Module, got {type(model).__name__}.")
     if not dist.is_available() or not dist.is_initialized():
         raise ShardcError(
             "shardc.compile: torch.distributed is not initialised. Call "
             "torch.distributed.init_process_group(backend, ...) on every rank first "
             "(gloo on CPU, nccl on CUDA; torchrun sets the rank and world size).")
+    # Compile locally (no communication), then settle with the other ranks: a rank whose
+    # compile fails still reaches the exchange, so its peers raise too instead of waiting
+    # in a collective it will never issue (shardc/agreement.py).
+    seen: dict[str, list] = {}
+    sm: ShardedModule | None = None
+    failure: Exception | None = None
+    try:
+        sm = _compile_here(model, mesh, example_inputs, seen, transpose_alternate=transpose_alternate,
+                           overlap=overlap, prefetch_depth=prefetch_depth, gemm_modes=gemm_modes,
+                           step_graph=step_graph, bucket_mb=bucket_mb,
+                           reshard_after_forward=reshard_after_forward,
+                           machine=machine, input_layouts=input_layouts)
+    except Exception as e:  # noqa: BLE001 - settle() re-raises it on this rank
+        failure = e
+    settle(seen.get("items"), failure)
+    assert sm is not None
+    return sm
+
+
+def _compile_here(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | None,
+                  seen: dict[str, list], *, transpose_alternate: bool, overlap: bool,
+                  prefetch_depth: int, gemm_modes: str, step_graph: bool, bucket_mb: float,
+                  reshard_after_forward: bool, machine: Any,
+                  input_layouts: Mapping[int, Layout] | None) -> ShardedModule:
+    """``compile`` on this rank alone; ``seen["items"]`` gets what the ranks compare."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shardc.compile: model must be a torch.nn.Module, got {type(model).__name__}.")
     if example_inputs is None:
         raise ShardcError("shardc.compile: example_inputs is required: the global-shaped inputs a "
                           "single device would see, e.g. example_inputs=(tokens, targets).")
+    validate.check_example_inputs(model, example_inputs)
     if isinstance(mesh, str) and mesh == "auto":
         from shardc.planner import plan  # noqa: PLC0415 - optional feature
 
         if machine is None:
-            raise ShardcError("shardc.compile: mesh='auto' needs machine=shardc.Machine(...) or a preset.")
+            raise ShardcError("shardc.compile: mesh='auto' needs machine=shardc.Machine(...) or a preset "
+                              "(machine=shardc.Machine.preset('perlmutter')), or pass a mesh.")
         cands = plan(model, world_size=dist.get_world_size(), machine=machine,
                      example_inputs=tuple(example_inputs))
         mesh = cands[0].mesh
     mesh = _check_mesh(mesh, dist.get_world_size())
     example_inputs = tuple(example_inputs)
     _check_batch(example_inputs, mesh, input_layouts or {})
+    validate.check_option_types(Options, transpose_alternate=transpose_alternate, overlap=overlap,
+                                prefetch_depth=prefetch_depth, gemm_modes=gemm_modes,
+                                step_graph=step_graph, bucket_mb=bucket_mb,
+                                reshard_after_forward=reshard_after_forward)
     options = Options(transpose_alternate=transpose_alternate, overlap=overlap,
                       prefetch_depth=prefetch_depth, gemm_modes=gemm_modes,
                       step_graph=step_graph, bucket_mb=bucket_mb,
                       reshard_after_forward=reshard_after_forward)
-    return _compile(model, mesh, example_inputs, options, dist.get_rank(), input_layouts)
+    if dist.get_backend() != "fake" and dist.get_world_size() > 1:
+        seen["items"] = describe(model, mesh, example_inputs, options, input_layouts,
+                                 trace(model, example_inputs).graph)
+    sm = _compile(model, mesh, example_inputs, options, dist.get_rank(), input_layouts)
+    validate.after_compile(sm, model, example_inputs)
+    return sm
 
 
 def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
@@ -131,7 +173,8 @@ def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Optio
             raise ShardcError(
                 f"shardc.compile: the model mutates state during forward ({spec.kind.name} of "
                 f"{spec.target!r}), e.g. BatchNorm running statistics; shardc cannot shard it yet. "
-                "Use a normalisation without running buffers (LayerNorm, RMSNorm).")
+                "Use a normalisation without running buffers (LayerNorm, RMSNorm), or compile the "
+                "model in eval mode (model.eval(): running statistics are read, not updated).")
     runtime = Runtime(mesh)
     trainable = frozenset(canonical[n] for n, p in model.named_parameters() if p.requires_grad)
     layouts, grad_inputs = _input_layouts(example_inputs, user_inputs, input_layouts or {}, mesh)
@@ -162,7 +205,8 @@ def _input_layouts(example_inputs: tuple, names: list[str], given: Mapping[int, 
                               f"ndim={flat[i].dim()} (the input's), got {lay!r}.")
         if not lay.divides(flat[i].shape, mesh):
             raise ShardcError(f"shardc.compile: input_layouts[{i}] = {lay} does not evenly divide "
-                              f"the input's shape {list(flat[i].shape)} on {mesh}.")
+                              f"the input's shape {list(flat[i].shape)} on {mesh}. Cut only dims "
+                              "that the sizes of their axes divide, or resize the input.")
         out.append((names[i], lay.clean(mesh)))
     wants_grad = [isinstance(x, torch.Tensor) and x.requires_grad for x in flat]
     if any(wants_grad) and len(flat) != len(names):
@@ -193,5 +237,6 @@ def global_mean(value: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     Ranks that hold the same batch shard hold the same value, so averaging over every
     rank equals averaging over the shards."""
     t = value.detach().clone().to(torch.float64)
-    dist.all_reduce(t)
+    with guarded(None, "all_reduce", None, "shardc.global_mean"):
+        dist.all_reduce(t)
     return (t / dist.get_world_size()).to(value.dtype)

@@ -1,4 +1,5 @@
-"""Exceptions shardc raises for bad input (ValueError/TypeError subclasses)."""
+"""Exceptions shardc raises for bad input (ValueError/TypeError subclasses), and for a
+collective that failed at run time."""
 from __future__ import annotations
 
 
@@ -8,3 +9,9 @@ class ShardcError(ValueError):
 
 class TraceError(ShardcError):
     """The model could not be traced."""
+
+
+class CollectiveError(ShardcError, RuntimeError):
+    """A collective failed on this rank (a peer died, stalled past the process group's
+    timeout, or issued another collective). Also a RuntimeError, as torch.distributed's
+    own errors are, so code that caught those still catches it."""

@@ -117,6 +117,11 @@ def explain(sm: Any) -> str:
         lines.append("decisions:")
         lines += [f"  {d}" for d in sm.decisions]
         lines.append("")
+    unused = getattr(sm, "unused_parameters", [])
+    if unused:  # they work (no gradient, the optimizer skips them), as on one device
+        lines.append("parameters forward never reads (no gradient; kept, sharded, unchanged):")
+        lines += [f"  {n}" for n in unused]
+        lines.append("")
     lines.append("ops without a sharding rule (inputs gathered, run replicated):")
     if sm.fallbacks:
         lines += [f"  {f}" for f in sm.fallbacks]

@@ -10,6 +10,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from shardc import validate
 from shardc.context import KIND, PARAM, PLACEMENT, PROGRAM, CompileContext
 from shardc.errors import ShardcError
 from shardc.mesh import Mesh
@@ -131,13 +132,9 @@ class ShardedModule(nn.Module):
 
     # ------------------------------------------------------------------- running
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        axis_groups(self.mesh)  # collective on first use: every rank creates every group
         flat, _ = pytree.tree_flatten((inputs, kwargs))
-        if len(flat) != len(self._user_inputs):
-            raise ShardcError(
-                f"ShardedModule: expected {len(self._user_inputs)} inputs (as in example_inputs), "
-                f"got {len(flat)}.")
-        batch = self.mesh.size("data") * self.mesh.size("z")
+        validate.check_inputs(self, inputs, kwargs, flat)  # before anything is communicated
+        axis_groups(self.mesh)  # collective on first use: every rank creates every group
         it = iter(flat)
         args: list[Any] = []
         for role, target in self._feeds:
@@ -149,16 +146,6 @@ class ShardedModule(nn.Module):
                 args.append(self._ep_constants[target])
             else:
                 args.append(next(it))
-        for x, gval, lay in zip(flat, self._user_inputs, self._input_layouts):
-            if isinstance(x, torch.Tensor) and isinstance(gval, torch.Tensor) and gval.dim() > 0:
-                want = lay.local_shape(gval.shape, self.mesh) if isinstance(lay, Layout) else \
-                    [gval.shape[0] // batch] + list(gval.shape[1:])
-                if list(x.shape) != want:
-                    raise ShardcError(
-                        f"ShardedModule: an input has shape {list(x.shape)}, but this rank's piece "
-                        f"of the example input {list(gval.shape)} laid out as {lay} is {want} "
-                        f"(by default dim 0 is split over data x z = {batch}). Pass "
-                        "shardc.shard_batch(global_batch, mesh).")
         out = self._run(args)
         return pytree.tree_unflatten(list(out), self._out_spec)
 
@@ -265,7 +252,8 @@ class ShardedModule(nn.Module):
         world = dist.get_world_size()
         flat = local.detach().contiguous().reshape(-1)
         buf = flat.new_empty(world * flat.numel())
-        C.all_gather_flat(buf, flat)
+        with C.guarded(self.runtime.key, "all_gather", None, "gathering full tensors"):
+            C.all_gather_flat(buf, flat)
         full = local.new_empty(self._global_shapes[name])
         for r in range(world):
             piece = buf[r * flat.numel():(r + 1) * flat.numel()].view(local.shape)
@@ -289,19 +277,30 @@ class ShardedModule(nn.Module):
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Inverse of ``full_state_dict``: each rank keeps its shard (no communication)."""
         missing = [k for k in self._state_keys if k not in state_dict]
-        if missing:
-            raise ShardcError(f"load_full_state_dict: missing keys {missing[:5]}"
-                              f"{' ...' if len(missing) > 5 else ''}.")
+        unexpected = [k for k in state_dict if k not in self._state_keys]
+        if missing or unexpected:
+            # a renamed key would otherwise leave its tensor at its initial value, silently
+            parts = [f"{what} keys {ks[:5]}{' ...' if len(ks) > 5 else ''}"
+                     for what, ks in (("missing", missing), ("unexpected", unexpected)) if ks]
+            raise ShardcError(f"load_full_state_dict: {'; '.join(parts)}. Pass the state_dict() of "
+                              "the model that was compiled (or sm.full_state_dict()), with the same "
+                              "names.")
+        for key in self._state_keys:  # every shape first: refuse before changing anything
+            t = state_dict[key]
+            want = self._global_shapes[self._canonical[key]] if key in self._canonical else \
+                self._buffers_full[key].shape
+            if not isinstance(t, torch.Tensor) or list(t.shape) != list(want):
+                got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ShardcError(
+                    f"load_full_state_dict: {key!r} has shape {got}, the model's is {list(want)}. "
+                    "Pass full (unsharded) tensors of the model that was compiled, e.g. "
+                    "sm.full_state_dict().")
         coords = self.mesh.coords(self.ctx.rank)
         with torch.no_grad():
             for key in self._state_keys:
                 t = state_dict[key]
                 if key in self._canonical:
                     name = self._canonical[key]
-                    if list(t.shape) != list(self._global_shapes[name]):
-                        raise ShardcError(
-                            f"load_full_state_dict: {key!r} has shape {list(t.shape)}, the model's is "
-                            f"{list(self._global_shapes[name])}.")
                     if name in self.param_layouts:
                         p = self.get_parameter(name)
                         p.copy_(local_slice(t.to(p.device, p.dtype), self.param_layouts[name], coords, self.mesh))

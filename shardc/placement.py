@@ -75,8 +75,13 @@ class Layout:
             object.__setattr__(self, "interleave", tuple(1 for _ in range(self.ndim)))
         assert len(self.dims) == self.ndim and len(self.interleave) == self.ndim, self
         used = [a for d in self.dims for a in d] + [a for a, _ in self.partial]
-        assert len(used) == len(set(used)), f"axis used twice in {self}"
-        assert all(a in AXES for a in used), self
+        # users build layouts (compile's input_layouts): wrong ones are bad input
+        if len(used) != len(set(used)):
+            raise ValueError(f"Layout: an axis is used twice in {self!r}; each mesh axis cuts one "
+                             "dim or is partial, at most once.")
+        unknown = [a for a in used if a not in AXES]
+        if unknown:
+            raise ValueError(f"Layout: unknown mesh axes {unknown} in {self!r}; the axes are {AXES}.")
         for a, op in self.partial:
             if op not in PARTIAL_OPS:
                 raise ValueError(f"Layout: partial op on {a!r} must be one of {PARTIAL_OPS}, got {op!r}")
@@ -97,7 +102,8 @@ class Layout:
             if a in shards:
                 d = shards.pop(a) % ndim if ndim else 0
                 dims[d].append(a)
-        assert not shards, shards
+        if shards:
+            raise ValueError(f"Layout.of: unknown mesh axes {sorted(shards)}; the axes are {tuple(order)}.")
         il = [1] * ndim
         for d, k in (interleave or {}).items():
             il[d % ndim] = k
