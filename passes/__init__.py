@@ -14,6 +14,7 @@ from shardc.context import CompileContext
 from .grad_sync import grad_sync_pass
 from .lower import lower_pass
 from .bucket import bucket_pass
+from .coalesce import coalesce_pass
 from .prefetch import prefetch_pass
 from .schedule import schedule_pass
 
@@ -34,6 +35,8 @@ PIPELINE: list[Pass] = [
 STEP_PIPELINE: list[Pass] = [
     # packs post-backward reductions; before scheduling, which then places the buckets
     bucket_pass,
+    # one all-gather / reduce-scatter per block of weights (FSDP2's grouping)
+    coalesce_pass,
     # only reorders, last: issues early, waits late, blocking paths first
     schedule_pass,
 ]

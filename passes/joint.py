@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from shardc.context import COMM, PROGRAM, CompileContext
+from shardc.context import COMM, PROGRAM, SOURCE, CompileContext
 from shardc.runtime import collectives as C
 from shardc.runtime import functional as F
 
@@ -144,7 +144,8 @@ def trace_joint(program: fx.GraphModule, ctx: CompileContext, primals: Sequence[
         F.STATE.offline = False
     log = list(F.STATE.log)
     F.STATE.log.clear()
-    _point_at_runners(gm, log, ctx)
+    modules = {n.name: getattr(n.meta.get(SOURCE), "module", "") or "" for n in program.graph.nodes}
+    _point_at_runners(gm, log, ctx, modules)
     grad_of = [i for i in grad_idx if i not in unused]
     if ctx.options.reshard_after_forward:
         from shardc.passes.reshard import reshard_pass
@@ -192,7 +193,7 @@ def _probe_outputs(prog: fx.GraphModule, primals: Sequence[Any], needs_grad: Seq
 
 
 def _point_at_runners(gm: fx.GraphModule, log: list[tuple[str, str, str, str]],
-                      ctx: CompileContext) -> None:
+                      ctx: CompileContext, modules: dict[str, str]) -> None:
     nodes = _collective_nodes_raw(gm.graph)
     if len(nodes) != len(log):
         raise RuntimeError(f"joint trace: {len(nodes)} collective nodes but {len(log)} issued")
@@ -202,7 +203,9 @@ def _point_at_runners(gm: fx.GraphModule, log: list[tuple[str, str, str, str]],
         n.target = fn
         n.args = (*n.args, ctx.rt, axis, ph)
         # origin: the forward program's node that issued it, or "grad:<param>"
-        n.meta[COMM] = {"collective": collective, "axis": axis, "phase": ph, "origin": origin}
+        n.meta[COMM] = {"collective": collective, "axis": axis, "phase": ph, "origin": origin,
+                        "module": modules.get(origin, origin[5:].rsplit(".", 1)[0]
+                                              if origin.startswith("grad:") else "")}
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is F.TRACED_WAIT:
             n.target = F.WAIT

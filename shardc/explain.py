@@ -142,6 +142,7 @@ def _step_section(sm: Any) -> list[str]:
     """The whole-step program's collectives in the order they run, with what the step
     passes did: each collective's compute overlap and each bucket's members."""
     from shardc.passes.bucket import BUCKET
+    from shardc.passes.coalesce import COALESCED, block_of
     from shardc.passes.joint import collective_nodes
     from shardc.passes.schedule import SCHEDULE
     o = sm.ctx.options
@@ -170,6 +171,9 @@ def _step_section(sm: Any) -> list[str]:
             b = n.meta.get(BUCKET)
             if b:
                 text += f"  bucket of {b['members']} gradients"
+            cz = n.meta.get(COALESCED)
+            if cz:
+                text += f"  {cz['members']} tensors of {block_of(c.get('module', '')) or 'the root'}"
             info = overlap.get(n.name)
             if info is not None:
                 text += f"  overlaps {info['overlapped']} ops"
