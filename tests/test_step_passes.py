@@ -169,3 +169,44 @@ def test_bucket_leaves_backward_collectives_alone() -> None:
     _, w2 = b.collective("all_reduce", b.op(aten.mul.Tensor, g, 3.0), "data", "backward")
     gm = bucket_pass(b.module(w1, w2), _ctx())
     assert len([n for n in gm.graph.nodes if n.target is F.run_all_reduce]) == 2
+
+
+def test_coalesce_gathers_a_blocks_weights_and_scatters_its_gradients_together() -> None:
+    from shardc.passes.coalesce import COALESCED, block_of, coalesce_pass
+
+    assert block_of("model.layers.11.mlp.up_proj") == "model.layers.11"
+    assert block_of("lm_head") == "lm_head"
+    b = G()
+    x = b.input("x", 8, 16)
+    shards = [b.input(f"w{i}", 4, 16) for i in range(3)]
+    waits = []
+    for i, w in enumerate(shards):
+        ag, wt = b.collective("all_gather", w, "z", "forward")
+        ag.meta[COMM]["module"] = "blocks.0.fc1" if i < 2 else "blocks.1.fc1"
+        waits.append(wt)
+    h = b.op(aten.mm.default, x, b.op(aten.t.default, waits[0]))
+    h = b.op(aten.mm.default, h, waits[1])
+    h = b.op(aten.mm.default, h, b.op(aten.t.default, waits[2]))
+    grads = []
+    for i in range(2):
+        g = b.op(aten.mul.Tensor, b.input(f"g{i}", 8, 16), 2.0)
+        rs, wt = b.collective("reduce_scatter", g, "z", "backward")
+        rs.meta[COMM]["module"] = "blocks.0.fc1"
+        grads.append(wt)
+    gm = coalesce_pass(b.module(h, *grads), _ctx())
+    gathers = [n for n in gm.graph.nodes if n.target is F.run_all_gather]
+    scatters = [n for n in gm.graph.nodes if n.target is F.run_reduce_scatter]
+    # blocks.0's two weights in one gather, blocks.1's alone; the two gradients in one
+    assert sorted(n.meta.get(COALESCED, {}).get("members", 1) for n in gathers) == [1, 2]
+    assert [n.meta[COALESCED]["members"] for n in scatters] == [2]
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    assert [tuple(a.meta["val"].shape) for a in out.args[0]] == [(8, 8), (4, 16), (4, 16)]
+    gm.graph.lint()
+    # bucket_mb=0 turns every packing off
+    b2 = G()
+    w0, w1 = b2.input("w0", 4, 16), b2.input("w1", 4, 16)
+    a0, t0 = b2.collective("all_gather", w0, "z", "forward")
+    a1, t1 = b2.collective("all_gather", w1, "z", "forward")
+    a0.meta[COMM]["module"] = a1.meta[COMM]["module"] = "blocks.0"
+    gm = coalesce_pass(b2.module(t0, t1), _ctx(bucket_mb=0))
+    assert len([n for n in gm.graph.nodes if n.target is F.run_all_gather]) == 2
