@@ -172,10 +172,15 @@ def build_rows(gm: fx.GraphModule, mesh: Mesh, storage: dict[str, Layout],
 class CommReport:
     """Every collective of one training step on one rank (the ring model's bytes)."""
 
-    def __init__(self, rows: Iterable[CommRow], mesh: Mesh | None = None, title: str = "") -> None:
+    def __init__(self, rows: Iterable[CommRow], mesh: Mesh | None = None, title: str = "",
+                 calls: dict[tuple[str, str, str], int] | None = None) -> None:
         self.rows = list(rows)
         self.mesh = mesh
         self.title = title
+        # (collective, axis, phase) -> collectives the whole-step program issues per step,
+        # after bucketing and coalescing (the rows count each tensor); None until the
+        # module has run a training step (the program is built then)
+        self.calls = calls
 
     # ------------------------------------------------------------------- totals
     def select(self, axis: str | None = None, phase: str | None = None,
@@ -267,6 +272,9 @@ class CommReport:
                               str(len(self.select(axis, phase))), _fmt_bytes(tot))
         t.add_row("total", "", "", "", "", str(len(self.rows)), _fmt_bytes(self.total_bytes()),
                   style="bold")
+        if self.calls:
+            t.caption = ("collectives issued per step after bucketing and coalescing: " + ", ".join(
+                f"{c}@{a} {p} {n}" for (c, a, p), n in sorted(self.calls.items())))
         return t
 
     def __str__(self) -> str:
@@ -304,4 +312,20 @@ def comm_report(sm: Any) -> CommReport:
         for r in [r for r in rows if r.node == node and r.collective == "all_gather"
                   and r.phase == "forward"]:
             rows.append(replace(r, phase="backward", op=f"{r.op} (gathered again)"))
-    return CommReport(rows, sm.mesh)
+    return CommReport(rows, sm.mesh, calls=step_calls(sm))
+
+
+def step_calls(sm: Any) -> dict[tuple[str, str, str], int] | None:
+    """Collectives per (collective, axis, phase) that the built whole-step program issues
+    in one step; None when it is not built (or off)."""
+    built = list(getattr(sm, "_joint", {}).values())
+    if not built:
+        return None
+    from shardc.passes.joint import collective_nodes
+
+    out: dict[tuple[str, str, str], int] = defaultdict(int)
+    for part in (built[-1].forward, built[-1].backward):
+        for n in collective_nodes(part.graph):
+            c = n.meta["shardc_comm"]
+            out[(c["collective"], c["axis"], c["phase"])] += 1
+    return dict(out)

@@ -15,7 +15,8 @@ pass settings, and trained two SGD steps on the same batches:
   it is one more summation order, judged against a float64 single-device gradient like
   every other order (as tests/test_train_gloo.py does, the same factor and floor);
 * the bytes the runtime hands to torch.distributed equal the comm report's, exactly, in
-  every setting; buckets issue fewer calls for the same bytes;
+  every setting, and so do the collectives issued per step; buckets issue fewer calls
+  for the same bytes;
 * the schedule overlaps: on a mesh with x > 1, some dI all-reduce of backward has a
   weight-gradient GEMM between its issue and its wait (the paper's OAR), and with
   ``overlap=False`` none does;
@@ -108,6 +109,9 @@ def _one(name: str, spec: str) -> list[str]:
         sm, losses, grads, comm = _train(model, mesh, batches, **kw)
         report = shardc.comm_report(sm).by_key()
         label = f"{where} {kw or 'defaults'}"
+        calls = shardc.comm_report(sm).calls
+        if calls != comm[-1][1]:
+            out.append(f"{label}: report's collectives per step {calls} != issued {comm[-1][1]}")
         if report != sm.report_before_step:
             out.append(f"{label}: report before the first step {sm.report_before_step} != "
                        f"after {report}")
