@@ -126,18 +126,19 @@ def trace_joint(program: fx.GraphModule, ctx: CompileContext, primals: Sequence[
             grads[k] = g
         return (*outs, *[g for g in grads if g is not None])
 
-    # which outputs take a tangent: the floating ones that depend on a primal needing grad
-    with torch.enable_grad():
-        probe = _probe_outputs(prog, primals, needs_grad)
-    diff_outputs.extend(i for i, d in enumerate(probe) if d is not None)
-    tangents = [torch.zeros_like(d) for d in probe if d is not None]
-    F.STATE.log.clear()
-    args = [_as_input(p, w) for p, w in zip(primals, needs_grad)] + tangents
-    # make_fx keeps global state (its patcher); with torch's threaded process group the
-    # ranks are threads of one process and would trace at once. Tracing communicates
-    # nothing, so one rank at a time cannot deadlock.
+    # offline: no process group may be created (that would be a collective call)
     F.STATE.offline = offline
     try:
+        # which outputs take a tangent: the floating ones that depend on a primal needing grad
+        with torch.enable_grad():
+            probe = _probe_outputs(prog, primals, needs_grad)
+        diff_outputs.extend(i for i, d in enumerate(probe) if d is not None)
+        tangents = [torch.zeros_like(d) for d in probe if d is not None]
+        F.STATE.log.clear()
+        args = [_as_input(p, w) for p, w in zip(primals, needs_grad)] + tangents
+        # make_fx keeps global state (its patcher); with torch's threaded process group the
+        # ranks are threads of one process and would trace at once. Tracing communicates
+        # nothing, so one rank at a time cannot deadlock.
         with _TRACE_LOCK, torch.enable_grad():
             gm = make_fx(joint, tracing_mode="fake")(*args)
     finally:
