@@ -4,13 +4,16 @@ from __future__ import annotations
 from shardc.compiler import compile, global_mean, shard_batch
 from shardc.errors import ShardcError, TraceError
 from shardc.explain import explain
+from shardc.guard import NonFiniteError, StepGuard
 from shardc.machine import Machine
 from shardc.mesh import Mesh
 from shardc.module import ShardedModule
 from shardc.placement import Layout, Partial, Replicate, Shard
 from shardc.planner import Candidate, plan
 from shardc.report import CommReport, CommRow, comm_report
+from shardc import checkpoint  # shardc.checkpoint.save / load
 
 __all__ = ["Mesh", "compile", "shard_batch", "global_mean", "ShardedModule", "ShardcError",
            "TraceError", "Layout", "Shard", "Replicate", "Partial", "explain", "comm_report",
-           "CommReport", "CommRow", "Machine", "plan", "Candidate"]
+           "CommReport", "CommRow", "Machine", "plan", "Candidate", "checkpoint", "StepGuard",
+           "NonFiniteError"]

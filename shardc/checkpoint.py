@@ -390,6 +390,19 @@ def _agree(ok: bool, what: str, detail: str = "") -> None:
         raise RuntimeError(f"shardc.checkpoint: {what} failed{' on this rank: ' + detail if detail else ' on another rank (see its error)'}.")
 
 
+def _failure(e: BaseException) -> str:
+    """One line per failed rank of DCP's CheckpointException (its str is every traceback)."""
+    fails = getattr(e, "failures", None)
+    if not isinstance(fails, dict) or not fails:
+        return f"{type(e).__name__}: {e}"
+    out = []
+    for r, w in sorted(fails.items()):
+        # (exception, stack) in torch 2.13, a _WrappedException(exc, ...) in some versions
+        exc = w[0] if isinstance(w, tuple) and w else getattr(w, "exc", w)
+        out.append(f"rank {r}: {type(exc).__name__}: {exc}")
+    return "; ".join(out)
+
+
 def _gather_objects(obj: Any) -> list[Any]:
     if _world()[1] == 1:
         return [obj]
@@ -523,8 +536,8 @@ def save(sm: Any, optimizer: torch.optim.Optimizer | None, path: str | os.PathLi
         if isinstance(e, KeyboardInterrupt):
             raise
         raise RuntimeError(
-            f"shardc.checkpoint.save: writing step {step} into {tmp} failed ({type(e).__name__}: "
-            f"{e}). The previous checkpoint ({latest(root)}) is untouched; the next save removes "
+            f"shardc.checkpoint.save: writing step {step} into {tmp} failed ({_failure(e)}). "
+            f"The previous checkpoint ({latest(root)}) is untouched; the next save removes "
             "the partial directory.") from e
 
     # every rank hashes a share of the files (DCP's .metadata is on disk once save returns)
@@ -781,7 +794,7 @@ def load(sm: Any, optimizer: torch.optim.Optimizer | None, path: str | os.PathLi
         if isinstance(e, KeyboardInterrupt):
             raise
         raise ShardcError(
-            f"shardc.checkpoint.load: reading {where} failed ({type(e).__name__}: {e}). If the "
+            f"shardc.checkpoint.load: reading {where} failed ({_failure(e)}). If the "
             "files were damaged after the save, load the previous checkpoint.") from e
     if optimizer is not None and opt_parts is not None:
         _, state_keys, group_keys = opt_parts
