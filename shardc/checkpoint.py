@@ -467,7 +467,7 @@ def _read_manifest(ckpt_dir: str) -> dict[str, Any]:
 
 def _complete(path: str) -> list[tuple[float, str]]:
     """(save time, directory name) of every published checkpoint under ``path``."""
-    out = []
+    out: list[tuple[float, str]] = []
     if not os.path.isdir(path):
         return out
     for d in os.listdir(path):
@@ -703,7 +703,6 @@ def _model_dest(sm: Any, paths: dict[tuple[Any, ...], str]) -> dict[str, Any]:
 def _optimizer_dest(sm: Any, optimizer: torch.optim.Optimizer, md: Metadata,
                     paths: dict[tuple[Any, ...], str], where: str
                     ) -> tuple[dict[str, Any], dict[tuple[str, str], str], dict[tuple[int, str], str]]:
-    names = _names(sm)
     coords = sm.mesh.coords(sm.ctx.rank)
     saved_groups = sorted({p[2] for p in paths if len(p) == 4 and p[:2] == ("optimizer", "param_groups")})
     if not saved_groups:
@@ -754,7 +753,6 @@ def _optimizer_dest(sm: Any, optimizer: torch.optim.Optimizer, md: Metadata,
         if (i, "params") not in group_keys:
             raise ShardcError(f"shardc.checkpoint.load: checkpoint {where} is missing the "
                               f"parameter list of optimizer param group {i}.")
-    del names
     return dest, state_keys, group_keys
 
 
