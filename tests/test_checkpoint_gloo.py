@@ -1,19 +1,20 @@
 """Sharded checkpoints on real gloo processes: the project's GPT and transformers' GPT-2
 (both with a fused QKV projection whose columns are sharded interleaved, and a tied LM
-head) trained with AdamW, saved, and loaded
+head) trained with AdamW, saved on x2y1z1d2 (4 ranks), and loaded
 
 - into a fresh compile on the same mesh: the next steps' losses and the parameters are
   bitwise those of the uninterrupted run;
-- into another mesh of 4, of 8, and of one rank: parameters and optimizer state are
+- into another mesh (GPT: x1y2z2d1; both: one rank): parameters and optimizer state are
   bitwise the saved ones (resharding only copies), and training goes on like the
   uninterrupted run within fp32 noise;
 
-plus ``dcp_to_torch_save`` giving the single-device state dict, the safety cases (a save
+and GPT saved on x2y2z2d1 (8 ranks) loaded on x1y2z2d1 (4) and on one rank the same way.
+Plus ``dcp_to_torch_save`` giving the single-device state dict, the safety cases (a save
 that fails mid-write or before publishing leaves the previous checkpoint current,
 ``keep``, truncated, corrupted and incomplete checkpoints, another model's checkpoint),
 each with the error every rank raises.
 
-Ranks are spawned once per world size (4, then 8); the one-rank loads run in the test
+Ranks are spawned once per world size (8, then 4); the one-rank loads run in the test
 process itself.
 """
 from __future__ import annotations
