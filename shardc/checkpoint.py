@@ -343,13 +343,16 @@ def _save_state(sm: Any, optimizer: torch.optim.Optimizer | None) -> dict[str, A
     if optimizer is None:
         return state
     names = _names(sm)
+    if any(id(p) not in names for g in optimizer.param_groups for p in g["params"]):
+        raise ShardcError(
+            "shardc.checkpoint.save: the optimizer holds a tensor that is not a parameter of "
+            "this ShardedModule. Build the optimizer over sm.parameters().")
     opt_state: dict[str, dict[str, Any]] = {}
-    for p, st in optimizer.state.items():
-        name = names.get(id(p))
-        if name is None:
-            raise ShardcError(
-                "shardc.checkpoint.save: the optimizer holds a tensor that is not a parameter of "
-                "this ShardedModule. Build the optimizer over sm.parameters().")
+    # in the module's order, the same on every rank: it decides which replica writes
+    for name, p in sm.named_parameters():
+        st = optimizer.state.get(p)
+        if not st:
+            continue
         entry: dict[str, Any] = {}
         for k, v in st.items():
             if isinstance(v, torch.Tensor) and v.dim() > 0:

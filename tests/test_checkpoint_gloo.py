@@ -345,6 +345,13 @@ def test_wrong_and_damaged_checkpoints_are_named() -> None:
         refused(GPT(), f"{root}/garbage", r"garbage/.metadata is damaged or not DCP metadata",
                 verify=False)
 
+        # an optimizer built with other groups
+        s, _ = _fresh(GPT(), shardc.Mesh(), batches[0])
+        params = list(s.parameters())
+        two = torch.optim.AdamW([{"params": params[:3]}, {"params": params[3:], "lr": 0.1}])
+        with pytest.raises(shardc.ShardcError, match=r"has 1 optimizer param groups, this optimizer 2"):
+            ckpt.load(s, two, src)
+
         # a model-only checkpoint into an optimizer
         ckpt.save(sm, None, f"{root}/model-only", step=1)
         refused(GPT(), f"{root}/model-only", r"holds no optimizer state .*optimizer=None")
