@@ -545,13 +545,21 @@ def save(sm: Any, optimizer: torch.optim.Optimizer | None, path: str | os.PathLi
 
     # every rank hashes a share of the files (DCP's .metadata is on disk once save returns)
     files = _data_files(tmp)
-    mine = {f: (os.path.getsize(os.path.join(tmp, f)), _sha256(os.path.join(tmp, f)))
-            for i, f in enumerate(files) if i % world == rank}
+    mine: dict[str, Any] = {}
+    try:
+        for i, f in enumerate(files):
+            if i % world == rank:
+                mine[f] = (os.path.getsize(os.path.join(tmp, f)), _sha256(os.path.join(tmp, f)))
+    except OSError as e:  # carried to every rank by the gather, not raised alone
+        mine = {"": f"rank {rank}: {type(e).__name__}: {e}"}
     sums: dict[str, Any] = {}
     for part in _gather_objects(mine):
         sums.update(part)
     final = os.path.join(root, name)
-    err = ""
+    err = sums.get("", "")
+    if err:
+        raise RuntimeError(f"shardc.checkpoint.save: hashing the files of step {step} in {tmp} "
+                           f"failed ({err}). The previous checkpoint ({latest(root)}) is untouched.")
     if rank == 0:
         try:
             _publish(root, tmp, final, name, {
@@ -587,7 +595,7 @@ def _publish(root: str, tmp: str, final: str, name: str, manifest: dict[str, Any
 
 
 # ------------------------------------------------------------------------------ load
-_CODES = {1: "is missing", 2: "has the wrong size (truncated or overwritten)",
+_CODES = {1: "is missing or unreadable", 2: "has the wrong size (truncated or overwritten)",
           3: "does not match its SHA-256 (corrupted)"}
 
 
@@ -602,12 +610,13 @@ def _verify(ckpt_dir: str, man: dict[str, Any]) -> None:
     for i, f in enumerate(files):
         p = os.path.join(ckpt_dir, f)
         want = man["files"][f]
-        if not os.path.exists(p):
+        try:
+            if os.path.getsize(p) != want["bytes"]:
+                codes[i] = 2
+            elif i % world == rank and _sha256(p) != want["sha256"]:
+                codes[i] = 3
+        except OSError:  # gone or unreadable: reported with the others, on every rank
             codes[i] = 1
-        elif os.path.getsize(p) != want["bytes"]:
-            codes[i] = 2
-        elif i % world == rank and _sha256(p) != want["sha256"]:
-            codes[i] = 3
     if world > 1:
         c = codes.to(default_device())
         dist.all_reduce(c, op=dist.ReduceOp.MAX)
