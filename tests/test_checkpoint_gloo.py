@@ -88,6 +88,10 @@ def _full_optimizer(sm: Any, opt: torch.optim.Optimizer) -> dict[str, torch.Tens
     return out
 
 
+def _interleaved(sm: Any) -> list[str]:
+    return [n for n, lay in sm.param_layouts.items() if max(lay.interleave, default=1) > 1]
+
+
 def _assert_equal(a: dict, b: dict, what: str) -> None:
     assert a.keys() == b.keys(), what
     for k in a:
@@ -100,6 +104,7 @@ def _eight(rank: int, world: int, root: str) -> None:
     batches = _batches(2)
     torch.manual_seed(0)
     sm, opt = _fresh(GPT(), shardc.Mesh.parse("x2y2z2d1"), batches[0])
+    assert _interleaved(sm) == [f"blocks.{i}.qkv.{w}" for i in range(2) for w in ("weight", "bias")]
     _train(sm, opt, batches[:1])
     ckpt.save(sm, opt, f"{root}/gpt8", step=1)
     saved, saved_opt = sm.full_state_dict(), _full_optimizer(sm, opt)
@@ -118,6 +123,7 @@ def _four(rank: int, world: int, root: str) -> None:
         model = make()
         mesh = shardc.Mesh.parse("x2y1z1d2")
         sm, opt = _fresh(model, mesh, batches[0])
+        assert len(_interleaved(sm)) == 4, name  # both fused QKV weights and biases
         ckpt.save(sm, opt, f"{root}/{name}-init", step=0)  # for dcp_to_torch_save
         _train(sm, opt, batches[:N])
         ckpt.save(sm, opt, f"{root}/{name}", step=N)
@@ -148,12 +154,15 @@ def _four(rank: int, world: int, root: str) -> None:
         for k in ref_final:
             assert_close(final3[k], ref_final[k], rtol=RTOL, atol=ATOL, msg=f"{name} {other} {k}")
 
-        # the 8-rank checkpoint into 4 ranks (another world size, another mesh)
+        # the 8-rank checkpoint into 4 ranks (another world size): QKV saved interleaved
+        # over z and x nested, loaded plain (x1y2z2d1) and interleaved over x alone
+        assert _interleaved(sm) and not _interleaved(sm3)
         ref8 = torch.load(f"{root}/gpt8.pt", weights_only=True)
-        assert ckpt.load(sm3, opt3, f"{root}/gpt8") == 1
-        _assert_equal(sm3.full_state_dict(), ref8["saved"], f"x2y2z2d1 into {other}, loaded")
-        _assert_equal(_full_optimizer(sm3, opt3), ref8["saved_opt"], f"x2y2z2d1 into {other}, optimizer")
-        assert_close(_train(sm3, opt3, _batches(2)[1:]), ref8["ref_losses"], rtol=RTOL, atol=ATOL)
+        for s, o in ((sm3, opt3), (sm2, opt2)):
+            assert ckpt.load(s, o, f"{root}/gpt8") == 1
+            _assert_equal(s.full_state_dict(), ref8["saved"], f"x2y2z2d1 into {s.mesh}, loaded")
+            _assert_equal(_full_optimizer(s, o), ref8["saved_opt"], f"x2y2z2d1 into {s.mesh}, optimizer")
+            assert_close(_train(s, o, _batches(2)[1:]), ref8["ref_losses"], rtol=RTOL, atol=ATOL)
 
         _safety(rank, root, sm, opt, sm2, opt2)
 
