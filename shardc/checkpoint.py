@@ -792,10 +792,22 @@ def load(sm: Any, optimizer: torch.optim.Optimizer | None, path: str | os.PathLi
     paths = _paths(md)
     _check_model(sm, md, paths, where)
     dest = _model_dest(sm, paths)
-    opt_parts = None
-    if optimizer is not None:
-        opt_parts = _optimizer_dest(sm, optimizer, md, paths, where)
-        dest.update(opt_parts[0])
+    if optimizer is None:
+        _read(dest, ckpt, where)
+        return int(man.get("step", 0))
+    opt_dest, state_keys, group_keys = _optimizer_dest(sm, optimizer, md, paths, where)
+    # the groups' parameter lists first (a few strings): a mismatch is refused before
+    # any parameter is overwritten
+    lists = {group_keys[(i, "params")]: None for i in range(len(optimizer.param_groups))}
+    _check_groups(sm, optimizer, _read(lists, ckpt, where), group_keys, where)
+    dest.update({k: v for k, v in opt_dest.items() if k not in lists})
+    values = _read(dest, ckpt, where)
+    _apply_optimizer(sm, optimizer, dest, values, state_keys, group_keys)
+    return int(man.get("step", 0))
+
+
+def _read(dest: dict[str, Any], ckpt: str, where: str) -> dict[str, Any]:
+    """DCP load of ``dest`` in place (collective); returns the non-tensor values read."""
     planner = _LoadPlanner()
     try:
         with torch.no_grad():
@@ -806,15 +818,25 @@ def load(sm: Any, optimizer: torch.optim.Optimizer | None, path: str | os.PathLi
         raise ShardcError(
             f"shardc.checkpoint.load: reading {where} failed ({_failure(e)}). If the "
             "files were damaged after the save, load the previous checkpoint.") from e
-    if optimizer is not None and opt_parts is not None:
-        _, state_keys, group_keys = opt_parts
-        _apply_optimizer(sm, optimizer, dest, planner.values, state_keys, group_keys, where)
-    return int(man.get("step", 0))
+    return planner.values
+
+
+def _check_groups(sm: Any, optimizer: torch.optim.Optimizer, values: dict[str, Any],
+                  group_keys: dict[tuple[int, str], str], where: str) -> None:
+    names = _names(sm)
+    for i, g in enumerate(optimizer.param_groups):
+        live = [names[id(p)] for p in g["params"]]
+        saved = values[group_keys[(i, "params")]]
+        if list(saved) != live:
+            raise ShardcError(
+                f"shardc.checkpoint.load: optimizer param group {i} holds {_describe(live, 3)} "
+                f"here but {_describe(list(saved), 3)} in checkpoint {where}. Build the "
+                "optimizer over the same parameters, in the same groups and order.")
 
 
 def _apply_optimizer(sm: Any, optimizer: torch.optim.Optimizer, dest: dict[str, Any],
                      values: dict[str, Any], state_keys: dict[tuple[str, str], str],
-                     group_keys: dict[tuple[int, str], str], where: str) -> None:
+                     group_keys: dict[tuple[int, str], str]) -> None:
     """Hand the loaded state to ``optimizer.load_state_dict`` (torch's own casting and
     checks), in its index-keyed format."""
     names = _names(sm)
@@ -828,21 +850,14 @@ def _apply_optimizer(sm: Any, optimizer: torch.optim.Optimizer, dest: dict[str, 
     index: dict[str, int] = {}
     groups = []
     for i, g in enumerate(optimizer.param_groups):
-        live = [names[id(p)] for p in g["params"]]
-        saved = value(group_keys[(i, "params")])
-        if list(saved) != live:
-            raise ShardcError(
-                f"shardc.checkpoint.load: optimizer param group {i} holds {_describe(live, 3)} "
-                f"here but {_describe(list(saved), 3)} in checkpoint {where}. Build the "
-                "optimizer over the same parameters, in the same groups and order.")
         h = {k: v for k, v in g.items() if k != "params"}
         for (j, k), fqn in group_keys.items():
             if j == i and k != "params":
                 h[k] = value(fqn)
         h["params"] = []
-        for n in live:
-            index[n] = len(index)
-            h["params"].append(index[n])
+        for p in g["params"]:
+            index[names[id(p)]] = len(index)
+            h["params"].append(index[names[id(p)]])
         groups.append(h)
     state: dict[int, dict[str, Any]] = {}
     for (name, k), fqn in state_keys.items():

@@ -360,6 +360,13 @@ def test_wrong_and_damaged_checkpoints_are_named() -> None:
         two = torch.optim.AdamW([{"params": params[:3]}, {"params": params[3:], "lr": 0.1}])
         with pytest.raises(shardc.ShardcError, match=r"has 1 optimizer param groups, this optimizer 2"):
             ckpt.load(s, two, src)
+        # ... or the same parameters in another order: refused before any is overwritten
+        fresh = s.full_state_dict()
+        rev = torch.optim.AdamW(params[::-1])
+        with pytest.raises(shardc.ShardcError, match=r"optimizer param group 0 holds 'ln_f.bias', .* here "
+                           r"but 'tok.weight', .* in checkpoint .*same groups and order"):
+            ckpt.load(s, rev, src)
+        _assert_equal(s.full_state_dict(), fresh, "a refused optimizer leaves the model as it was")
 
         # a model-only checkpoint into an optimizer
         ckpt.save(sm, None, f"{root}/model-only", step=1)
