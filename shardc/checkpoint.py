@@ -390,7 +390,8 @@ def _agree(ok: bool, what: str, detail: str = "") -> None:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         ok = ok and int(flag.item()) == 0
     if not ok:
-        raise RuntimeError(f"shardc.checkpoint: {what} failed{' on this rank: ' + detail if detail else ' on another rank (see its error)'}.")
+        where = f" on this rank: {detail}" if detail else " on another rank (see its error)"
+        raise RuntimeError(f"shardc.checkpoint: {what} failed{where}.")
 
 
 def _failure(e: BaseException) -> str:
