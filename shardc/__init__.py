@@ -1,9 +1,12 @@
 """shardc: a sharding compiler for PyTorch training (AxoNN's 4D hybrid parallelism)."""
 from __future__ import annotations
 
+from typing import Any
+
 from shardc.compiler import compile, global_mean, shard_batch
 from shardc.errors import CollectiveError, ShardcError, TraceError
 from shardc.explain import explain
+from shardc.guard import NonFiniteError, StepGuard
 from shardc.machine import Machine
 from shardc.mesh import Mesh
 from shardc.module import ShardedModule
@@ -12,6 +15,15 @@ from shardc.planner import Candidate, plan
 from shardc.report import CommReport, CommRow, comm_report
 
 __all__ = ["Mesh", "compile", "shard_batch", "global_mean", "ShardedModule", "ShardcError",
-           "TraceError", "CollectiveError", "Layout", "Shard", "Replicate", "Partial", "explain",
-           "comm_report",
-           "CommReport", "CommRow", "Machine", "plan", "Candidate"]
+           "TraceError", "CollectiveError", "Layout", "Shard", "Replicate", "Partial", "explain", "comm_report",
+           "CommReport", "CommRow", "Machine", "plan", "Candidate", "checkpoint", "StepGuard",
+           "NonFiniteError"]
+
+
+def __getattr__(name: str) -> Any:
+    # shardc.checkpoint on first use: torch.distributed.checkpoint takes ~0.7 s to import,
+    # paid by every rank of every run that never checkpoints otherwise
+    if name == "checkpoint":
+        import importlib
+        return importlib.import_module("shardc.checkpoint")
+    raise AttributeError(f"module 'shardc' has no attribute {name!r}")
