@@ -8,3 +8,8 @@ class ShardcError(ValueError):
 
 class TraceError(ShardcError):
     """The model could not be traced."""
+
+
+class ShardcWarning(UserWarning):
+    """Something the compiled program does differently from what the model asked for,
+    without changing its results (e.g. a torch.utils.checkpoint it cannot honour)."""

@@ -1,6 +1,7 @@
 """ShardedModule: one rank's compiled program plus its parameter shards."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterator
 
 import torch
@@ -10,6 +11,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from shardc.context import KIND, PARAM, PLACEMENT, PROGRAM, CompileContext
+from shardc.precision import check_no_autocast
 from shardc.errors import ShardcError
 from shardc.mesh import Mesh
 from shardc.placement import Layout, local_slice, shard_offsets
@@ -108,10 +110,12 @@ class ShardedModule(nn.Module):
         for name, axes in self.grad_reductions.items():
             p = self.get_parameter(name)
             for axis in axes:
-                p.register_hook(C.grad_reduce_hook(runtime.key, axis))
+                p.register_hook(C.grad_reduce_hook(runtime.key, axis, name))
+            p.register_post_accumulate_grad_hook(C.grad_reduce_after_accumulate(runtime.key, axes, name))
 
     # ------------------------------------------------------------------- running
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        check_no_autocast("ShardedModule.forward")
         axis_groups(self.mesh)  # collective on first use: every rank creates every group
         flat, _ = pytree.tree_flatten((inputs, kwargs))
         if len(flat) != len(self._user_inputs):
@@ -142,6 +146,35 @@ class ShardedModule(nn.Module):
                         "shardc.shard_batch(global_batch, mesh).")
         out = self.graph_module(*args)
         return pytree.tree_unflatten(list(out), self._out_spec)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation without communication, as DDP's and FSDP's ``no_sync``:
+        the backward calls made inside skip every parameter-gradient reduction (the
+        step-phase all-reduces and the weights' reduce-scatters) and keep the local,
+        unreduced gradients; the first backward outside reduces their sum once, so
+        ``.grad`` is then the shard of the single-device gradient of all micro-batches.
+        Inside the block ``.grad`` holds local partial sums: step the optimizer (or clip)
+        only after a synced backward. Activation collectives (tensor parallelism's
+        all-reduces of dI, gathers of activations) still run: backward needs them."""
+        prev = self.runtime.sync
+        self.runtime.sync = False
+        try:
+            yield
+        finally:
+            self.runtime.sync = prev
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, and drop the gradients ``no_sync`` holds for the next
+        synced backward (an optimizer's ``zero_grad`` cannot reach those)."""
+        super().zero_grad(set_to_none)
+        self.runtime.deferred.clear()
+        self.runtime.unreduced.clear()
+
+    def pending_reductions(self) -> int:
+        """How many gradient reductions ``no_sync`` has deferred and no synced backward has
+        done yet (0 when every ``.grad`` is complete)."""
+        return len(self.runtime.deferred) + len(self.runtime.unreduced)
 
     # ------------------------------------------------------------- full tensors
     def _gather_full(self, name: str, local: torch.Tensor) -> torch.Tensor:
