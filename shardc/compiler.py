@@ -1,6 +1,7 @@
 """``shardc.compile`` and the small collective helpers around it."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping
 
 import torch
@@ -9,12 +10,13 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from shardc.context import CompileContext, Options
-from shardc.errors import ShardcError
+from shardc.errors import ShardcError, ShardcWarning
 from shardc.mesh import Mesh
 from shardc.module import ShardedModule
 from shardc.placement import Layout
 from shardc.passes import run_pipeline
-from shardc.passes.trace import trace
+from shardc.passes.trace import checkpointed_modules, trace
+from shardc.precision import check_no_autocast
 from shardc.runtime.collectives import Runtime
 
 
@@ -59,7 +61,9 @@ def _canonical_names(model: nn.Module) -> dict[str, str]:
 def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | None = None, *,
             transpose_alternate: bool = True, overlap: bool = True, prefetch_depth: int = 1,
             gemm_modes: str = "default", machine: Any = None,
-            input_layouts: Mapping[int, Layout] | None = None) -> ShardedModule:
+            input_layouts: Mapping[int, Layout] | None = None,
+            activation_checkpoint: Any = "none", precision: str = "fp32",
+            shard_optimizer: bool = False) -> ShardedModule:
     """Compile ``model`` into this rank's program for ``mesh``. Collective: call it on
     every rank, after ``torch.distributed.init_process_group``, with the same model and
     global-shaped ``example_inputs``.
@@ -68,7 +72,14 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
     ``shardc.Layout`` of its global shape: a shard of any dim over any axis, replicated,
     or a partial sum (each rank passes an addend). The default splits dim 0 over data and
     z (``shard_batch``). An input whose example tensor requires grad gets its gradient:
-    the matching piece of the single-device gradient on every rank."""
+    the matching piece of the single-device gradient on every rank.
+
+    ``activation_checkpoint`` ("none"), ``precision`` ("fp32") and ``shard_optimizer``
+    (False) are named by the API; other values are refused with ``NotImplementedError``
+    until they are built. ``torch.autocast`` around ``compile`` or the compiled module is
+    refused (the comm report would not match what moves); a model calling
+    ``torch.utils.checkpoint`` compiles with a warning naming the modules, whose
+    activations are kept (torch.export inlines the checkpoint)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"shardc.compile: model must be a torch.nn.Module, got {type(model).__name__}.")
     if not dist.is_available() or not dist.is_initialized():
@@ -87,17 +98,28 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
         cands = plan(model, world_size=dist.get_world_size(), machine=machine,
                      example_inputs=tuple(example_inputs))
         mesh = cands[0].mesh
+    check_no_autocast("shardc.compile")
+    options = Options(transpose_alternate=transpose_alternate, overlap=overlap,
+                      prefetch_depth=prefetch_depth, gemm_modes=gemm_modes,
+                      activation_checkpoint=activation_checkpoint, precision=precision,
+                      shard_optimizer=shard_optimizer)
     mesh = _check_mesh(mesh, dist.get_world_size())
     example_inputs = tuple(example_inputs)
     _check_batch(example_inputs, mesh, input_layouts or {})
-    options = Options(transpose_alternate=transpose_alternate, overlap=overlap,
-                      prefetch_depth=prefetch_depth, gemm_modes=gemm_modes)
     return _compile(model, mesh, example_inputs, options, dist.get_rank(), input_layouts)
 
 
 def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
              rank: int, input_layouts: Mapping[int, Layout] | None = None) -> ShardedModule:
     ep = trace(model, example_inputs)
+    lost = checkpointed_modules(ep)
+    if lost:
+        warnings.warn(
+            f"shardc.compile: {type(model).__name__} calls torch.utils.checkpoint on "
+            f"{', '.join(lost)}; torch.export inlines it, so the compiled program keeps these "
+            "activations instead of recomputing them (shardc has no activation recompute yet: "
+            "compile(activation_checkpoint=...) is refused). Results are unchanged; memory is "
+            "that of the model without checkpointing.", ShardcWarning, stacklevel=3)
     canonical = _canonical_names(model)
     roles: dict[str, tuple[str, str]] = {}
     sig = ep.graph_signature
