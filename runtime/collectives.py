@@ -65,6 +65,9 @@ class Runtime:
         self.sync = True
         self.deferred: dict[str, torch.Tensor] = {}
         self.unreduced: set[str] = set()
+        # activation checkpointing: a forward collective re-issued by a block's recompute
+        # runs in backward, and is counted there
+        self.recomputing = False
         _RUNTIMES[self.key] = self
 
     @property
@@ -80,6 +83,8 @@ class Runtime:
         return g
 
     def count(self, collective: str, axis: str, phase: str, t: torch.Tensor) -> None:
+        if self.recomputing and phase == "forward":
+            phase = "backward"
         nbytes = t.numel() * t.element_size()
         self.measured[(collective, axis, phase)] += ring_bytes(collective, self.mesh.size(axis), nbytes)
         self.calls[(collective, axis, phase)] += 1

@@ -15,6 +15,7 @@ from shardc.mesh import Mesh
 from shardc.module import ShardedModule
 from shardc.placement import Layout
 from shardc.passes import run_pipeline
+from shardc.passes.recompute import mark_and_split, repeated_blocks
 from shardc.passes.trace import checkpointed_modules, trace
 from shardc.precision import check_no_autocast
 from shardc.runtime.collectives import Runtime
@@ -117,9 +118,10 @@ def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Optio
         warnings.warn(
             f"shardc.compile: {type(model).__name__} calls torch.utils.checkpoint on "
             f"{', '.join(lost)}; torch.export inlines it, so the compiled program keeps these "
-            "activations instead of recomputing them (shardc has no activation recompute yet: "
-            "compile(activation_checkpoint=...) is refused). Results are unchanged; memory is "
-            "that of the model without checkpointing.", ShardcWarning, stacklevel=3)
+            "activations instead of recomputing them. Results are unchanged; memory is that of "
+            "the model without checkpointing. compile(..., activation_checkpoint='blocks') "
+            "recomputes every repeated block in the compiled program.", ShardcWarning,
+            stacklevel=3)
     canonical = _canonical_names(model)
     roles: dict[str, tuple[str, str]] = {}
     sig = ep.graph_signature
@@ -149,7 +151,16 @@ def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Optio
                          trainable=trainable, rank=rank, input_layouts=layouts,
                          grad_inputs=grad_inputs)
     program = run_pipeline(ep.graph_module, ctx)
-    return ShardedModule(program, ctx, model, ep, canonical, runtime)
+    sm = ShardedModule(program, ctx, model, ep, canonical, runtime)
+    if options.activation_checkpoint == "blocks":
+        blocks = repeated_blocks(model)
+        if not blocks:
+            raise ShardcError(
+                f"shardc.compile: activation_checkpoint='blocks' found no repeated blocks in "
+                f"{type(model).__name__} (a ModuleList or Sequential of two or more modules of "
+                "one class). Use activation_checkpoint='none'.")
+        object.__setattr__(sm, "_recompute", mark_and_split(program, blocks, runtime.key))
+    return sm
 
 
 def _input_layouts(example_inputs: tuple, names: list[str], given: Mapping[int, Layout],

@@ -56,11 +56,11 @@ def _check_memory_options(activation_checkpoint: Any, precision: Any, shard_opti
             raise ValueError(
                 f"shardc.compile: activation_checkpoint={activation_checkpoint!r} is not one of "
                 f"{CHECKPOINT_POLICIES} or a selective policy.")
-    if activation_checkpoint != "none":
+    if activation_checkpoint not in CHECKPOINT_POLICIES:
         raise NotImplementedError(
-            f"shardc.compile: activation_checkpoint={activation_checkpoint!r} (recomputing "
-            "activations in backward) is not implemented yet; every activation the backward "
-            "needs is kept. Use activation_checkpoint='none'.")
+            f"shardc.compile: activation_checkpoint={activation_checkpoint!r}: selective "
+            "policies are not implemented yet. Use 'none' (keep every activation) or 'blocks' "
+            "(recompute each repeated block in backward).")
     if precision not in PRECISIONS:
         raise ValueError(f"shardc.compile: precision={precision!r} is not one of {PRECISIONS}.")
     if precision != "fp32":

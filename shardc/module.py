@@ -68,6 +68,9 @@ class ShardedModule(nn.Module):
         object.__setattr__(self, "graph_module", program)
         object.__setattr__(self, "ctx", ctx)
         object.__setattr__(self, "runtime", runtime)
+        # the program split into checkpointed block segments (activation_checkpoint="blocks");
+        # not a submodule: it owns no parameters, the program reads this module's
+        object.__setattr__(self, "_recompute", None)
         self.mesh: Mesh = ctx.mesh
         self.param_layouts: dict[str, Layout] = dict(res.storage)
         self.fallbacks = list(res.fallbacks)
@@ -144,7 +147,8 @@ class ShardedModule(nn.Module):
                         f"of the example input {list(gval.shape)} laid out as {lay} is {want} "
                         f"(by default dim 0 is split over data x z = {batch}). Pass "
                         "shardc.shard_batch(global_batch, mesh).")
-        out = self.graph_module(*args)
+        run: Any = self._recompute if self._recompute is not None else self.graph_module
+        out = run(*args)
         return pytree.tree_unflatten(list(out), self._out_spec)
 
     @contextlib.contextmanager

@@ -7,6 +7,7 @@ to torch.distributed, so a test can hold the two equal byte for byte.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import defaultdict
@@ -298,4 +299,8 @@ def comm_report(sm: Any) -> CommReport:
         if n.op == "placeholder" and n.meta.get(KIND) == "param":
             param_vals[n.meta[PARAM]] = n.meta[GLOBAL_VAL]
     rows = build_rows(gm, sm.mesh, sm.param_layouts, sm.grad_reductions, param_vals)
+    # activation checkpointing re-issues a block's forward collectives in backward
+    again = {n.name for n in gm.graph.nodes if n.meta.get("shardc_recompute")}
+    rows += [dataclasses.replace(r, phase="backward") for r in rows
+             if r.node in again and r.phase == "forward"]
     return CommReport(rows, sm.mesh)
