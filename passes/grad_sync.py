@@ -109,6 +109,10 @@ def grad_sync_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             # every contribution is partial: sum it at the source if the source can
             if n.target is C.all_gather_start and n.args[2] == axis:
                 n.update_arg(3, "reduce_scatter")
+                if n.args[0].op == "placeholder" and n.args[0].meta.get(KIND) == "param":
+                    # a weight's gradient: no_sync may hold it (by this name) until the
+                    # synced backward; an activation's is needed upstream right away
+                    n.kwargs = {**n.kwargs, "key": n.name}
                 kind[n] = "P"
             elif n.op == "placeholder" and n.meta.get(KIND) == "param":
                 reduce_params.setdefault(n.meta[PARAM], []).append(axis)

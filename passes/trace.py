@@ -10,15 +10,18 @@ values or on the mesh, so one trace serves every mesh a model is compiled for.
 """
 from __future__ import annotations
 
-import contextlib
 import weakref
 from typing import Any
 
 import torch
 
 from shardc.errors import TraceError
+from shardc.passes.checkpoint_calls import record_checkpoint_calls, unique
 
 _CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, dict[Any, torch.export.ExportedProgram]]" = \
+    weakref.WeakKeyDictionary()
+# torch.utils.checkpoint calls seen while tracing (export inlines them: no recompute)
+CHECKPOINTED: "weakref.WeakKeyDictionary[torch.export.ExportedProgram, tuple[str, ...]]" = \
     weakref.WeakKeyDictionary()
 
 
@@ -33,9 +36,10 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> torch.export.Exporte
     per_model = _CACHE.setdefault(model, {})
     if key in per_model:
         return per_model[key]
+    found: list[str] = []
     # The trace must not consume the default generator: a compiled model has to draw the
     # same dropout masks as the single-device model seeded identically.
-    with torch.random.fork_rng(devices=[]), contextlib.ExitStack():
+    with torch.random.fork_rng(devices=[]), record_checkpoint_calls(model, found):
         try:
             ep = torch.export.export(model, tuple(example_inputs), strict=False)
         except Exception as e:  # noqa: BLE001 - re-raised with the cause named
@@ -47,8 +51,14 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> torch.export.Exporte
                 if _has_rule(op, RULES):
                     table.pop(op)
             ep = ep.run_decompositions(table)
+    CHECKPOINTED[ep] = tuple(unique(found))
     per_model[key] = ep
     return ep
+
+
+def checkpointed_modules(ep: torch.export.ExportedProgram) -> tuple[str, ...]:
+    """Modules (or functions) the traced model wraps in ``torch.utils.checkpoint``."""
+    return CHECKPOINTED.get(ep, ())
 
 
 def _has_rule(op: Any, rules: dict) -> bool:

@@ -59,6 +59,18 @@ class Runtime:
         self.key = f"rt{next(_ids)}"
         self.measured: dict[tuple[str, str, str], Fraction] = defaultdict(Fraction)
         self.calls: dict[tuple[str, str, str], int] = defaultdict(int)
+        # gradient accumulation (``ShardedModule.no_sync``): while ``sync`` is False the
+        # backward skips every gradient reduction. A weight's full, unreduced gradient
+        # waits in ``deferred`` (keyed by its all-gather node) for the next synced
+        # reduce-scatter; a parameter whose step-phase reduction was skipped is in
+        # ``unreduced`` (its ``.grad`` holds local sums, reduced after the next synced
+        # accumulation). Both are summed exactly once: every reduction is linear.
+        self.sync = True
+        self.deferred: dict[str, torch.Tensor] = {}
+        self.unreduced: set[str] = set()
+        # activation checkpointing: a forward collective re-issued by a block's recompute
+        # runs in backward, and is counted there
+        self.recomputing = False
         _RUNTIMES[self.key] = self
 
     @property
@@ -74,6 +86,8 @@ class Runtime:
         return g
 
     def count(self, collective: str, axis: str, phase: str, t: torch.Tensor) -> None:
+        if self.recomputing and phase == "forward":
+            phase = "backward"
         nbytes = t.numel() * t.element_size()
         self.measured[(collective, axis, phase)] += ring_bytes(collective, self.mesh.size(axis), nbytes)
         self.calls[(collective, axis, phase)] += 1
@@ -128,10 +142,11 @@ def _issue(buf: torch.Tensor, rt: str, collective: str, axis: str, phase: str, f
 # ---------------------------------------------------------------------------- forward
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, grad: str) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, grad: str, key: str | None = None
+                ) -> torch.Tensor:
         r = get_runtime(rt)
         g = r.mesh.size(axis)
-        ctx.rt, ctx.axis, ctx.grad = rt, axis, grad
+        ctx.rt, ctx.axis, ctx.grad, ctx.key = rt, axis, grad, key
         x = x.contiguous()
         flat = x.reshape((-1, *x.shape[1:])) if x.dim() else x.reshape(1)
         buf = x.new_empty((g, *x.shape))
@@ -149,13 +164,25 @@ class _AllGather(torch.autograd.Function):
             # tokens), so each rank's gradient is a partial sum: reduce and keep our shard.
             shape = g_buf.shape[1:]
             g_flat = g_buf.contiguous().reshape((-1, *shape[1:]) if len(shape) else (-1,))
+            if not r.sync and ctx.key is not None:
+                # no_sync and x is a weight: keep the whole unreduced gradient; the shard
+                # gets nothing now. (Without a key x is an activation, whose gradient the
+                # rest of backward needs now: reduced every time, which is exact too.)
+                held = r.deferred.get(ctx.key)
+                r.deferred[ctx.key] = g_flat.clone() if held is None else held.add_(g_flat)
+                return None, None, None, None, None
+            held = r.deferred.pop(ctx.key, None) if ctx.key is not None else None
+            if held is not None:
+                # reduce-scatter is linear: reducing the sum of the micro-batches'
+                # gradients once equals reducing each and summing the shards
+                g_flat = held.add_(g_flat)
             out = g_flat.new_empty((g_flat.shape[0] // g_buf.shape[0], *g_flat.shape[1:]))
             r.count("reduce_scatter", ctx.axis, "backward", g_flat)
             with guarded(ctx.rt, "reduce_scatter", ctx.axis, "backward"):
                 reduce_scatter_flat(out, g_flat, group=r.group(ctx.axis))
-            return out.view(shape), None, None, None
+            return out.view(shape), None, None, None, None
         # The gradient is already the same on every rank of the axis: keep our piece.
-        return g_buf[r.coord(ctx.axis)], None, None, None
+        return g_buf[r.coord(ctx.axis)], None, None, None, None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -254,10 +281,13 @@ class _GradAllReduce(torch.autograd.Function):
 
 
 # --------------------------------------------------------------- graph-callable ops
-def all_gather_start(x: torch.Tensor, rt: str, axis: str, grad: str) -> torch.Tensor:
+def all_gather_start(x: torch.Tensor, rt: str, axis: str, grad: str, key: str | None = None
+                     ) -> torch.Tensor:
     """Issue an all-gather over ``axis``; returns a (G, *x.shape) buffer being filled.
-    ``grad`` is "reduce_scatter" or "slice", decided by the gradient analysis pass."""
-    return _AllGather.apply(x, rt, axis, grad)
+    ``grad`` is "reduce_scatter" or "slice", decided by the gradient analysis pass;
+    ``key`` names the gather (its node) so that ``no_sync`` can hold its unreduced
+    gradient across backward calls."""
+    return _AllGather.apply(x, rt, axis, grad, key)
 
 
 def all_reduce_start(x: torch.Tensor, rt: str, axis: str, op: str = "sum") -> torch.Tensor:
@@ -347,16 +377,44 @@ def axis_index(rt: str, axis: str) -> int:
     return get_runtime(rt).coord(axis)
 
 
-def grad_reduce_hook(rt: str, axis: str):
+def grad_reduce_hook(rt: str, axis: str, name: str | None = None):
     """A leaf-tensor hook that sums a parameter's gradient over ``axis`` (the "step"
-    phase: data-parallel reduction, or any axis whose ranks saw different tokens)."""
+    phase: data-parallel reduction, or any axis whose ranks saw different tokens).
+
+    Under ``no_sync`` it passes the local gradient through (``.grad`` accumulates local
+    sums) and marks parameter ``name`` unreduced; the next synced backward leaves that
+    parameter to ``grad_reduce_after_accumulate``, which reduces ``.grad`` as a whole."""
     r = get_runtime(rt)
 
     def hook(g: torch.Tensor) -> torch.Tensor:
+        if not r.sync:
+            if name is not None:
+                r.unreduced.add(name)
+            return g
+        if name is not None and name in r.unreduced:
+            return g
         g = g.clone(memory_format=torch.contiguous_format)
         r.count("all_reduce", axis, "step", g)
         with guarded(rt, "all_reduce", axis, "step"):
             dist.all_reduce(g, group=r.group(axis))
         return g
+
+    return hook
+
+
+def grad_reduce_after_accumulate(rt: str, axes: list[str], name: str):
+    """A post-accumulate-grad hook: in the first synced backward after ``no_sync``, sum
+    the parameter's accumulated ``.grad`` (earlier micro-batches' local gradients plus
+    this one's) over ``axes``, in place: one reduction for all the micro-batches."""
+    r = get_runtime(rt)
+
+    def hook(p: torch.Tensor) -> None:
+        if not r.sync or name not in r.unreduced:
+            return
+        r.unreduced.discard(name)
+        assert p.grad is not None
+        for axis in axes:
+            r.count("all_reduce", axis, "step", p.grad)
+            dist.all_reduce(p.grad, group=r.group(axis))
 
     return hook

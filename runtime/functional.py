@@ -200,7 +200,10 @@ class _GradAllReduce(torch.autograd.Function):
 
 
 # ------------------------------------------------- the counterparts of collectives.*
-def all_gather_start(x: torch.Tensor, rt: str, axis: str, grad: str) -> torch.Tensor:
+def all_gather_start(x: torch.Tensor, rt: str, axis: str, grad: str, key: str | None = None
+                     ) -> torch.Tensor:
+    # ``key`` names the gather for no_sync's held gradients; the step program does not
+    # run under no_sync (the module runs the forward program then), so it is unused here
     return _AllGather.apply(x, rt, axis, grad)
 
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardc.clip import clip_grad_norm_
 from shardc.compiler import compile, global_mean, shard_batch
-from shardc.errors import CollectiveError, ShardcError, TraceError
+from shardc.errors import CollectiveError, ShardcError, ShardcWarning, TraceError
 from shardc.explain import explain
 from shardc.guard import NonFiniteError, StepGuard
 from shardc.machine import Machine
@@ -17,7 +18,7 @@ from shardc.report import CommReport, CommRow, comm_report
 __all__ = ["Mesh", "compile", "shard_batch", "global_mean", "ShardedModule", "ShardcError",
            "TraceError", "CollectiveError", "Layout", "Shard", "Replicate", "Partial", "explain", "comm_report",
            "CommReport", "CommRow", "Machine", "plan", "Candidate", "checkpoint", "StepGuard",
-           "NonFiniteError"]
+           "NonFiniteError", "clip_grad_norm_", "ShardcWarning"]
 
 
 def __getattr__(name: str) -> Any:

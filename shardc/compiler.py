@@ -1,6 +1,7 @@
 """``shardc.compile`` and the small collective helpers around it."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping
 
 import torch
@@ -11,12 +12,14 @@ import torch.utils._pytree as pytree
 from shardc import validate
 from shardc.agreement import describe, settle
 from shardc.context import CompileContext, Options
-from shardc.errors import ShardcError
+from shardc.errors import ShardcError, ShardcWarning
 from shardc.mesh import Mesh
 from shardc.module import ShardedModule
 from shardc.placement import Layout
 from shardc.passes import run_pipeline
-from shardc.passes.trace import trace
+from shardc.passes.recompute import mark_and_split, repeated_blocks
+from shardc.passes.trace import checkpointed_modules, trace
+from shardc.precision import check_no_autocast
 from shardc.runtime.collectives import Runtime, guarded
 
 
@@ -66,7 +69,9 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
             transpose_alternate: bool = True, overlap: bool = True, prefetch_depth: int = 1,
             gemm_modes: str = "default", step_graph: bool = True, bucket_mb: float = 25.0,
             reshard_after_forward: bool = False, machine: Any = None,
-            input_layouts: Mapping[int, Layout] | None = None) -> ShardedModule:
+            input_layouts: Mapping[int, Layout] | None = None,
+            activation_checkpoint: Any = "none", precision: str = "fp32",
+            shard_optimizer: bool = False) -> ShardedModule:
     """Compile ``model`` into this rank's program for ``mesh``. Collective: call it on
     every rank, after ``torch.distributed.init_process_group``, with the same model and
     global-shaped ``example_inputs``.
@@ -84,7 +89,16 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
     runs autograd's own backward over the forward program (bitwise the same gradients as
     the step program with ``bucket_mb=0``). ``reshard_after_forward`` frees each gathered
     weight after forward and gathers it again in backward (FSDP2's default): less memory,
-    one more all-gather per such weight, counted by the comm report."""
+    one more all-gather per such weight, counted by the comm report.
+
+    ``activation_checkpoint="blocks"`` recomputes every repeated block in backward (run
+    with autograd's backward over the forward program: the step passes do not apply).
+    ``precision`` ("fp32") and ``shard_optimizer`` (False) are named by the API; other
+    values are refused with ``NotImplementedError`` until they are built.
+    ``torch.autocast`` around ``compile`` or the compiled module is refused (the comm
+    report would not match what moves); a model calling ``torch.utils.checkpoint``
+    compiles with a warning naming the modules, whose activations are kept (torch.export
+    inlines the checkpoint)."""
     if not dist.is_available() or not dist.is_initialized():
         raise ShardcError(
             "shardc.compile: torch.distributed is not initialised. Call "
@@ -101,7 +115,9 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
                            overlap=overlap, prefetch_depth=prefetch_depth, gemm_modes=gemm_modes,
                            step_graph=step_graph, bucket_mb=bucket_mb,
                            reshard_after_forward=reshard_after_forward,
-                           machine=machine, input_layouts=input_layouts)
+                           machine=machine, input_layouts=input_layouts,
+                           activation_checkpoint=activation_checkpoint, precision=precision,
+                           shard_optimizer=shard_optimizer)
     except Exception as e:  # noqa: BLE001 - settle() re-raises it on this rank
         failure = e
     settle(seen.get("items"), failure)
@@ -113,7 +129,8 @@ def _compile_here(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | li
                   seen: dict[str, list], *, transpose_alternate: bool, overlap: bool,
                   prefetch_depth: int, gemm_modes: str, step_graph: bool, bucket_mb: float,
                   reshard_after_forward: bool, machine: Any,
-                  input_layouts: Mapping[int, Layout] | None) -> ShardedModule:
+                  input_layouts: Mapping[int, Layout] | None, activation_checkpoint: Any,
+                  precision: str, shard_optimizer: bool) -> ShardedModule:
     """``compile`` on this rank alone; ``seen["items"]`` gets what the ranks compare."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"shardc.compile: model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -136,11 +153,15 @@ def _compile_here(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | li
     validate.check_option_types(Options, transpose_alternate=transpose_alternate, overlap=overlap,
                                 prefetch_depth=prefetch_depth, gemm_modes=gemm_modes,
                                 step_graph=step_graph, bucket_mb=bucket_mb,
-                                reshard_after_forward=reshard_after_forward)
+                                reshard_after_forward=reshard_after_forward,
+                                precision=precision, shard_optimizer=shard_optimizer)
+    check_no_autocast("shardc.compile")
     options = Options(transpose_alternate=transpose_alternate, overlap=overlap,
                       prefetch_depth=prefetch_depth, gemm_modes=gemm_modes,
                       step_graph=step_graph, bucket_mb=bucket_mb,
-                      reshard_after_forward=reshard_after_forward)
+                      reshard_after_forward=reshard_after_forward,
+                      activation_checkpoint=activation_checkpoint, precision=precision,
+                      shard_optimizer=shard_optimizer)
     if dist.get_backend() != "fake" and dist.get_world_size() > 1:
         seen["items"] = describe(model, mesh, example_inputs, options, input_layouts,
                                  trace(model, example_inputs).graph)
@@ -152,6 +173,15 @@ def _compile_here(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | li
 def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
              rank: int, input_layouts: Mapping[int, Layout] | None = None) -> ShardedModule:
     ep = trace(model, example_inputs)
+    lost = checkpointed_modules(ep)
+    if lost:
+        warnings.warn(
+            f"shardc.compile: {type(model).__name__} calls torch.utils.checkpoint on "
+            f"{', '.join(lost)}; torch.export inlines it, so the compiled program keeps these "
+            "activations instead of recomputing them. Results are unchanged; memory is that of "
+            "the model without checkpointing. compile(..., activation_checkpoint='blocks') "
+            "recomputes every repeated block in the compiled program.", ShardcWarning,
+            stacklevel=3)
     canonical = _canonical_names(model)
     roles: dict[str, tuple[str, str]] = {}
     sig = ep.graph_signature
@@ -182,7 +212,16 @@ def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Optio
                          trainable=trainable, rank=rank, input_layouts=layouts,
                          grad_inputs=grad_inputs)
     program = run_pipeline(ep.graph_module, ctx)
-    return ShardedModule(program, ctx, model, ep, canonical, runtime)
+    sm = ShardedModule(program, ctx, model, ep, canonical, runtime)
+    if options.activation_checkpoint == "blocks":
+        blocks = repeated_blocks(model)
+        if not blocks:
+            raise ShardcError(
+                f"shardc.compile: activation_checkpoint='blocks' found no repeated blocks in "
+                f"{type(model).__name__} (a ModuleList or Sequential of two or more modules of "
+                "one class). Use activation_checkpoint='none'.")
+        object.__setattr__(sm, "_recompute", mark_and_split(program, blocks, runtime.key))
+    return sm
 
 
 def _input_layouts(example_inputs: tuple, names: list[str], given: Mapping[int, Layout],

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from shardc.mesh import Mesh
 from shardc.placement import Layout
@@ -18,6 +19,8 @@ REQUIRES_GRAD = "shardc_requires_grad"
 PROGRAM = "shardc"  # gm.meta key: what the passes learnt (storage layouts, fallbacks, ...)
 
 GEMM_MODES = ("auto", "default", "NN", "NT", "TN")
+CHECKPOINT_POLICIES = ("none", "blocks")
+PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,9 @@ class Options:
     # gather weights again in backward instead of keeping forward's (FSDP2's default
     # memory behaviour); needs step_graph
     reshard_after_forward: bool = False
+    activation_checkpoint: Any = "none"
+    precision: str = "fp32"
+    shard_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if self.gemm_modes not in GEMM_MODES:
@@ -52,8 +58,39 @@ class Options:
                              "the whole-step program; it needs step_graph=True.")
         if self.bucket_mb < 0:
             raise ValueError(f"shardc.compile: bucket_mb must be >= 0, got {self.bucket_mb}.")
+        _check_memory_options(self.activation_checkpoint, self.precision, self.shard_optimizer)
         if self.prefetch_depth < 0:
             raise ValueError(f"shardc.compile: prefetch_depth must be >= 0, got {self.prefetch_depth}.")
+
+
+def _check_memory_options(activation_checkpoint: Any, precision: Any, shard_optimizer: Any) -> None:
+    """The API names these options; what is not built yet is refused, never ignored."""
+    if isinstance(activation_checkpoint, str):
+        if activation_checkpoint not in CHECKPOINT_POLICIES:
+            raise ValueError(
+                f"shardc.compile: activation_checkpoint={activation_checkpoint!r} is not one of "
+                f"{CHECKPOINT_POLICIES} or a selective policy.")
+    if activation_checkpoint not in CHECKPOINT_POLICIES:
+        raise NotImplementedError(
+            f"shardc.compile: activation_checkpoint={activation_checkpoint!r}: selective "
+            "policies are not implemented yet. Use 'none' (keep every activation) or 'blocks' "
+            "(recompute each repeated block in backward).")
+    if precision not in PRECISIONS:
+        raise ValueError(f"shardc.compile: precision={precision!r} is not one of {PRECISIONS}.")
+    if precision != "fp32":
+        raise NotImplementedError(
+            f"shardc.compile: precision={precision!r} (bf16 compute and communication with fp32 "
+            "parameters and gradient reductions) is not implemented yet. Use precision='fp32', "
+            "or cast the whole model with model.to(torch.bfloat16) before compiling.")
+    if not isinstance(shard_optimizer, bool):
+        raise TypeError(f"shardc.compile: shard_optimizer must be True or False, got "
+                        f"{shard_optimizer!r}.")
+    if shard_optimizer:
+        raise NotImplementedError(
+            "shardc.compile: shard_optimizer=True (ZeRO-1/2: optimizer state sharded over "
+            "'data') is not implemented yet; the optimizer state of each parameter shard is "
+            "replicated over 'data'. Use shard_optimizer=False, or a mesh with z > 1 (which "
+            "shards parameters, gradients and optimizer state, as FSDP does).")
 
 
 @dataclass(frozen=True)

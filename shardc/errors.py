@@ -15,3 +15,6 @@ class CollectiveError(ShardcError, RuntimeError):
     """A collective failed on this rank (a peer died, stalled past the process group's
     timeout, or issued another collective). Also a RuntimeError, as torch.distributed's
     own errors are, so code that caught those still catches it."""
+class ShardcWarning(UserWarning):
+    """Something the compiled program does differently from what the model asked for,
+    without changing its results (e.g. a torch.utils.checkpoint it cannot honour)."""

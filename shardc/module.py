@@ -1,6 +1,7 @@
 """ShardedModule: one rank's compiled program plus its parameter shards."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Iterator
 
@@ -12,6 +13,7 @@ import torch.utils._pytree as pytree
 
 from shardc import validate
 from shardc.context import KIND, PARAM, PLACEMENT, PROGRAM, CompileContext
+from shardc.precision import check_no_autocast
 from shardc.errors import ShardcError
 from shardc.mesh import Mesh
 from shardc.placement import Layout, local_slice, shard_offsets
@@ -75,6 +77,9 @@ class ShardedModule(nn.Module):
         object.__setattr__(self, "graph_module", program)
         object.__setattr__(self, "ctx", ctx)
         object.__setattr__(self, "runtime", runtime)
+        # the program split into checkpointed block segments (activation_checkpoint="blocks");
+        # not a submodule: it owns no parameters, the program reads this module's
+        object.__setattr__(self, "_recompute", None)
         self.mesh: Mesh = ctx.mesh
         self.param_layouts: dict[str, Layout] = dict(res.storage)
         self.fallbacks = list(res.fallbacks)
@@ -123,7 +128,9 @@ class ShardedModule(nn.Module):
         for name, axes in self.grad_reductions.items():
             p = self.get_parameter(name)
             for axis in axes:
-                p.register_hook(self._eager_only(C.grad_reduce_hook(runtime.key, axis)))
+                p.register_hook(self._eager_only(C.grad_reduce_hook(runtime.key, axis, name)))
+            # acts only after no_sync, which the forward program runs (never the step's)
+            p.register_post_accumulate_grad_hook(C.grad_reduce_after_accumulate(runtime.key, axes, name))
 
     def _eager_only(self, hook: Any) -> Any:
         def run(g: torch.Tensor) -> torch.Tensor:
@@ -132,6 +139,7 @@ class ShardedModule(nn.Module):
 
     # ------------------------------------------------------------------- running
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        check_no_autocast("ShardedModule.forward")
         flat, _ = pytree.tree_flatten((inputs, kwargs))
         validate.check_inputs(self, inputs, kwargs, flat)  # before anything is communicated
         axis_groups(self.mesh)  # collective on first use: every rank creates every group
@@ -149,23 +157,35 @@ class ShardedModule(nn.Module):
         out = self._run(args)
         return pytree.tree_unflatten(list(out), self._out_spec)
 
+    def _forward_program(self, args: list[Any]) -> Any:
+        """The forward program, whose backward is autograd's (with no_sync's and
+        recompute's runtime behaviour)."""
+        self._hooks_active = True
+        run: Any = self._recompute if self._recompute is not None else self.graph_module
+        return run(*args)
+
     def _run(self, args: list[Any]) -> Any:
-        """The whole-step program when a backward may follow, else the forward program."""
+        """The whole-step program when a backward may follow, else the forward program.
+
+        The forward program runs instead: without gradients; with step_graph=False; under
+        ``no_sync`` and until the synced backward after it (no_sync defers reductions the
+        forward program's backward issues); with activation_checkpoint (the recompute runs
+        autograd's checkpoint over the forward program)."""
         needs = [isinstance(a, torch.Tensor) and a.requires_grad and
                  (role == "param" or (role == "input" and target in self.ctx.grad_inputs))
                  for a, (role, target) in zip(args, self._feeds)]
-        if not (self.ctx.options.step_graph and torch.is_grad_enabled() and any(needs)) \
-                or self._joint_failed is not None:
-            self._hooks_active = True
-            return self.graph_module(*args)
+        eager = (not (self.ctx.options.step_graph and torch.is_grad_enabled() and any(needs))
+                 or self._joint_failed is not None or self._recompute is not None
+                 or not self.runtime.sync or self.pending_reductions() > 0)
+        if eager:
+            return self._forward_program(args)
         key = tuple((tuple(a.shape), a.dtype, w) if isinstance(a, torch.Tensor) else (repr(a),)
                     for a, w in zip(args, needs))
         jp = self._joint.get(key)
         if jp is None:
             jp = self._build_joint(args, needs)
             if jp is None:
-                self._hooks_active = True
-                return self.graph_module(*args)
+                return self._forward_program(args)
             self._joint[key] = jp
         from shardc.runtime.step import JointStep
 
@@ -245,6 +265,37 @@ class ShardedModule(nn.Module):
                     args.append(gval)
                     needs.append(False)
         return args, needs
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation without communication, as DDP's and FSDP's ``no_sync``:
+        the backward calls made inside skip every parameter-gradient reduction (the
+        step-phase all-reduces and the weights' reduce-scatters) and keep the local,
+        unreduced gradients; the first backward outside reduces their sum once, so
+        ``.grad`` is then the shard of the single-device gradient of all micro-batches.
+        Inside the block ``.grad`` holds local partial sums: step the optimizer (or clip)
+        only after a synced backward. Activation collectives (tensor parallelism's
+        all-reduces of dI, gathers of activations) still run: backward needs them.
+        These micro-batches, and the synced one after them, run the forward program with
+        autograd's backward (the step program's reductions are not deferrable)."""
+        prev = self.runtime.sync
+        self.runtime.sync = False
+        try:
+            yield
+        finally:
+            self.runtime.sync = prev
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, and drop the gradients ``no_sync`` holds for the next
+        synced backward (an optimizer's ``zero_grad`` cannot reach those)."""
+        super().zero_grad(set_to_none)
+        self.runtime.deferred.clear()
+        self.runtime.unreduced.clear()
+
+    def pending_reductions(self) -> int:
+        """How many gradient reductions ``no_sync`` has deferred and no synced backward has
+        done yet (0 when every ``.grad`` is complete)."""
+        return len(self.runtime.deferred) + len(self.runtime.unreduced)
 
     # ------------------------------------------------------------- full tensors
     def _gather_full(self, name: str, local: torch.Tensor) -> torch.Tensor:

@@ -312,6 +312,10 @@ def comm_report(sm: Any) -> CommReport:
         for r in [r for r in rows if r.node == node and r.collective == "all_gather"
                   and r.phase == "forward"]:
             rows.append(replace(r, phase="backward", op=f"{r.op} (gathered again)"))
+    # activation checkpointing re-issues a block's forward collectives in backward
+    again = {n.name for n in gm.graph.nodes if n.meta.get("shardc_recompute")}
+    rows += [replace(r, phase="backward") for r in rows
+             if r.node in again and r.phase == "forward"]
     return CommReport(rows, sm.mesh, calls=step_calls(sm))
 
 

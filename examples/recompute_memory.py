@@ -1,0 +1,48 @@
+"""Peak bytes allocated during one forward and backward, activation_checkpoint "none"
+against "blocks", on gloo CPU ranks (the figures of the README's activation
+checkpointing table):
+
+    python examples/recompute_memory.py LAYERS MESH [MESH ...]
+    python examples/recompute_memory.py 8 x1y1z1d4 x1y1z4d1
+
+A GPT of LAYERS blocks (dim 64, 64 tokens, 16 sequences a rank); the peak is measured
+with torch's profiler (tests/test_recompute_gloo.py's ``_peak_growth``), the minimum of
+two steps after a warm-up step, on rank 0.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+import torch  # noqa: E402
+
+import shardc  # noqa: E402
+from harness import run_on_ranks  # noqa: E402
+from models import GPT  # noqa: E402
+from test_recompute_gloo import _peak_growth  # noqa: E402
+
+
+def _measure(rank: int, world_size: int, spec: str, layers: int) -> None:
+    warnings.simplefilter("ignore")
+    mesh = shardc.Mesh.parse(spec)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 64, (16 * mesh.size("data") * mesh.size("z"), 64), generator=g)
+    torch.manual_seed(0)
+    model = GPT(dim=64, layers=layers, heads=8, seq=64)
+    peak = {}
+    for policy in ("none", "blocks"):
+        sm = shardc.compile(model, mesh, example_inputs=(tokens, tokens), activation_checkpoint=policy)
+        local = [shardc.shard_batch(tokens, mesh)] * 2
+        _peak_growth(sm, local)
+        peak[policy] = min(_peak_growth(sm, local) for _ in range(2))
+    if rank == 0:
+        print(f"{spec} layers={layers}: none {peak['none'] / 2**20:.2f} MiB, blocks "
+              f"{peak['blocks'] / 2**20:.2f} MiB, ratio {peak['none'] / peak['blocks']:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    for spec in sys.argv[2:]:
+        run_on_ranks(_measure, shardc.Mesh.parse(spec).world_size, spec, int(sys.argv[1]))

@@ -1,0 +1,68 @@
+"""Find the ``torch.utils.checkpoint`` calls a model makes while it is traced.
+
+``torch.export`` runs a checkpointed function once, like any other code, and the graph
+keeps no trace of the checkpoint: the recompute the user asked for silently disappears
+and every activation is kept. shardc does not recompute yet
+(``compile(activation_checkpoint=...)`` is refused), so the least it owes the user is to
+say which modules lost their checkpointing.
+
+Both forms of ``torch.utils.checkpoint.checkpoint`` go through a name in that module's
+globals at call time (``_checkpoint_without_reentrant_generator`` for
+``use_reentrant=False``, ``CheckpointFunction`` for the reentrant form), so replacing
+those two names for the duration of the trace sees every call, however the model imported
+``checkpoint``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+
+import torch.nn as nn
+import torch.utils.checkpoint as tuc
+
+
+def _name_of(fn: Any, names: dict[int, str]) -> str:
+    owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+    if isinstance(owner, nn.Module) and id(owner) in names:
+        return names[id(owner)] or "<root>"
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+@contextlib.contextmanager
+def record_checkpoint_calls(model: nn.Module, found: list[str]) -> Iterator[None]:
+    """While active, append to ``found`` the qualified name of each module (or the name of
+    each function) that ``torch.utils.checkpoint.checkpoint`` is called on."""
+    names = {id(m): n for n, m in model.named_modules()}
+    gen = getattr(tuc, "_checkpoint_without_reentrant_generator", None)
+    fn_cls = getattr(tuc, "CheckpointFunction", None)
+    if gen is None or fn_cls is None:  # another torch layout: nothing to hook, say nothing
+        yield
+        return
+
+    def recording_gen(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        found.append(_name_of(fn, names))
+        return gen(fn, *args, **kwargs)
+
+    base: Any = fn_cls
+
+    class RecordingFunction(base):  # type: ignore[misc, valid-type]
+        @classmethod
+        def apply(cls, function: Any, *args: Any) -> Any:
+            found.append(_name_of(function, names))
+            return base.apply(function, *args)
+
+    tuc._checkpoint_without_reentrant_generator = recording_gen  # type: ignore[attr-defined]
+    tuc.CheckpointFunction = RecordingFunction  # type: ignore[attr-defined, misc]
+    try:
+        yield
+    finally:
+        tuc._checkpoint_without_reentrant_generator = gen  # type: ignore[attr-defined]
+        tuc.CheckpointFunction = fn_cls  # type: ignore[attr-defined, misc]
+
+
+def unique(names: list[str]) -> list[str]:
+    return list(dict.fromkeys(names))
+
+
+__all__ = ["record_checkpoint_calls", "unique"]

@@ -1,0 +1,137 @@
+"""Activation checkpointing of the rank's program: ``compile(activation_checkpoint="blocks")``.
+
+Reads:  meta[SOURCE] (the module each node came from) of the rank's finished program, and
+        the model's repeated blocks (children of a ModuleList/Sequential of >= 2 modules of
+        one class)
+Writes: meta[RECOMPUTE] = block name on every node re-run in backward; returns an
+        executable copy of the program split into segments, each block's segment run
+        under ``torch.utils.checkpoint`` (the program itself stays flat: the report,
+        ``explain`` and the tests read it)
+Keeps:  every rank splits identically, so collectives keep one order on every rank
+
+Why: a block's activations are what training keeps from forward to backward; recomputing
+them from the block's input frees them. In the rank's program the recompute also re-issues
+the block's weight all-gathers (and its forward activation collectives), so gathered
+weights are freed after forward too, as FSDP's reshard-after-forward does. Those re-issued
+collectives move bytes in the backward phase: the runtime counts them there, and the comm
+report adds a backward row for each (``RECOMPUTE``), so measured == reported still holds.
+
+A collective's issue and its wait always go to the same segment (the issue follows its
+wait): a recompute must never issue a collective it does not wait for. Early stopping of
+the recompute is off for the same reason.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.passes.split_module import split_module
+
+from shardc.context import SOURCE
+from shardc.runtime import collectives as C
+
+RECOMPUTE = "shardc_recompute"  # node.meta: the block whose recompute re-runs this node
+
+_STARTS = (C.all_gather_start, C.all_reduce_start, C.reduce_scatter_start, C.all_to_all_start)
+
+
+def repeated_blocks(model: nn.Module) -> list[str]:
+    """Qualified names of the model's repeated blocks: the children of every
+    ModuleList/Sequential with at least two children, all of one class."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2:
+            kinds = {type(c) for c in m}
+            if len(kinds) == 1:
+                out += [f"{name}.{i}" if name else str(i) for i in range(len(m))]
+    # a block inside a block (a list of lists) is covered by the outer one
+    return [b for b in out if not any(b != o and b.startswith(o + ".") for o in out)]
+
+
+def _block_of(n: fx.Node, blocks: list[str]) -> str | None:
+    mod = getattr(n.meta.get(SOURCE), "module", None) or ""
+    for b in blocks:
+        if mod == b or mod.startswith(b + "."):
+            return b
+    return None
+
+
+def mark_and_split(gm: fx.GraphModule, blocks: list[str], rt: str) -> fx.GraphModule:
+    """Mark the nodes each block's recompute re-runs and return the program split into
+    segments (outside-block segments plain, block segments checkpointed)."""
+    order = {b: i for i, b in enumerate(blocks)}
+    part: dict[fx.Node, int] = {}  # segment index: 2*i+1 for block i, even between blocks
+    seen = -1
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    for n in nodes:
+        b = _block_of(n, blocks)
+        if b is not None:
+            part[n] = 2 * order[b] + 1
+            if n.target not in _STARTS:  # a prefetched gather does not open its block
+                seen = max(seen, order[b])
+        elif n.meta.get(SOURCE) is not None and n.target not in _STARTS:
+            # outside every block (embeddings, the head, the loss): the segment between
+            # the blocks it sits between, never recomputed
+            part[n] = 2 * (seen + 1)
+    for n in reversed(nodes):
+        if n.target in _STARTS:
+            waits = [u for u in n.users if u.target is C.wait]
+            if waits and waits[0] in part:
+                part[n] = part[waits[0]]
+        if n not in part:
+            # no block of its own: the segment of its earliest consumer (or the last)
+            users = [part[u] for u in n.users if u in part]
+            part[n] = min(users) if users else 2 * len(blocks)
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a in part and part[a] > part[n]:
+                raise NotImplementedError(
+                    f"shardc.compile: activation_checkpoint='blocks' cannot cut this program "
+                    f"into blocks: {n.format_node()} (segment {part[n]}) reads "
+                    f"{a.format_node()} (segment {part[a]}), computed after it.")
+    for n in nodes:
+        if part[n] % 2:
+            n.meta[RECOMPUTE] = blocks[part[n] // 2]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    first = min(part.values(), default=0)
+
+    def callback(n: fx.Node) -> int:
+        if n in part:
+            return part[n]
+        return first if n in placeholders else 2 * len(blocks)
+
+    split = split_module(gm, gm, callback, keep_original_order=True)
+    for name, sub in list(split.named_children()):
+        idx = int(name.rsplit("_", 1)[1])
+        if idx % 2:
+            setattr(split, name, _Checkpointed(sub, rt))
+    return split
+
+
+class _Checkpointed(nn.Module):
+    """A block's segment run under non-reentrant ``torch.utils.checkpoint``, its recompute
+    counted in the backward phase."""
+
+    def __init__(self, inner: nn.Module, rt: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self.rt = rt
+
+    def forward(self, *args: Any) -> Any:
+        r = C.get_runtime(self.rt)
+
+        @contextlib.contextmanager
+        def recomputing() -> Iterator[None]:
+            prev = r.recomputing
+            r.recomputing = True
+            try:
+                yield
+            finally:
+                r.recomputing = prev
+
+        return torch.utils.checkpoint.checkpoint(
+            self.inner, *args, use_reentrant=False, early_stop=False,
+            context_fn=lambda: (contextlib.nullcontext(), recomputing()))

@@ -1,0 +1,80 @@
+"""One-process tests (fake process group) of the memory and precision options' guards:
+what is not built is refused by name, autocast around compile is refused, and a model's
+own torch.utils.checkpoint calls are reported instead of silently dropped."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import shardc
+from models import GPT, MLPChain
+
+
+def _mlp() -> tuple[nn.Module, tuple]:
+    return MLPChain(dim=16, layers=2), (torch.randn(8, 16), torch.randn(8, 16))
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    ({"activation_checkpoint": {"save": ["aten.mm"]}}, NotImplementedError,
+     "selective policies are not implemented"),
+    ({"activation_checkpoint": "everything"}, ValueError, "not one of"),
+    ({"precision": "bf16"}, NotImplementedError, "precision='bf16'.*not implemented"),
+    ({"precision": "fp16"}, ValueError, "precision='fp16' is not one of"),
+    ({"shard_optimizer": True}, NotImplementedError, "ZeRO-1/2.*not implemented"),
+    ({"shard_optimizer": "yes"}, TypeError, "shard_optimizer must be True or False"),
+])
+def test_options_not_built_are_refused(fake_world, kw: dict, err: type, match: str) -> None:
+    fake_world(4)
+    model, inputs = _mlp()
+    with pytest.raises(err, match=match):
+        shardc.compile(model, shardc.Mesh(x=2, data=2), inputs, **kw)
+
+
+def test_defaults_compile(fake_world) -> None:
+    fake_world(4)
+    model, inputs = _mlp()
+    sm = shardc.compile(model, shardc.Mesh(x=2, data=2), inputs, activation_checkpoint="none",
+                        precision="fp32", shard_optimizer=False)
+    assert sm.ctx.options.precision == "fp32"
+
+
+def test_autocast_around_compile_is_refused(fake_world) -> None:
+    fake_world(4)
+    model, inputs = _mlp()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(shardc.ShardcError, match=r"torch.autocast is active \(cpu, torch.bfloat16\)"):
+            shardc.compile(model, shardc.Mesh(z=4), inputs)
+
+
+class Checkpointed(nn.Module):
+    """Blocks wrapped in torch.utils.checkpoint, both forms, as users write them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = GPT(layers=3)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        m = self.inner
+        x = m.tok(idx) + m.pos(torch.arange(idx.shape[1]))
+        x = checkpoint(m.blocks[0], x, use_reentrant=False)
+        x = checkpoint(m.blocks[1].forward, x, use_reentrant=True)
+        x = m.blocks[2](x)
+        logits = m.head(m.ln_f(x))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_model_checkpoint_calls_are_named(fake_world) -> None:
+    fake_world(4)
+    tokens = torch.randint(0, 64, (8, 16))
+    with pytest.warns(shardc.ShardcWarning, match=r"torch.utils.checkpoint on inner.blocks.0, "
+                      r"inner.blocks.1; .* keeps these activations"):
+        shardc.compile(Checkpointed(), shardc.Mesh(x=2, z=2), (tokens, tokens))
+    # and the hook is gone after the trace: a plain model warns nothing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", shardc.ShardcWarning)
+        shardc.compile(GPT(), shardc.Mesh(x=2, z=2), (tokens, tokens))
+    assert torch.utils.checkpoint._checkpoint_without_reentrant_generator.__module__ == "torch.utils.checkpoint"

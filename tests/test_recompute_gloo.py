@@ -1,0 +1,134 @@
+"""``compile(activation_checkpoint="blocks")`` on real gloo processes (4 ranks, spawned
+once): every repeated block of the GPT recomputed in backward, its weight all-gathers
+re-issued there.
+
+- Training matches one device exactly as ``test_train_gloo`` demands without recompute
+  (the recompute runs the same ops on the same values: same tolerances, there explained):
+  first-step gradients against float64, three AdamW steps' losses and weights.
+- The bytes the runtime moves equal the report's, which now has a backward row for each
+  collective a block's recompute re-issues (so the all-gathers over z appear in backward).
+- Memory: the peak of the bytes a rank allocates during forward and backward falls.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import shardc
+from harness import run_on_ranks, train_side_by_side
+from models import GPT
+from test_train_gloo import ATOL, EPS, LR, RTOL, _grad_failures
+
+pytestmark = pytest.mark.distributed
+
+MESHES = ["x2y1z2d1", "x1y2z1d2", "x1y1z2d2", "x2y2z1d1"]
+
+
+def _batches(n: int, batch: int = 8, seq: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 64, (batch, seq), generator=g),
+             torch.randint(0, 64, (batch, seq), generator=g)) for _ in range(n)]
+
+
+def _train_failures(spec: str) -> list[str]:
+    mesh = shardc.Mesh.parse(spec)
+    where = f"blocks@{spec}"
+    batches = _batches(3)
+    run = train_side_by_side(lambda: GPT(layers=3, dropout=0.1), batches, mesh, lr=LR, eps=EPS,
+                             float64_reference=True, activation_checkpoint="blocks")
+    out = _grad_failures(where, run.grads, run.ref_grads, run.f64_grads)
+    for step, (a, b) in enumerate(zip(run.ref_losses, run.losses)):
+        if not math.isclose(a, b, rel_tol=RTOL):
+            out.append(f"{where}: step {step} loss {b!r} vs one device {a!r}")
+    for k, ref in run.ref_state.items():
+        got = run.state[k]
+        if ((got - ref).abs() - RTOL * ref.abs()).max().item() > ATOL:
+            out.append(f"{where}: after 3 steps {k}: max-abs diff {(got - ref).abs().max().item():.3e}")
+    sm = run.sm
+    rep = shardc.comm_report(sm)
+    sm.reset_measured_comm()
+    sm(*[shardc.shard_batch(t, mesh) for t in batches[0]]).backward()
+    if sm.measured_comm() != rep.by_key():
+        out.append(f"{where}: measured {sm.measured_comm()} != reported {rep.by_key()}")
+    # the recompute's rows: a forward all-gather or all-reduce whose node has the same
+    # collective in backward too (their own adjoints are other collectives or none)
+    fwd = {(r.node, r.collective) for r in rep.rows if r.phase == "forward"
+           and r.collective in ("all_gather", "all_reduce")}
+    again = [r for r in rep.rows if r.phase == "backward" and (r.node, r.collective) in fwd]
+    if mesh.z > 1 and not any(r.collective == "all_gather" and r.param for r in again):
+        out.append(f"{where}: no weight all-gather is re-issued in backward")
+    if any(not r.module.startswith("blocks.") for r in again):
+        out.append(f"{where}: recomputed outside the blocks: "
+                   f"{sorted({r.module for r in again if not r.module.startswith('blocks.')})}")
+    return out
+
+
+def _peak_growth(sm: shardc.ShardedModule, inputs: list[torch.Tensor]) -> int:
+    """The peak of the bytes live in the CPU allocator over one forward and backward,
+    above what was live before it: torch's profiler records every allocation and free
+    (the resident set would count the heap's fragmentation too)."""
+    sm.zero_grad()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        sm(*inputs).backward()
+    # each op's own allocations less its own frees (its children's are theirs), and the
+    # frees outside any op ("[memory]"), in time order
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    live = peak = 0
+    for e in events:
+        live += e.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def _memory(spec: str, rank: int) -> list[str]:
+    """The peak a rank gains during forward and backward, keeping every activation and
+    recomputing the blocks, on a GPT whose activations dwarf its weights (8 blocks, 64
+    tokens of 64 features, 16 sequences a rank)."""
+    mesh = shardc.Mesh.parse(spec)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 64, (16 * mesh.size("data") * mesh.size("z"), 64), generator=g)
+    torch.manual_seed(0)
+    model = GPT(dim=64, layers=8, heads=8, seq=64)
+    peaks = {}
+    for policy in ("none", "blocks"):
+        sm = shardc.compile(model, mesh, example_inputs=(tokens, tokens), activation_checkpoint=policy)
+        local = [shardc.shard_batch(tokens, mesh)] * 2
+        _peak_growth(sm, local)  # the first step warms the allocator up
+        peaks[policy] = min(_peak_growth(sm, local) for _ in range(2))
+    t = torch.tensor([peaks["none"], peaks["blocks"]], dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    none, blocks = (t / torch.distributed.get_world_size()).tolist()
+    if rank == 0:
+        print(f"\npeak allocated during forward+backward per rank, mean over ranks, {spec}: none {none / 2**20:.2f} MiB, "
+              f"blocks {blocks / 2**20:.2f} MiB ({none / max(blocks, 1):.2f}x)")
+    # 8 blocks: recompute keeps each block's input and one block's intermediates at a
+    # time; without it all 8 blocks' intermediates live at the peak. What stays is the
+    # backward's own peak (one block recomputed, its gradients, attention's backward
+    # temporaries), measured here at about half of "none"; the check asks for at least a
+    # third off, which keeping every block (a recompute that frees nothing) cannot give.
+    # The profile is deterministic (same ops, same sizes), so this is not noise-bound.
+    if not blocks < 2 / 3 * none:
+        return [f"memory@{spec}: blocks {blocks:.0f} B is not below 2/3 of none {none:.0f} B"]
+    return []
+
+
+def _all(rank: int, world_size: int) -> None:
+    failures: list[str] = []
+    for spec in MESHES:
+        failures += _train_failures(spec)
+    # Measured on data parallelism: on meshes with z > 1 the peak on real gloo barely falls
+    # (a known, unsolved retention: README, Limitations), while the same program under
+    # the fake process group falls as here.
+    failures += _memory("x1y1z1d4", rank)
+    if failures:
+        raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures))
+
+
+def test_blocks_recompute_on_4_ranks() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_on_ranks(_all, 4)
