@@ -153,8 +153,7 @@ def _compile_here(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | li
     validate.check_option_types(Options, transpose_alternate=transpose_alternate, overlap=overlap,
                                 prefetch_depth=prefetch_depth, gemm_modes=gemm_modes,
                                 step_graph=step_graph, bucket_mb=bucket_mb,
-                                reshard_after_forward=reshard_after_forward,
-                                precision=precision, shard_optimizer=shard_optimizer)
+                                reshard_after_forward=reshard_after_forward)
     check_no_autocast("shardc.compile")
     options = Options(transpose_alternate=transpose_alternate, overlap=overlap,
                       prefetch_depth=prefetch_depth, gemm_modes=gemm_modes,
