@@ -86,7 +86,7 @@ def cmd_comm(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from shardc.demo import run_demo
 
-    run_demo(ranks=args.ranks, mesh=args.mesh, steps=args.steps)
+    run_demo(ranks=args.ranks, mesh=args.mesh, steps=args.steps, backend=args.backend)
     return 0
 
 
@@ -129,6 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--ranks", type=int, default=8)
     d.add_argument("--mesh", default="x2y2z2d1")
     d.add_argument("--steps", type=int, default=5)
+    d.add_argument("--backend", choices=("eager", "inductor"), default="eager",
+                   help="how each rank runs its program (compile(..., backend=))")
     d.set_defaults(fn=cmd_demo)
 
     i = sub.add_parser("inspect", help="print the compiled program of one rank (shardc.explain)")

@@ -10,6 +10,7 @@ import torch.utils._pytree as pytree
 
 from shardc.context import CompileContext, Options
 from shardc.errors import ShardcError
+from shardc.launch import check_device
 from shardc.mesh import Mesh
 from shardc.module import ShardedModule
 from shardc.placement import Layout
@@ -58,7 +59,7 @@ def _canonical_names(model: nn.Module) -> dict[str, str]:
 
 def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | None = None, *,
             transpose_alternate: bool = True, overlap: bool = True, prefetch_depth: int = 1,
-            gemm_modes: str = "default", machine: Any = None,
+            gemm_modes: str = "default", backend: str = "eager", machine: Any = None,
             input_layouts: Mapping[int, Layout] | None = None) -> ShardedModule:
     """Compile ``model`` into this rank's program for ``mesh``. Collective: call it on
     every rank, after ``torch.distributed.init_process_group``, with the same model and
@@ -68,7 +69,10 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
     ``shardc.Layout`` of its global shape: a shard of any dim over any axis, replicated,
     or a partial sum (each rank passes an addend). The default splits dim 0 over data and
     z (``shard_batch``). An input whose example tensor requires grad gets its gradient:
-    the matching piece of the single-device gradient on every rank."""
+    the matching piece of the single-device gradient on every rank.
+
+    ``backend="inductor"`` compiles the compute between the program's collectives with
+    ``torch.compile`` (the collectives stay eager; see ``shardc.backend``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"shardc.compile: model must be a torch.nn.Module, got {type(model).__name__}.")
     if not dist.is_available() or not dist.is_initialized():
@@ -76,6 +80,7 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
             "shardc.compile: torch.distributed is not initialised. Call "
             "torch.distributed.init_process_group(backend, ...) on every rank first "
             "(gloo on CPU, nccl on CUDA; torchrun sets the rank and world size).")
+    check_device(model)  # under NCCL: the model on this rank's own GPU
     if example_inputs is None:
         raise ShardcError("shardc.compile: example_inputs is required: the global-shaped inputs a "
                           "single device would see, e.g. example_inputs=(tokens, targets).")
@@ -91,7 +96,7 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
     example_inputs = tuple(example_inputs)
     _check_batch(example_inputs, mesh, input_layouts or {})
     options = Options(transpose_alternate=transpose_alternate, overlap=overlap,
-                      prefetch_depth=prefetch_depth, gemm_modes=gemm_modes)
+                      prefetch_depth=prefetch_depth, gemm_modes=gemm_modes, backend=backend)
     return _compile(model, mesh, example_inputs, options, dist.get_rank(), input_layouts)
 
 
@@ -127,7 +132,12 @@ def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Optio
                          trainable=trainable, rank=rank, input_layouts=layouts,
                          grad_inputs=grad_inputs)
     program = run_pipeline(ep.graph_module, ctx)
-    return ShardedModule(program, ctx, model, ep, canonical, runtime)
+    sm = ShardedModule(program, ctx, model, ep, canonical, runtime)
+    if options.backend != "eager":
+        from shardc.backend import build_runner  # noqa: PLC0415 - imports torch's compiler stack
+
+        sm.set_runner(build_runner(program, options.backend))
+    return sm
 
 
 def _input_layouts(example_inputs: tuple, names: list[str], given: Mapping[int, Layout],

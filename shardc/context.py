@@ -18,6 +18,7 @@ REQUIRES_GRAD = "shardc_requires_grad"
 PROGRAM = "shardc"  # gm.meta key: what the passes learnt (storage layouts, fallbacks, ...)
 
 GEMM_MODES = ("auto", "default", "NN", "NT", "TN")
+BACKENDS = ("eager", "inductor")  # how the rank's program runs (shardc/backend.py)
 
 
 @dataclass(frozen=True)
@@ -26,8 +27,14 @@ class Options:
     overlap: bool = True
     prefetch_depth: int = 1
     gemm_modes: str = "default"
+    backend: str = "eager"
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"shardc.compile: backend={self.backend!r} is not one of {BACKENDS}: 'eager' runs "
+                "the rank's program op by op, 'inductor' compiles the compute between its "
+                "collectives with torch.compile.")
         if self.gemm_modes not in GEMM_MODES:
             raise ValueError(
                 f"shardc.compile: gemm_modes={self.gemm_modes!r} is not one of {GEMM_MODES}."

@@ -1,7 +1,7 @@
 """ShardedModule: one rank's compiled program plus its parameter shards."""
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,7 @@ class ShardedModule(nn.Module):
     graph_module: fx.GraphModule
     ctx: CompileContext
     runtime: C.Runtime
+    _runner: Callable[..., Any]
 
     def __init__(self, program: fx.GraphModule, ctx: CompileContext, model: nn.Module,
                  ep: torch.export.ExportedProgram, canonical: dict[str, str],
@@ -66,6 +67,8 @@ class ShardedModule(nn.Module):
         object.__setattr__(self, "graph_module", program)
         object.__setattr__(self, "ctx", ctx)
         object.__setattr__(self, "runtime", runtime)
+        # what forward calls: the program itself, or a compiled form of it (shardc.backend)
+        object.__setattr__(self, "_runner", program)
         self.mesh: Mesh = ctx.mesh
         self.param_layouts: dict[str, Layout] = dict(res.storage)
         self.fallbacks = list(res.fallbacks)
@@ -140,8 +143,13 @@ class ShardedModule(nn.Module):
                         f"of the example input {list(gval.shape)} laid out as {lay} is {want} "
                         f"(by default dim 0 is split over data x z = {batch}). Pass "
                         "shardc.shard_batch(global_batch, mesh).")
-        out = self.graph_module(*args)
+        out = self._runner(*args)
         return pytree.tree_unflatten(list(out), self._out_spec)
+
+    def set_runner(self, runner: Any) -> None:
+        """Run ``runner(*program_inputs)`` instead of ``graph_module`` (same inputs and
+        outputs); not a submodule, so parameters and state dicts are unchanged."""
+        object.__setattr__(self, "_runner", runner)
 
     # ------------------------------------------------------------- full tensors
     def _gather_full(self, name: str, local: torch.Tensor) -> torch.Tensor:
