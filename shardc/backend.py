@@ -106,6 +106,20 @@ def split_at_collectives(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str],
     return split, compute, eager
 
 
+def _reason(e: BaseException) -> str:
+    """The root cause of a compiler error, in one line: dynamo wraps a backend's error
+    (``BackendCompilerFailed: backend='inductor' raised:``) around the one that says why."""
+    root = e
+    while True:
+        inner = root.__cause__ or getattr(root, "inner_exception", None)
+        if not isinstance(inner, BaseException) or inner is root:
+            break
+        root = inner
+    lines = str(root).strip().splitlines()
+    why = f"{type(root).__name__}: {lines[0] if lines else ''}"
+    return why if root is e else f"{type(e).__name__} from {why}"
+
+
 class _CompiledPiece(torch.nn.Module):
     """A compute piece compiled on its first call; if compiling fails, the piece runs
     eagerly from then on and a warning says why (the rest of the program stays compiled)."""
@@ -131,7 +145,7 @@ class _CompiledPiece(torch.nn.Module):
             # Compilation happens before the piece runs, so nothing has executed (no random
             # draw, no in-place write) when it fails: running it eagerly is the same step.
             self.compiled = None
-            self.failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.failure = _reason(e)
             warnings.warn(f"shardc: inductor could not compile {self.name} ({self.failure}); it runs "
                           "eagerly.", RuntimeWarning, stacklevel=2)
             return self.eager(*args)
