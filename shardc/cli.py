@@ -102,7 +102,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from shardc.runtime.profile import profile_machine
 
-    machine = profile_machine(args.ranks, message_bytes=int(args.message_mib * 2**20), iters=args.iters)
+    machine = profile_machine(args.ranks, message_bytes=int(args.message_mib * 2**20), iters=args.iters,
+                              backend=None if args.backend == "auto" else args.backend)
     text = machine.to_json()
     if args.out:
         with open(args.out, "w") as f:
@@ -166,6 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pm.add_argument("--message-mib", type=float, default=16.0)
     pm.add_argument("--iters", type=int, default=5)
     pm.add_argument("--out", help="write the machine JSON here")
+    pm.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                    help="auto: NCCL with one rank per GPU when CUDA is available, else gloo")
     pm.set_defaults(fn=cmd_profile)
 
     b = sub.add_parser("bench", help="measure step times of meshes and compare with the plan")

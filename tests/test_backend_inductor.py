@@ -3,7 +3,6 @@ collectives and random draws eager (shardc/backend.py)."""
 from __future__ import annotations
 
 import copy
-import os
 import tempfile
 import warnings
 
