@@ -85,7 +85,7 @@ def split_at_collectives(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str],
     part: dict[fx.Node, int] = {}
     current = 0
     kinds: dict[int, str] = {}
-    prev_collective = True
+    prev_eager = True
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
@@ -93,13 +93,13 @@ def split_at_collectives(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str],
             current += 1
             kinds[current] = "eager"
             part[node] = current
-            prev_collective = True
+            prev_eager = True
         else:
-            if prev_collective:
+            if prev_eager:
                 current += 1
                 kinds[current] = "compute"
             part[node] = current
-            prev_collective = False
+            prev_eager = False
     split = split_module(gm, gm, lambda n: part[n], keep_original_order=True)
     compute = [f"submod_{i}" for i, k in kinds.items() if k == "compute" and hasattr(split, f"submod_{i}")]
     eager = [f"submod_{i}" for i, k in kinds.items() if k == "eager" and hasattr(split, f"submod_{i}")]
@@ -142,8 +142,9 @@ class _CompiledPiece(torch.nn.Module):
         try:
             return self.compiled(*args)
         except Exception as e:  # noqa: BLE001 - any compiler failure means: run it eagerly
-            # Compilation happens before the piece runs, so nothing has executed (no random
-            # draw, no in-place write) when it fails: running it eagerly is the same step.
+            # A piece holds no collective and no random draw, and the program is functional
+            # (export's), so running it again eagerly is the same step even if the compiled
+            # code failed partway.
             self.compiled = None
             self.failure = _reason(e)
             warnings.warn(f"shardc: inductor could not compile {self.name} ({self.failure}); it runs "
