@@ -55,8 +55,11 @@ def _measure(rank: int, specs: list[str], steps: int, out: str) -> None:
 
     import shardc
     from shardc.models import GPT, lm_batch
+    from shardc.throughput import summed_peak_flops
 
     results: dict[str, list[float]] = {}
+    # every rank measures its matmul peak at the same time, sharing the cores as in training
+    peak, source = summed_peak_flops("cpu")
     progress = Progress(disable=rank != 0)
     with progress:
         task = progress.add_task("meshes", total=len(specs))
@@ -82,7 +85,7 @@ def _measure(rank: int, specs: list[str], steps: int, out: str) -> None:
             del sm, opt, model
     if rank == 0:
         with open(out, "w") as f:
-            json.dump(results, f)
+            json.dump({"steps": results, "peak_flops": peak, "peak_source": source}, f)
 
 
 def run_bench(args: Any) -> None:
@@ -91,6 +94,7 @@ def run_bench(args: Any) -> None:
     import shardc
     from shardc.models import GPT, lm_batch
     from shardc.planner import resolve_machine
+    from shardc.throughput import model_flops, throughput
 
     console = Console()
     machine = resolve_machine(args.machine)
@@ -106,8 +110,11 @@ def run_bench(args: Any) -> None:
         mp.spawn(_worker, args=(args.ranks, f"{d}/store", specs, args.steps, raw), nprocs=args.ranks,
                  join=True)
     with open(raw) as f:
-        steps = json.load(f)
+        raw_figures = json.load(f)
+    steps = raw_figures["steps"]
     measured = {s: statistics.median(v) for s, v in steps.items()}
+    flops = model_flops(GPT.peer(), lm_batch(16, 64, 512))
+    rates = {s: throughput(flops, measured[s], args.ranks, raw_figures["peak_flops"]) for s in specs}
     model_rank = {s: i + 1 for i, s in enumerate(sorted(specs, key=lambda s: predicted[s]))}
     meas_rank = {s: i + 1 for i, s in enumerate(sorted(specs, key=lambda s: measured[s]))}
     rho = spearman([predicted[s] for s in specs], [measured[s] for s in specs])
@@ -117,10 +124,13 @@ def run_bench(args: Any) -> None:
     fastest = min(specs, key=lambda s: measured[s])
     summary = {
         "machine": machine.name, "ranks": args.ranks, "steps": args.steps,
+        "peak_flops": raw_figures["peak_flops"], "peak_source": raw_figures["peak_source"],
+        "model_flops_per_step": flops.per_step,
         "spearman_rho": rho, f"top{k}_overlap": len(top_model & top_meas),
         "fastest_measured": fastest, "its_model_rank": model_rank[fastest],
         "meshes": [{"mesh": s, "model_rank": model_rank[s], "predicted_comm_s": predicted[s],
-                    "measured_step_s": measured[s], "measured_rank": meas_rank[s]}
+                    "measured_step_s": measured[s], "measured_rank": meas_rank[s],
+                    "tokens_per_s_per_rank": rates[s].tokens_per_s_per_rank, "mfu": rates[s].mfu}
                    for s in sorted(specs, key=lambda s: model_rank[s])],
     }
     with open(os.path.join(args.out, "bench.json"), "w") as f:
@@ -129,12 +139,17 @@ def run_bench(args: Any) -> None:
     from rich.table import Table
 
     t = Table(title=f"model rank vs measured step time ({args.ranks} CPU ranks, gloo)")
-    for col in ("model rank", "mesh", "predicted comm (s)", "measured step (s)", "measured rank"):
+    for col in ("model rank", "mesh", "predicted comm (s)", "measured step (s)", "measured rank",
+                "tokens/s per rank", "MFU"):
         t.add_column(col)
     for row in summary["meshes"]:
         t.add_row(str(row["model_rank"]), row["mesh"], f"{row['predicted_comm_s']:.4g}",
-                  f"{row['measured_step_s']:.3f}", str(row["measured_rank"]))
+                  f"{row['measured_step_s']:.3f}", str(row["measured_rank"]),
+                  f"{row['tokens_per_s_per_rank']:,.0f}", f"{100 * row['mfu']:.2f}%")
     console.print(t)
+    console.print(f"MFU: model FLOPs per step {flops.per_step / 1e9:.2f} G (6·N·T + attention) over "
+                  f"the ranks' summed peak, {raw_figures['peak_flops'] / 1e9:.1f} GFLOP/s "
+                  f"({raw_figures['peak_source']}, all ranks at once)")
     console.print(f"Spearman rho = {rho:.3f}; top-{k} overlap {len(top_model & top_meas)}/{k}; fastest "
                   f"measured {fastest} is the model's #{model_rank[fastest]}. Figures in {args.out}/")
 

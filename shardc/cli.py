@@ -86,7 +86,7 @@ def cmd_comm(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from shardc.demo import run_demo
 
-    run_demo(ranks=args.ranks, mesh=args.mesh, steps=args.steps)
+    run_demo(ranks=args.ranks, mesh=args.mesh, steps=args.steps, backend=args.backend)
     return 0
 
 
@@ -102,7 +102,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from shardc.runtime.profile import profile_machine
 
-    machine = profile_machine(args.ranks, message_bytes=int(args.message_mib * 2**20), iters=args.iters)
+    machine = profile_machine(args.ranks, message_bytes=int(args.message_mib * 2**20), iters=args.iters,
+                              backend=None if args.backend == "auto" else args.backend)
     text = machine.to_json()
     if args.out:
         with open(args.out, "w") as f:
@@ -142,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--ranks", type=int, default=8)
     d.add_argument("--mesh", default="x2y2z2d1")
     d.add_argument("--steps", type=int, default=5)
+    d.add_argument("--backend", choices=("eager", "inductor"), default="eager",
+                   help="how each rank runs its program (compile(..., backend=))")
     d.set_defaults(fn=cmd_demo)
 
     i = sub.add_parser("inspect", help="print the compiled program of one rank (shardc.explain)")
@@ -177,6 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pm.add_argument("--message-mib", type=float, default=16.0)
     pm.add_argument("--iters", type=int, default=5)
     pm.add_argument("--out", help="write the machine JSON here")
+    pm.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                    help="auto: NCCL with one rank per GPU when CUDA is available, else gloo")
     pm.set_defaults(fn=cmd_profile)
 
     b = sub.add_parser("bench", help="measure step times of meshes and compare with the plan")

@@ -13,6 +13,7 @@ from shardc import validate
 from shardc.agreement import describe, settle
 from shardc.context import CompileContext, Options
 from shardc.errors import ShardcError, ShardcWarning
+from shardc.launch import check_device
 from shardc.mesh import Mesh
 from shardc.module import ShardedModule
 from shardc.placement import Layout
@@ -71,7 +72,7 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
             reshard_after_forward: bool = False, machine: Any = None,
             input_layouts: Mapping[int, Layout] | None = None,
             activation_checkpoint: Any = "none", precision: str = "fp32",
-            shard_optimizer: bool = False) -> ShardedModule:
+            shard_optimizer: bool = False, backend: str = "eager") -> ShardedModule:
     """Compile ``model`` into this rank's program for ``mesh``. Collective: call it on
     every rank, after ``torch.distributed.init_process_group``, with the same model and
     global-shaped ``example_inputs``.
@@ -98,7 +99,11 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
     ``torch.autocast`` around ``compile`` or the compiled module is refused (the comm
     report would not match what moves); a model calling ``torch.utils.checkpoint``
     compiles with a warning naming the modules, whose activations are kept (torch.export
-    inlines the checkpoint)."""
+    inlines the checkpoint).
+
+    ``backend="inductor"`` compiles the compute between the program's collectives with
+    ``torch.compile`` (the collectives stay eager; see ``shardc.backend``); it runs the
+    forward program with autograd's backward, so the step passes do not apply."""
     if not dist.is_available() or not dist.is_initialized():
         raise ShardcError(
             "shardc.compile: torch.distributed is not initialised. Call "
@@ -117,7 +122,7 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
                            reshard_after_forward=reshard_after_forward,
                            machine=machine, input_layouts=input_layouts,
                            activation_checkpoint=activation_checkpoint, precision=precision,
-                           shard_optimizer=shard_optimizer)
+                           shard_optimizer=shard_optimizer, backend=backend)
     except Exception as e:  # noqa: BLE001 - settle() re-raises it on this rank
         failure = e
     settle(seen.get("items"), failure)
@@ -130,10 +135,11 @@ def _compile_here(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | li
                   prefetch_depth: int, gemm_modes: str, step_graph: bool, bucket_mb: float,
                   reshard_after_forward: bool, machine: Any,
                   input_layouts: Mapping[int, Layout] | None, activation_checkpoint: Any,
-                  precision: str, shard_optimizer: bool) -> ShardedModule:
+                  precision: str, shard_optimizer: bool, backend: str) -> ShardedModule:
     """``compile`` on this rank alone; ``seen["items"]`` gets what the ranks compare."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"shardc.compile: model must be a torch.nn.Module, got {type(model).__name__}.")
+    check_device(model)  # under NCCL: the model on this rank's own GPU
     if example_inputs is None:
         raise ShardcError("shardc.compile: example_inputs is required: the global-shaped inputs a "
                           "single device would see, e.g. example_inputs=(tokens, targets).")
@@ -160,7 +166,7 @@ def _compile_here(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | li
                       step_graph=step_graph, bucket_mb=bucket_mb,
                       reshard_after_forward=reshard_after_forward,
                       activation_checkpoint=activation_checkpoint, precision=precision,
-                      shard_optimizer=shard_optimizer)
+                      shard_optimizer=shard_optimizer, backend=backend)
     if dist.get_backend() != "fake" and dist.get_world_size() > 1:
         seen["items"] = describe(model, mesh, example_inputs, options, input_layouts,
                                  trace(model, example_inputs).graph)
@@ -220,6 +226,10 @@ def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Optio
                 f"{type(model).__name__} (a ModuleList or Sequential of two or more modules of "
                 "one class). Use activation_checkpoint='none'.")
         object.__setattr__(sm, "_recompute", mark_and_split(program, blocks, runtime.key))
+    if options.backend != "eager":
+        from shardc.backend import build_runner  # noqa: PLC0415 - imports torch's compiler stack
+
+        sm.set_runner(build_runner(program, options.backend))
     return sm
 
 

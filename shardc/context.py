@@ -21,6 +21,7 @@ PROGRAM = "shardc"  # gm.meta key: what the passes learnt (storage layouts, fall
 GEMM_MODES = ("auto", "default", "NN", "NT", "TN")
 CHECKPOINT_POLICIES = ("none", "blocks")
 PRECISIONS = ("fp32", "bf16")
+BACKENDS = ("eager", "inductor")  # how the rank's program runs (shardc/backend.py)
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,14 @@ class Options:
     activation_checkpoint: Any = "none"
     precision: str = "fp32"
     shard_optimizer: bool = False
+    backend: str = "eager"
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"shardc.compile: backend={self.backend!r} is not one of {BACKENDS}: 'eager' runs "
+                "the rank's program op by op, 'inductor' compiles the compute between its "
+                "collectives with torch.compile.")
         if self.gemm_modes not in GEMM_MODES:
             raise ValueError(
                 f"shardc.compile: gemm_modes={self.gemm_modes!r} is not one of {GEMM_MODES}."
@@ -59,6 +66,17 @@ class Options:
         if self.bucket_mb < 0:
             raise ValueError(f"shardc.compile: bucket_mb must be >= 0, got {self.bucket_mb}.")
         _check_memory_options(self.activation_checkpoint, self.precision, self.shard_optimizer)
+        # both run the forward program through something the other cannot wrap: refuse
+        # the pair rather than silently drop one
+        if self.activation_checkpoint == "blocks" and self.backend != "eager":
+            raise ValueError("shardc.compile: activation_checkpoint='blocks' with "
+                             f"backend={self.backend!r} is not supported (the recompute wraps the "
+                             "eager program's blocks); use one of them.")
+        if self.reshard_after_forward and (self.backend != "eager"
+                                           or self.activation_checkpoint == "blocks"):
+            raise ValueError("shardc.compile: reshard_after_forward=True is a pass of the "
+                             "whole-step program, which backend='inductor' and "
+                             "activation_checkpoint='blocks' do not run; use one of them.")
         if self.prefetch_depth < 0:
             raise ValueError(f"shardc.compile: prefetch_depth must be >= 0, got {self.prefetch_depth}.")
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,7 @@ class ShardedModule(nn.Module):
     graph_module: fx.GraphModule
     ctx: CompileContext
     runtime: C.Runtime
+    _runner: Callable[..., Any]
 
     def __init__(self, program: fx.GraphModule, ctx: CompileContext, model: nn.Module,
                  ep: torch.export.ExportedProgram, canonical: dict[str, str],
@@ -80,6 +81,8 @@ class ShardedModule(nn.Module):
         # the program split into checkpointed block segments (activation_checkpoint="blocks");
         # not a submodule: it owns no parameters, the program reads this module's
         object.__setattr__(self, "_recompute", None)
+        # what forward calls: the program itself, or a compiled form of it (shardc.backend)
+        object.__setattr__(self, "_runner", program)
         self.mesh: Mesh = ctx.mesh
         self.param_layouts: dict[str, Layout] = dict(res.storage)
         self.fallbacks = list(res.fallbacks)
@@ -161,7 +164,7 @@ class ShardedModule(nn.Module):
         """The forward program, whose backward is autograd's (with no_sync's and
         recompute's runtime behaviour)."""
         self._hooks_active = True
-        run: Any = self._recompute if self._recompute is not None else self.graph_module
+        run: Any = self._recompute if self._recompute is not None else self._runner
         return run(*args)
 
     def _run(self, args: list[Any]) -> Any:
@@ -170,12 +173,14 @@ class ShardedModule(nn.Module):
         The forward program runs instead: without gradients; with step_graph=False; under
         ``no_sync`` and until the synced backward after it (no_sync defers reductions the
         forward program's backward issues); with activation_checkpoint (the recompute runs
-        autograd's checkpoint over the forward program)."""
+        autograd's checkpoint over the forward program); with backend="inductor" (its
+        compiled pieces are the forward program's)."""
         needs = [isinstance(a, torch.Tensor) and a.requires_grad and
                  (role == "param" or (role == "input" and target in self.ctx.grad_inputs))
                  for a, (role, target) in zip(args, self._feeds)]
         eager = (not (self.ctx.options.step_graph and torch.is_grad_enabled() and any(needs))
                  or self._joint_failed is not None or self._recompute is not None
+                 or self.ctx.options.backend != "eager"
                  or not self.runtime.sync or self.pending_reductions() > 0)
         if eager:
             return self._forward_program(args)
@@ -296,6 +301,11 @@ class ShardedModule(nn.Module):
         """How many gradient reductions ``no_sync`` has deferred and no synced backward has
         done yet (0 when every ``.grad`` is complete)."""
         return len(self.runtime.deferred) + len(self.runtime.unreduced)
+
+    def set_runner(self, runner: Any) -> None:
+        """Run ``runner(*program_inputs)`` instead of ``graph_module`` (same inputs and
+        outputs); not a submodule, so parameters and state dicts are unchanged."""
+        object.__setattr__(self, "_runner", runner)
 
     # ------------------------------------------------------------- full tensors
     def _gather_full(self, name: str, local: torch.Tensor) -> torch.Tensor:

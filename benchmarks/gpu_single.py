@@ -1,0 +1,159 @@
+"""One device: the eager model vs torch.compile(model) vs shardc on a mesh of one.
+
+    python benchmarks/gpu_single.py                    # GPT-2 small and a ~0.5B GPT, bf16
+    python benchmarks/gpu_single.py --tiny             # a tiny shape, minutes on a CPU
+    python benchmarks/gpu_single.py --backends eager,inductor --steps 20
+
+On a GPU, shardc runs on NCCL with a world of one (this process); without one, on gloo
+and the CPU. Each variant trains the same model (same seed) with AdamW for ``--warmup``
+steps (compilation, allocator) and then ``--steps`` timed steps; the variants take turns
+step by step (eager, compiled, shardc, eager, ...) so that a machine whose speed drifts
+shifts all of them alike. Prints the median step time, tokens/s, MFU (model FLOPs from
+``shardc.throughput`` over the device's peak) and peak memory (CUDA's allocator; on the
+CPU the process's peak RSS, which includes every variant).
+
+Precision on the GPU: parameters in bf16 (``--dtype``), the same for all variants; shardc
+compiles that model as it is.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import shardc  # noqa: E402
+from shardc.models import GPT, lm_batch  # noqa: E402
+from shardc.throughput import ModelFlops, device_peak_flops, model_flops, throughput  # noqa: E402
+
+# (layers, hidden, heads, seq, vocab, batch)
+SHAPES = {
+    "gpt2-small": (12, 768, 12, 1024, 50304, 8),   # 124M (GPT-2's vocabulary padded to 64)
+    "gpt-0.5b": (24, 1280, 20, 1024, 50304, 4),    # 0.54B
+    "tiny": (2, 64, 4, 64, 512, 4),
+}
+
+
+@dataclass
+class Variant:
+    name: str
+    step: Callable[[], float]   # one training step; returns the loss
+    memory: Callable[[], int]   # peak bytes so far
+
+
+def _gpt(shape: str, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, tuple]:
+    layers, dim, heads, seq, vocab, batch = SHAPES[shape]
+    torch.manual_seed(0)
+    model = GPT(vocab=vocab, dim=dim, layers=layers, heads=heads, seq=seq).to(device, dtype)
+    return model, lm_batch(batch, seq, vocab, device=str(device))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _train_step(fn: Callable[..., torch.Tensor], opt: torch.optim.Optimizer, batch: tuple) -> Callable[[], float]:
+    def step() -> float:
+        loss = fn(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())  # synchronises: the step is done when this returns
+    return step
+
+
+def _memory(device: torch.device) -> Callable[[], int]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.max_memory_allocated(device)
+    return lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def build(shape: str, device: torch.device, dtype: torch.dtype, which: list[str]) -> tuple[list[Variant], ModelFlops]:
+    out = []
+    model, batch = _gpt(shape, device, dtype)
+    flops = model_flops(model, batch)
+    for name in which:
+        m, _ = _gpt(shape, device, dtype)  # each variant its own copy, same weights
+        if name == "eager":
+            fn: Callable[..., torch.Tensor] = m
+            params = m.parameters()
+        elif name == "torch.compile":
+            fn = torch.compile(m)
+            params = m.parameters()
+        elif name.startswith("shardc"):
+            sm = shardc.compile(m, shardc.Mesh(), example_inputs=batch,
+                                backend=name.split(":")[1] if ":" in name else "eager")
+            fn, params = sm, sm.parameters()
+        else:
+            raise SystemExit(f"gpu_single: unknown variant {name!r}")
+        opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+        out.append(Variant(name, _train_step(fn, opt, batch), _memory(device)))
+    return out, flops
+
+
+def run(shape: str, device: torch.device, dtype: torch.dtype, which: list[str], warmup: int,
+        steps: int) -> None:
+    variants, flops = build(shape, device, dtype, which)
+    peak, source = device_peak_flops(device, dtype)
+    times: dict[str, list[float]] = {v.name: [] for v in variants}
+    losses: dict[str, list[float]] = {v.name: [] for v in variants}
+    for i in range(warmup + steps):
+        for v in variants:  # interleaved: every variant sees the same machine
+            _sync(device)
+            t = time.perf_counter()
+            losses[v.name].append(v.step())
+            _sync(device)
+            if i >= warmup:
+                times[v.name].append(time.perf_counter() - t)
+    print(f"\n{shape}: {flops.matmul_params / 1e6:.1f}M matmul parameters, {flops.tokens} tokens/step, "
+          f"{flops.per_token / 1e6:,.2f} MFLOP/token (6N + 12LSH); {dtype}; {device} "
+          f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
+          f"torch {torch.__version__}; peak {peak / 1e12:.3f} TFLOP/s ({source})")
+    print(f"{'variant':<18}{'step (ms)':>11}{'vs eager':>10}{'tokens/s':>12}{'MFU':>8}{'peak mem':>12}"
+          f"{'last loss':>11}")
+    base = statistics.median(times[which[0]])
+    for v in variants:
+        med = statistics.median(times[v.name])
+        tp = throughput(flops, med, 1, peak)
+        print(f"{v.name:<18}{med * 1e3:>11.1f}{med / base:>9.3f}x{tp.tokens_per_s_per_rank:>12,.0f}"
+              f"{100 * tp.mfu:>7.2f}%{v.memory() / 2**20:>9.0f} MiB{losses[v.name][-1]:>11.4f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="only the tiny shape (CPU-friendly)")
+    p.add_argument("--shapes", default="gpt2-small,gpt-0.5b")
+    p.add_argument("--variants", default="eager,torch.compile,shardc,shardc:inductor",
+                   help="comma-separated: eager, torch.compile, shardc, shardc:inductor")
+    p.add_argument("--dtype", default=None, help="bf16 (default on GPU) or fp32 (default on CPU)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    args = p.parse_args()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: torch.bfloat16 if cuda else torch.float32}[args.dtype]
+    shapes = ["tiny"] if args.tiny else args.shapes.split(",")
+    with tempfile.TemporaryDirectory() as d:
+        # shardc needs a process group; a world of one: NCCL on the GPU, gloo on the CPU
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{d}/store",
+                                rank=0, world_size=1)
+        try:
+            for shape in shapes:
+                run(shape, device, dtype, args.variants.split(","), args.warmup, args.steps)
+        finally:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Run a rank's program with its compute compiled by inductor and its collectives eager.
+
+Why not ``torch.compile`` of the whole program: the runtime's collectives carry the
+in-flight ``Work`` of an async call as a Python attribute of the buffer they return, and
+``wait`` pops it. Dynamo cannot trace that (``InternalTorchDynamoError`` at
+``collectives.wait``), and even where it could, it would have to graph-break at every
+collective, with no say in where. Here the graph itself is cut: every node that talks to
+``torch.distributed`` is a *collective node*; the runs of compute between them become
+submodules (``torch.fx.passes.split_module``), each compiled with ``torch.compile``, and
+the collective nodes are called as they are, eagerly, in the program's own order. The
+prefetch pass's schedule (a gather issued GEMMs before its wait) survives as it is, since
+the in-flight buffer is only handed to the compute piece after its wait.
+
+Autograd needs nothing special: each compiled piece is differentiable (AOTAutograd builds
+its backward), and the collectives are the runtime's autograd functions, so backward runs
+compiled compute and eager collectives in reverse order.
+
+Random ops stay eager too. The program's dropout draws the global mask from the default
+generator with torch's own dropout kernel, so that replicas agree and training matches one
+device. Inductor by default draws from its own Philox generator instead (measured: a GPT
+with dropout 0.1 on x2 lost 4.17842 compiled against the eager program's 4.16936, same
+seed). Its ``fallback_random`` setting calls torch's kernels and matched here, but cutting
+at every random op makes the draws, their kernels and their order the eager program's by
+construction rather than by a compiler setting; ``fallback_random`` is still set, for a
+random op this module does not recognise.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.split_module import split_module
+
+from shardc.context import BACKENDS
+from shardc.runtime import collectives as C
+from shardc.runtime import ops as R
+
+# Runtime functions that hand tensors to torch.distributed (or wait on them). Every
+# other call in a program is local compute, pure given its inputs and the rank.
+_COLLECTIVE_FUNCTIONS = frozenset({
+    C.all_gather_start, C.all_reduce_start, C.reduce_scatter_start, C.all_to_all_start,
+    C.wait, C.grad_all_reduce,
+})
+# Namespaces of ATen collectives (functional collectives and c10d's own ops), so a program
+# that calls those instead is cut the same way.
+_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d",
+                                    "_c10d_functional_autograd"})
+
+
+def is_collective(node: fx.Node) -> bool:
+    """Does ``node`` communicate (or wait on communication)?"""
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if t in _COLLECTIVE_FUNCTIONS:
+        return True
+    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return t.namespace in _COLLECTIVE_NAMESPACES
+    return str(getattr(t, "__module__", "")).startswith("torch.distributed")
+
+
+def is_random(node: fx.Node) -> bool:
+    """Does ``node`` draw from a random generator?"""
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if t is R.global_dropout:
+        return True
+    if isinstance(t, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded in t.tags
+    return False
+
+
+def runs_eagerly(node: fx.Node) -> bool:
+    """Nodes the inductor backend leaves out of every compiled piece."""
+    return is_collective(node) or is_random(node)
+
+
+def split_at_collectives(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str], list[str]]:
+    """Cut ``gm`` into submodules: each node that runs eagerly (``runs_eagerly``) alone,
+    each run of compute between two of them together. Returns the split module and the
+    names of its compute and eager submodules, in program order."""
+    part: dict[fx.Node, int] = {}
+    current = 0
+    kinds: dict[int, str] = {}
+    prev_eager = True
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if runs_eagerly(node):
+            current += 1
+            kinds[current] = "eager"
+            part[node] = current
+            prev_eager = True
+        else:
+            if prev_eager:
+                current += 1
+                kinds[current] = "compute"
+            part[node] = current
+            prev_eager = False
+    split = split_module(gm, gm, lambda n: part[n], keep_original_order=True)
+    compute = [f"submod_{i}" for i, k in kinds.items() if k == "compute" and hasattr(split, f"submod_{i}")]
+    eager = [f"submod_{i}" for i, k in kinds.items() if k == "eager" and hasattr(split, f"submod_{i}")]
+    return split, compute, eager
+
+
+def _reason(e: BaseException) -> str:
+    """The root cause of a compiler error, in one line: dynamo wraps a backend's error
+    (``BackendCompilerFailed: backend='inductor' raised:``) around the one that says why."""
+    root = e
+    while True:
+        inner = root.__cause__ or getattr(root, "inner_exception", None)
+        if not isinstance(inner, BaseException) or inner is root:
+            break
+        root = inner
+    lines = str(root).strip().splitlines()
+    why = f"{type(root).__name__}: {lines[0] if lines else ''}"
+    return why if root is e else f"{type(e).__name__} from {why}"
+
+
+class _CompiledPiece(torch.nn.Module):
+    """A compute piece compiled on its first call; if compiling fails, the piece runs
+    eagerly from then on and a warning says why (the rest of the program stays compiled)."""
+
+    def __init__(self, name: str, piece: fx.GraphModule, options: dict[str, Any]) -> None:
+        super().__init__()
+        self.name = name
+        self.eager = piece
+        self.compiled: Callable[..., Any] | None = torch.compile(
+            piece, backend="inductor", dynamic=False, options=options)
+        self.tried = False
+        self.failure: str | None = None
+
+    def forward(self, *args: Any) -> Any:
+        if self.compiled is None:
+            return self.eager(*args)
+        if self.tried:
+            return self.compiled(*args)
+        self.tried = True
+        try:
+            return self.compiled(*args)
+        except Exception as e:  # noqa: BLE001 - any compiler failure means: run it eagerly
+            # A piece holds no collective and no random draw, and the program is functional
+            # (export's), so running it again eagerly is the same step even if the compiled
+            # code failed partway.
+            self.compiled = None
+            self.failure = _reason(e)
+            warnings.warn(f"shardc: inductor could not compile {self.name} ({self.failure}); it runs "
+                          "eagerly.", RuntimeWarning, stacklevel=2)
+            return self.eager(*args)
+
+
+class InductorProgram:
+    """The rank's program as a callable: compute pieces through inductor, collectives and
+    random draws eager. ``pieces`` and ``eager_nodes`` count what was cut; ``fallbacks``
+    lists the pieces that run eagerly because inductor failed on them."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.split, compute, eager = split_at_collectives(gm)
+        # a random op not recognised by is_random would otherwise draw from inductor's
+        # own generator
+        options = {"fallback_random": True}
+        self._pieces: dict[str, _CompiledPiece] = {}
+        for name in compute:
+            piece = _CompiledPiece(name, getattr(self.split, name), options)
+            self._pieces[name] = piece
+            setattr(self.split, name, piece)
+        self.eager_nodes = len(eager)
+
+    @property
+    def pieces(self) -> int:
+        return len(self._pieces)
+
+    @property
+    def fallbacks(self) -> list[str]:
+        return [f"{n}: {p.failure}" for n, p in self._pieces.items() if p.failure]
+
+    def __call__(self, *args: Any) -> Any:
+        return self.split(*args)
+
+
+def build_runner(gm: fx.GraphModule, backend: str) -> Callable[..., Any]:
+    """What ``ShardedModule.forward`` calls for ``backend``."""
+    if backend == "eager":
+        return gm
+    if backend == "inductor":
+        return InductorProgram(gm)
+    raise ValueError(f"shardc.compile: backend={backend!r} is not one of {BACKENDS}.")

@@ -1,0 +1,35 @@
+"""The torch releases shardc supports, and the names it uses that are newer than the oldest.
+
+``pyproject.toml`` states the range; the README's audit table gives, for every torch API
+the project calls, the first release that has it. Everything there is at or below
+``TORCH_FLOOR`` except the names in ``NEWER_THAN_FLOOR``, which the code reaches only
+through a fallback (``tests/test_torch_range.py`` hides them and trains).
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+TORCH_FLOOR = (2, 6)   # torch.export's training IR by default, export.default_decompositions
+TORCH_CEILING = (3, 0)  # exclusive: the next major may break the export and dispatch APIs
+
+# qualified name -> first torch release that has it; each is looked up with getattr and
+# a fallback (runtime/collectives.py: all_gather_into_tensor / reduce_scatter_tensor,
+# the same collectives under the names every release since 1.13 has)
+NEWER_THAN_FLOOR: dict[str, str] = {
+    "torch.distributed.all_gather_single": "2.13",
+    "torch.distributed.reduce_scatter_single": "2.13",
+}
+
+
+def torch_version(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of ``version`` (default: the installed torch), e.g. "2.13.0+cpu"."""
+    m = re.match(r"(\d+)\.(\d+)", version or torch.__version__)
+    if m is None:
+        raise ValueError(f"not a torch version: {version or torch.__version__!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def supported(version: str | None = None) -> bool:
+    return TORCH_FLOOR <= torch_version(version) < TORCH_CEILING
