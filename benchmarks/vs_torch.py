@@ -122,7 +122,7 @@ def _batch(shape: dict) -> tuple[torch.Tensor, torch.Tensor]:
 # ------------------------------------------------------------------------- systems
 # each builds (step function, parameters) on every rank; the step runs forward,
 # backward and AdamW on this rank's part of the global batch and returns the loss
-Step = Callable[[], float]
+Step = Callable[[], torch.Tensor]
 
 
 def _slice(t: torch.Tensor, parts: int, i: int) -> torch.Tensor:
@@ -130,8 +130,11 @@ def _slice(t: torch.Tensor, parts: int, i: int) -> torch.Tensor:
     return t[i * n:(i + 1) * n]
 
 
-def _train_step(model: nn.Module, params: Any, inputs: tuple, after_backward: Callable | None = None
-                ) -> Step:
+def _train_step(model: nn.Module, params: Any, inputs: tuple, after_backward: Callable | None = None,
+                mean_over: Any = None) -> Step:
+    """``mean_over``: the group over which the ranks hold different batch slices (the
+    returned loss is then averaged over it, outside the timed step, to compare with
+    shardc's, which is already the global batch's)."""
     opt = torch.optim.AdamW(params, lr=1e-3)
 
     def step() -> float:
@@ -141,7 +144,8 @@ def _train_step(model: nn.Module, params: Any, inputs: tuple, after_backward: Ca
             after_backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return loss.detach()
+    step.mean_over = mean_over  # type: ignore[attr-defined]
     return step
 
 
@@ -151,7 +155,7 @@ def ddp(shape: dict, world: int) -> Step:
     model = DDP(_model(shape), bucket_cap_mb=25)
     r = dist.get_rank()
     x, y = (_slice(t, world, r) for t in _batch(shape))
-    return _train_step(model, model.parameters(), (x, y))
+    return _train_step(model, model.parameters(), (x, y), mean_over=dist.group.WORLD)
 
 
 def fsdp2(shape: dict, world: int) -> Step:
@@ -168,7 +172,7 @@ def fsdp2(shape: dict, world: int) -> Step:
     fully_shard(model, mesh=mesh)
     r = dist.get_rank()
     x, y = (_slice(t, world, r) for t in _batch(shape))
-    return _train_step(model, model.parameters(), (x, y))
+    return _train_step(model, model.parameters(), (x, y), mean_over=dist.group.WORLD)
 
 
 def tp_dp(shape: dict, world: int) -> Step:
@@ -206,7 +210,7 @@ def tp_dp(shape: dict, world: int) -> Step:
 
     i = mesh.get_coordinate()[0]
     x, y = (_slice(t, dp, i) for t in _batch(shape))
-    return _train_step(model, model.parameters(), (x, y), sync)
+    return _train_step(model, model.parameters(), (x, y), sync, mean_over=dp_group)
 
 
 def shardc_mesh(spec: str, **kw: Any) -> Callable[[dict, int], Step]:
@@ -255,7 +259,12 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
                 dist.barrier()
                 times.append(time.perf_counter() - t)
             table.setdefault(name, []).append(statistics.median(times))
-            losses[name] = loss
+            group = getattr(step, "mean_over", None)
+            if group is not None:  # the global batch's loss, as shardc returns
+                loss = loss.clone()
+                dist.all_reduce(loss, group=group)
+                loss /= dist.get_world_size(group)
+            losses[name] = float(loss)
             if rank == 0:
                 print(f"round {rnd + 1}: {name}: {1e3 * statistics.median(times):.1f} ms", flush=True)
     if rank == 0:
