@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import operator
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -61,9 +61,7 @@ class JointProgram:
     n_outputs: int
     diff_outputs: list[int]  # outputs that take a tangent
     grad_of: list[int]  # primal index of each gradient backward returns
-    n_saved: int
     joint: fx.GraphModule  # the unsplit graph (for explain and tests)
-    notes: list[str] = field(default_factory=list)  # what each pass did, for explain
 
 
 RUN_FUNCTIONS = {fn for fn, _ in F.RUNNERS.values()}
@@ -153,8 +151,8 @@ def trace_joint(program: fx.GraphModule, ctx: CompileContext, primals: Sequence[
 
         gm.meta[N_OUTPUTS] = (n_outputs, n_primals)
         gm = reshard_pass(gm, ctx)
-    fwd, bwd, n_saved = _split(gm, n_primals, n_outputs, len(tangents))
-    return JointProgram(fwd, bwd, n_outputs, diff_outputs, grad_of, n_saved, gm)
+    fwd, bwd = _split(gm, n_primals, n_outputs, len(tangents))
+    return JointProgram(fwd, bwd, n_outputs, diff_outputs, grad_of, gm)
 
 
 def copy_graph(g: fx.Graph) -> fx.Graph:
@@ -218,10 +216,10 @@ def _collective_nodes_raw(g: fx.Graph) -> list[fx.Node]:
 
 
 def _split(gm: fx.GraphModule, n_primals: int, n_outputs: int, n_tangents: int
-           ) -> tuple[fx.GraphModule, fx.GraphModule, int]:
+           ) -> tuple[fx.GraphModule, fx.GraphModule]:
     g = gm.graph
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
-    primals, tangents = placeholders[:n_primals], placeholders[n_primals:]
+    tangents = placeholders[n_primals:]
     assert len(tangents) == n_tangents
     out_node = next(n for n in g.nodes if n.op == "output")
     outs = list(out_node.args[0])
@@ -262,7 +260,7 @@ def _split(gm: fx.GraphModule, n_primals: int, n_outputs: int, n_tangents: int
     bg.output(tuple(_arg(o, benv) for o in grads))
     fwd_gm = fx.GraphModule(gm, fg)
     bwd_gm = fx.GraphModule(gm, bg)
-    return fwd_gm, bwd_gm, len(saved)
+    return fwd_gm, bwd_gm
 
 
 def forward_nodes(g: fx.Graph, n_outputs: int, n_primals: int) -> set[fx.Node]:
