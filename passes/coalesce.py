@@ -38,6 +38,7 @@ import torch.fx as fx
 
 from shardc.context import COMM, CompileContext
 from shardc.passes.joint import RUN_FUNCTIONS, collective_nodes
+from shardc.passes.reshard import REGATHER
 from shardc.runtime import functional as F
 
 aten = torch.ops.aten
@@ -105,6 +106,10 @@ def coalesce_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     return gm
 
 
+def _as_list(v: Any) -> list:
+    return [] if v is None else list(v) if isinstance(v, list) else [v]
+
+
 def _val(a: Any) -> torch.Tensor:
     """The fake value of a node argument (the passes' nodes all carry one)."""
     assert isinstance(a, fx.Node), a
@@ -156,6 +161,11 @@ def _gather_together(g: fx.Graph, members: list[fx.Node]) -> None:
         issue.meta[COMM] = dict(first.meta[COMM])
         issue.meta[COALESCED] = {"members": len(members),
                                  "bytes": n * cat.meta["val"].element_size()}
+        # the forward gathers that members repeat in backward (reshard_after_forward):
+        # the comm report reads them from the program
+        again = [a for m in members for a in _as_list(m.meta.get(REGATHER))]
+        if again:
+            issue.meta[REGATHER] = again
     with g.inserting_before(first_wait):
         done = g.call_function(F.WAIT, (issue,))
         done.meta["val"] = issue.meta["val"]

@@ -240,7 +240,11 @@ class ShardedModule(nn.Module):
                 self._offline = trace_joint(self.graph_module, self.ctx, args, needs, names,
                                             offline=True)
             jp = self._offline
-        return [n.meta[REGATHER] for n in collective_nodes(jp.backward.graph) if REGATHER in n.meta]
+        out: list[str] = []
+        for n in collective_nodes(jp.backward.graph):
+            v = n.meta.get(REGATHER)  # a list where coalesce_pass packed several
+            out += [] if v is None else v if isinstance(v, list) else [v]
+        return out
 
     def _example_args(self) -> tuple[list[Any], list[bool]]:
         """Arguments shaped like this rank's (empty inputs of the local shapes)."""

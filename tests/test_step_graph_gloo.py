@@ -105,6 +105,8 @@ def _one(name: str, spec: str) -> list[str]:
     settings: list[dict] = [{"bucket_mb": 0}, {"bucket_mb": 0, "overlap": False}, {}]
     if mesh.size("z") > 1:  # weights are gathered only over z
         settings.insert(2, {"bucket_mb": 0, "reshard_after_forward": True})
+        # with coalescing: the report must still find the gathers packed per block
+        settings.insert(3, {"reshard_after_forward": True})
     for kw in settings:
         sm, losses, grads, comm = _train(model, mesh, batches, **kw)
         report = shardc.comm_report(sm).by_key()
