@@ -24,6 +24,7 @@ the tangents. This saves what autograd itself would save, give or take the views
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
 from dataclasses import dataclass
@@ -33,7 +34,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from shardc.context import COMM, PROGRAM, SOURCE, CompileContext
+from shardc.context import COMM, GLOBAL_VAL, PLACEMENT, PROGRAM, SOURCE, CompileContext
+from shardc.placement import Layout
 from shardc.runtime import collectives as C
 from shardc.runtime import functional as F
 
@@ -93,28 +95,107 @@ def trace_joint(program: fx.GraphModule, ctx: CompileContext, primals: Sequence[
     asked for one); ``param_names[i]``: the parameter it holds, if any, whose
     post-backward reductions (``reduce_params``) the step applies. ``offline``: trace
     without process groups (for the comm report; the result is not for running)."""
-    prog = fx.GraphModule(program, copy_graph(program.graph))
+    # the traced copy is only interpreted, never called: no Python code to generate
+    prog = _graph_module(program, copy_graph(program.graph))
     for n in prog.graph.nodes:
         if n.op == "call_function" and n.target in SWAP:
             n.target = SWAP[n.target]
-    prog.recompile()
+    # offline: no process group may be created (that would be a collective call)
+    F.STATE.offline = offline
+    try:
+        # A tangent for every floating output, shaped from its layout: the trace itself
+        # learns which outputs carry a gradient and drops the other tangents. Where the
+        # layout cannot say (an output without one) or said wrong, run the program once
+        # on fake tensors to see the outputs, and trace again.
+        foreseen = _tangent_specs(program, ctx)
+        try:
+            if foreseen is None:
+                raise _Unforeseen("an output without a layout")
+            return _trace(prog, program, ctx, primals, needs_grad, param_names, foreseen)
+        except _Unforeseen:
+            with torch.enable_grad():
+                probe = _probe_outputs(prog, primals, needs_grad)
+            seen = [(i, tuple(d.shape), d.dtype) for i, d in enumerate(probe) if d is not None]
+            return _trace(prog, program, ctx, primals, needs_grad, param_names, seen)
+    finally:
+        F.STATE.offline = False
+        F.STATE.log.clear()
+
+
+class _Unforeseen(Exception):
+    """An output's gradient needs a tangent the trace was not given."""
+
+
+def _graph_module(root: Any, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule that writes its Python code at its first call, not at every
+    ``recompile()``: the step passes rewrite each part several times and only the final
+    parts run (codegen of a joint graph is ~20% of building it). torch's lazy class is
+    private; without it, an ordinary GraphModule."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # pragma: no cover - every torch shardc accepts has it
+        return fx.GraphModule(root, graph)
+    return _LazyGraphModule(root, graph)
+
+
+def _lazy_graph_modules() -> Any:
+    """make_fx's GraphModule lazy too (see ``_graph_module``)."""
+    try:
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    except ImportError:  # pragma: no cover
+        return contextlib.nullcontext()
+    return _use_lazy_graph_module(True)
+
+
+def _tangent_specs(program: fx.GraphModule, ctx: CompileContext
+                   ) -> list[tuple[int, tuple[int, ...], torch.dtype]] | None:
+    """(output index, local shape, dtype) of each floating tensor output of the rank's
+    program, from the output's layout and global value; None when an output has none."""
+    out = next(n for n in program.graph.nodes if n.op == "output")
+    specs = []
+    for i, o in enumerate(out.args[0]):
+        if not isinstance(o, fx.Node):
+            continue
+        gval, lay = o.meta.get(GLOBAL_VAL), o.meta.get(PLACEMENT)
+        if not isinstance(gval, torch.Tensor):
+            return None
+        if not gval.dtype.is_floating_point:
+            continue
+        if not isinstance(lay, Layout):
+            return None
+        specs.append((i, tuple(lay.local_shape(gval.shape, ctx.mesh)), gval.dtype))
+    return specs
+
+
+def _trace(prog: fx.GraphModule, program: fx.GraphModule, ctx: CompileContext,
+           primals: Sequence[Any], needs_grad: Sequence[bool],
+           param_names: Sequence[str | None],
+           specs: list[tuple[int, tuple[int, ...], torch.dtype]]) -> JointProgram:
     reduce_params: dict[str, list[str]] = program.meta[PROGRAM].reduce_params
     grad_idx = [i for i, w in enumerate(needs_grad) if w]
     n_primals = len(primals)
     diff_outputs: list[int] = []
     n_outputs = 0
     unused: list[int] = []
+    offered = [i for i, _, _ in specs]
 
     def joint(*flat: Any) -> Any:
         nonlocal n_outputs
-        ins, tangents = flat[:n_primals], flat[n_primals:]
+        ins, tangents = flat[:n_primals], dict(zip(offered, flat[n_primals:]))
         with F.phase("forward"):
             outs = list(_NamingInterpreter(prog).run(*ins))
         n_outputs = len(outs)
+        diff_outputs[:] = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor)
+                           and o.requires_grad and o.dtype.is_floating_point]
+        for i in diff_outputs:
+            t = tangents.get(i)
+            if t is None or t.shape != outs[i].shape or t.dtype != outs[i].dtype:
+                raise _Unforeseen(f"output {i}")
         diff = [outs[i] for i in diff_outputs]
         wrt = [ins[i] for i in grad_idx]
         with F.phase("backward"):
-            grads = list(torch.autograd.grad(diff, wrt, tangents[:len(diff)], allow_unused=True))
+            grads = list(torch.autograd.grad(diff, wrt, [tangents[i] for i in diff_outputs],
+                                             allow_unused=True))
         for k, (i, g) in enumerate(zip(grad_idx, grads)):
             if g is None:
                 unused.append(i)
@@ -124,25 +205,22 @@ def trace_joint(program: fx.GraphModule, ctx: CompileContext, primals: Sequence[
             grads[k] = g
         return (*outs, *[g for g in grads if g is not None])
 
-    # offline: no process group may be created (that would be a collective call)
-    F.STATE.offline = offline
-    try:
-        # which outputs take a tangent: the floating ones that depend on a primal needing grad
-        with torch.enable_grad():
-            probe = _probe_outputs(prog, primals, needs_grad)
-        diff_outputs.extend(i for i, d in enumerate(probe) if d is not None)
-        tangents = [torch.zeros_like(d) for d in probe if d is not None]
-        F.STATE.log.clear()
-        args = [_as_input(p, w) for p, w in zip(primals, needs_grad)] + tangents
-        # make_fx keeps global state (its patcher); with torch's threaded process group the
-        # ranks are threads of one process and would trace at once. Tracing communicates
-        # nothing, so one rank at a time cannot deadlock.
-        with _TRACE_LOCK, torch.enable_grad():
-            gm = make_fx(joint, tracing_mode="fake")(*args)
-    finally:
-        F.STATE.offline = False
-    log = list(F.STATE.log)
+    device = next((p.device for p in primals if isinstance(p, torch.Tensor)), None)
+    tangents = [torch.zeros(shape, dtype=dtype, device=device) for _, shape, dtype in specs]
     F.STATE.log.clear()
+    F.STATE.shapes.clear()
+    args = [_as_input(p, w) for p, w in zip(primals, needs_grad)] + tangents
+    # make_fx keeps global state (its patcher); with torch's threaded process group the
+    # ranks are threads of one process and would trace at once. Tracing communicates
+    # nothing, so one rank at a time cannot deadlock.
+    with _TRACE_LOCK, torch.enable_grad(), _lazy_graph_modules():
+        gm = make_fx(joint, tracing_mode="fake")(*args)
+    log = list(F.STATE.log)
+    # the tangents of outputs that turned out to carry no gradient are never read
+    for (i, _, _), ph in zip(specs, [n for n in gm.graph.nodes if n.op == "placeholder"][n_primals:]):
+        if i not in diff_outputs:
+            assert not ph.users, ph
+            gm.graph.erase_node(ph)
     modules = {n.name: getattr(n.meta.get(SOURCE), "module", "") or "" for n in program.graph.nodes}
     _point_at_runners(gm, log, ctx, modules)
     grad_of = [i for i in grad_idx if i not in unused]
@@ -151,8 +229,8 @@ def trace_joint(program: fx.GraphModule, ctx: CompileContext, primals: Sequence[
 
         gm.meta[N_OUTPUTS] = (n_outputs, n_primals)
         gm = reshard_pass(gm, ctx)
-    fwd, bwd = _split(gm, n_primals, n_outputs, len(tangents))
-    return JointProgram(fwd, bwd, n_outputs, diff_outputs, grad_of, gm)
+    fwd, bwd = _split(gm, n_primals, n_outputs, len(diff_outputs))
+    return JointProgram(fwd, bwd, n_outputs, list(diff_outputs), grad_of, gm)
 
 
 def copy_graph(g: fx.Graph) -> fx.Graph:
@@ -258,8 +336,8 @@ def _split(gm: fx.GraphModule, n_primals: int, n_outputs: int, n_tangents: int
             continue
         benv[n] = bg.node_copy(n, lambda a: benv[a])
     bg.output(tuple(_arg(o, benv) for o in grads))
-    fwd_gm = fx.GraphModule(gm, fg)
-    bwd_gm = fx.GraphModule(gm, bg)
+    fwd_gm = _graph_module(gm, fg)
+    bwd_gm = _graph_module(gm, bg)
     return fwd_gm, bwd_gm
 
 

@@ -210,3 +210,65 @@ def test_coalesce_gathers_a_blocks_weights_and_scatters_its_gradients_together()
     a0.meta[COMM]["module"] = a1.meta[COMM]["module"] = "blocks.0"
     gm = coalesce_pass(b2.module(t0, t1), _ctx(bucket_mb=0))
     assert len([n for n in gm.graph.nodes if n.target is F.run_all_gather]) == 2
+
+
+class _ThreeOutputs(torch.nn.Module):
+    """A differentiable loss, a floating output that carries no gradient, an integer one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32, bias=False)
+        self.b = torch.nn.Linear(32, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        h = self.b(torch.relu(self.a(x)))
+        return h.square().mean(), h.detach() * 2, h.argmax(-1)
+
+
+def _joint(sm: shardc.ShardedModule):
+    from shardc.passes.joint import trace_joint
+
+    args, needs = sm._example_args()
+    names = [t if role == "param" else None for role, t in sm._feeds]
+    return trace_joint(sm.graph_module, sm.ctx, args, needs, names, offline=True)
+
+
+def _shape(jp) -> tuple:
+    """What a joint program computes, without its node names."""
+    def ops(gm):
+        return [(n.op, str(n.target)) for n in gm.graph.nodes]
+    return jp.n_outputs, jp.diff_outputs, jp.grad_of, ops(jp.forward), ops(jp.backward)
+
+
+def test_joint_tangents_from_layouts_match_a_probe_of_the_outputs(fake_world, monkeypatch) -> None:
+    """The joint tracer gives each floating output a tangent shaped from its layout and
+    keeps those of the outputs that carry a gradient. Where the layouts cannot say (or
+    say wrong), it runs the program once on fake tensors to see the outputs; both ways
+    must give the same program, with one tangent per differentiable output."""
+    from shardc.passes import joint as J
+
+    fake_world(4)
+    for mesh in (shardc.Mesh(x=2, data=2), shardc.Mesh(y=2, z=2)):
+        torch.manual_seed(0)
+        sm = shardc.compile(_ThreeOutputs(), mesh, (torch.randn(8, 16),))
+        planned = _joint(sm)
+        assert planned.diff_outputs == [0] and planned.n_outputs == 3
+        tangents = [n for n in planned.backward.graph.nodes
+                    if n.op == "placeholder" and not n.name.startswith("saved_")]
+        assert len(tangents) == 1
+        probed = []
+        real_probe = J._probe_outputs
+
+        def probe(*a):
+            probed.append(True)
+            return real_probe(*a)
+
+        monkeypatch.setattr(J, "_probe_outputs", probe)
+        monkeypatch.setattr(J, "_tangent_specs", lambda program, ctx: None)
+        assert _shape(_joint(sm)) == _shape(planned) and probed
+        # a layout that names the wrong shape is caught at trace time, not run
+        probed.clear()
+        monkeypatch.setattr(J, "_tangent_specs",
+                            lambda program, ctx: [(0, (3,), torch.float32), (1, (1, 16), torch.float32)])
+        assert _shape(_joint(sm)) == _shape(planned) and probed
+        monkeypatch.undo()
