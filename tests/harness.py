@@ -3,6 +3,7 @@ side with the single-device model on the same global batch."""
 from __future__ import annotations
 
 import copy
+import faulthandler
 import os
 import tempfile
 import traceback
@@ -16,6 +17,10 @@ import shardc
 
 
 def _worker(rank: int, world_size: int, store: str, fn: Callable, args: tuple, errdir: str) -> None:
+    # a rank killed by a signal (a crash in C++) leaves no Python traceback behind, only
+    # "process N terminated with signal ..."; faulthandler writes every thread's stack
+    fault = open(os.path.join(errdir, f"rank{rank}.fault"), "w")
+    faulthandler.enable(file=fault, all_threads=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
@@ -38,6 +43,11 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any) -> None:
         except Exception as e:  # noqa: BLE001
             errs = sorted(f for f in os.listdir(d) if f.endswith(".err"))
             text = open(os.path.join(d, errs[0])).read() if errs else str(e)
+            if not errs:
+                for f in sorted(f for f in os.listdir(d) if f.endswith(".fault")):
+                    stacks = open(os.path.join(d, f)).read()
+                    if stacks:
+                        text += f"\n{f[:-6]}'s stacks when it died:\n{stacks}"
             raise AssertionError(f"a rank failed:\n{text}") from None
 
 

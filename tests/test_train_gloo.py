@@ -9,12 +9,15 @@ runtime hands to torch.distributed equal to the comm report's, byte for byte.
 Ranks are spawned once per world size; all meshes and models run inside. A failing case
 is recorded (model, mesh, step or tensor, errors) and the sweep goes on; the test fails at
 the end listing every failing case. ``python tests/test_train_gloo.py MODEL@MESH ...``
-re-runs chosen cases (``--list`` names them all).
+re-runs chosen cases (``--list`` names them all). The 8-rank sweep runs every mesh with
+the MLP and three language models in turn (``cases_of_8_ranks``); SHARDC_FULL_SWEEP=1
+runs every model on every mesh of 8 ranks.
 """
 from __future__ import annotations
 
 import copy
 import math
+import os
 import sys
 import traceback
 
@@ -252,8 +255,41 @@ def test_full_grads_state_dict_roundtrip_and_dropout() -> None:
     run_on_ranks(_grads_state_dropout, 4)
 
 
+def cases_of_8_ranks(full: bool = False) -> list[tuple[str, str]]:
+    """The (model, mesh) cases of the 8-rank sweep: every mesh of 8 ranks trains the MLP
+    chain and three of the nine language models, taken in turn (mesh j: models 4j,
+    4j+1, 4j+2 mod 9), so that each language model trains on six or seven meshes of 8
+    ranks with a different pair of neighbours each time; every model also trains on
+    every mesh of 1, 2 and 4 ranks. ``full``: all 200 cases (one step program traced per
+    case and rank: ~15 minutes on two cores, over CI's budget; SHARDC_FULL_SWEEP=1)."""
+    meshes = [m.spec() for m in shardc.Mesh.all(8)]
+    lms = [n for n in MODELS if n != "mlp"]
+    if full:
+        return [(n, s) for n in MODELS for s in meshes]
+    picked = [("mlp", s) for s in meshes]
+    for j, s in enumerate(meshes):
+        picked += [(lms[(4 * j + k) % len(lms)], s) for k in range(3)]
+    # model by model: compile reuses a model's torch.export trace for all its meshes
+    order = list(MODELS)
+    return sorted(picked, key=lambda c: (order.index(c[0]), meshes.index(c[1])))
+
+
 def test_all_20_meshes_of_8_ranks() -> None:
-    run_on_ranks(_sweep, 8, [m.spec() for m in shardc.Mesh.all(8)])
+    run_on_ranks(_cases, 8, cases_of_8_ranks(full=os.environ.get("SHARDC_FULL_SWEEP") == "1"))
+
+
+def test_the_8_rank_sweep_covers_every_mesh_and_model() -> None:
+    """The rotation above leaves no mesh and no model out, and mixes the families."""
+    cases = cases_of_8_ranks()
+    meshes = {m.spec() for m in shardc.Mesh.all(8)}
+    assert {s for _, s in cases} == meshes
+    per_model = {n: {s for m, s in cases if m == n} for n in MODELS}
+    assert per_model["mlp"] == meshes
+    assert all(len(v) >= 6 for v in per_model.values()), per_model
+    # no two meshes get the same three language models in a row of three
+    triples = [frozenset(m for m, s2 in cases if s2 == s and m != "mlp") for s in sorted(meshes)]
+    assert len(set(triples)) >= 9
+    assert len(cases_of_8_ranks(full=True)) == len(MODELS) * len(meshes)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -267,7 +303,6 @@ def test_bad_input_fails_on_every_rank_without_hanging() -> None:
 
 if __name__ == "__main__":
     # python tests/test_train_gloo.py gpt@x2y1z1d4 litgpt_gqa@x2y2z2d1 ...: re-run cases
-    import os
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # the ranks' torch deprecation noise
     if sys.argv[1:] in ([], ["--list"]):
         print(" ".join(f"{n}@{m.spec()}" for w in (1, 2, 4, 8) for n in MODELS for m in shardc.Mesh.all(w)))
