@@ -15,6 +15,7 @@ from .grad_sync import grad_sync_pass
 from .lower import lower_pass
 from .bucket import bucket_pass
 from .coalesce import coalesce_pass
+from .gemm_modes import gemm_modes_pass
 from .prefetch import prefetch_pass
 from .schedule import schedule_pass
 
@@ -37,6 +38,9 @@ STEP_PIPELINE: list[Pass] = [
     bucket_pass,
     # one all-gather / reduce-scatter per block of weights (FSDP2's grouping)
     coalesce_pass,
+    # copies GEMM operands into the chosen form (NN/NT/TN); "auto" only times here and
+    # rewrites once the ranks agree (gemm_modes.settle, after every rank built its part)
+    gemm_modes_pass,
     # only reorders, last: issues early, waits late, blocking paths first
     schedule_pass,
 ]

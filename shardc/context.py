@@ -54,12 +54,14 @@ class Options:
             raise ValueError(
                 f"shardc.compile: gemm_modes={self.gemm_modes!r} is not one of {GEMM_MODES}."
             )
-        if self.gemm_modes != "default":
-            # refuse rather than run the default form while claiming another
-            raise NotImplementedError(
-                f"shardc.compile: gemm_modes={self.gemm_modes!r} (timing NN/NT/TN per GEMM) is not "
-                "implemented yet; every GEMM runs in PyTorch's default form. Use "
-                "gemm_modes='default'.")
+        if self.gemm_modes != "default" and (not self.step_graph or self.backend != "eager"
+                                             or self.activation_checkpoint == "blocks"):
+            # the forms are a pass of the whole-step program: refuse rather than run the
+            # traced forms while claiming others
+            raise ValueError(
+                f"shardc.compile: gemm_modes={self.gemm_modes!r} rewrites the GEMMs of the "
+                "whole-step program, which step_graph=False, backend='inductor' and "
+                "activation_checkpoint='blocks' do not run; use gemm_modes='default' with them.")
         if self.reshard_after_forward and not self.step_graph:
             raise ValueError("shardc.compile: reshard_after_forward=True re-gathers weights inside "
                              "the whole-step program; it needs step_graph=True.")

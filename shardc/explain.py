@@ -180,5 +180,22 @@ def _step_section(sm: Any) -> list[str]:
                 if info["gemms"]:
                     text += f" incl. {len(info['gemms'])} GEMM(s)"
             lines.append(text)
+        lines += _gemm_lines(gm, o.gemm_modes)
     lines.append("")
     return lines
+
+
+def _gemm_lines(gm: Any, modes: str) -> list[str]:
+    """How many GEMMs of a part run in which form, and which the pass changed."""
+    from collections import Counter
+
+    from shardc.passes.gemm_modes import GEMM, gemm_nodes
+
+    nodes = gemm_nodes(gm.graph)
+    if modes == "default" or not nodes:
+        return []
+    moved = Counter((m["traced"], m["mode"]) for n in nodes if (m := n.meta.get(GEMM)))
+    kept = sum(c for (t, r), c in moved.items() if t == r)
+    changed = ", ".join(f"{c} {t}->{r}" for (t, r), c in sorted(moved.items()) if t != r)
+    return [f"    GEMM forms (gemm_modes={modes}): {len(nodes)} GEMMs, {kept} as traced"
+            + (f", {changed}" if changed else "")]

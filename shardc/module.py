@@ -219,6 +219,10 @@ class ShardedModule(nn.Module):
                           f"({self._joint_failed}); running the forward program with "
                           "autograd's backward (no overlap or bucketing passes).", stacklevel=3)
             return None
+        from shardc.passes.gemm_modes import settle
+
+        assert jp is not None
+        settle([jp.forward, jp.backward], self.ctx)
         return jp
 
     def regathered(self) -> list[str]:

@@ -250,10 +250,13 @@ def test_weight_gathers_are_prefetched_in_topological_order(fake_world, depth: i
                                        _mlp_inputs(), prefetch_depth=0).graph_module.graph.nodes]
 
 
-def test_unimplemented_gemm_modes_are_refused(fake_world) -> None:
+def test_gemm_modes_need_the_whole_step_program(fake_world) -> None:
+    """The forms are a pass of the whole-step program: where it does not run, refused."""
     fake_world(1)
-    with pytest.raises(NotImplementedError, match="gemm_modes='auto' .* not implemented yet"):
-        shardc.compile(MLPChain(), shardc.Mesh(), _mlp_inputs(), gemm_modes="auto")
+    for kw in ({"step_graph": False}, {"backend": "inductor"}, {"activation_checkpoint": "blocks"}):
+        with pytest.raises(ValueError, match="gemm_modes='auto' rewrites the GEMMs of the whole-step"):
+            shardc.compile(MLPChain(), shardc.Mesh(), _mlp_inputs(), gemm_modes="auto", **kw)
+    shardc.compile(MLPChain(), shardc.Mesh(), _mlp_inputs(), gemm_modes="auto")
     with pytest.raises(ValueError, match="gemm_modes='XX' is not one of"):
         shardc.compile(MLPChain(), shardc.Mesh(), _mlp_inputs(), gemm_modes="XX")
 

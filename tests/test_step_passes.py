@@ -272,3 +272,44 @@ def test_joint_tangents_from_layouts_match_a_probe_of_the_outputs(fake_world, mo
                             lambda program, ctx: [(0, (3,), torch.float32), (1, (1, 16), torch.float32)])
         assert _shape(_joint(sm)) == _shape(planned) and probed
         monkeypatch.undo()
+
+
+def test_gemm_modes_copy_operands_into_the_form_and_keep_the_product() -> None:
+    """A fixed form copies each operand not stored as the form asks (and only those) and
+    the product stays a product of the same matrices: each entry within the standard
+    bound of a K-term fp32 dot product, K * u * (|A| @ |B|), of the float64 one."""
+    from shardc.passes.gemm_modes import GEMM, gemm_modes_pass, gemm_nodes
+    from shardc.runtime.gemm import form
+
+    def build() -> fx.GraphModule:
+        b = G()
+        x, w, g = b.input("x", 8, 32), b.input("w", 16, 32), b.input("g", 8, 16)
+        y = b.op(aten.mm.default, x, b.op(aten.t.default, w))        # x @ W^T: NT
+        dw = b.op(aten.mm.default, b.op(aten.t.default, g), x)        # g^T @ x: TN
+        z = b.op(aten.addmm.default, b.input("bias", 16), x, b.op(aten.t.default, w))
+        return b.module(y, dw, z)
+
+    gen = torch.Generator().manual_seed(0)
+    ins = [torch.randn(8, 32, generator=gen), torch.randn(16, 32, generator=gen),
+           torch.randn(8, 16, generator=gen), torch.randn(16, generator=gen)]
+    want = build()(*[t.double() for t in ins])
+    absolute = build()(*[t.double().abs() for t in ins])
+    for mode in ("NN", "NT", "TN"):
+        gm = gemm_modes_pass(build(), _ctx(gemm_modes=mode))
+        gemms = gemm_nodes(gm.graph)
+        assert [n.meta[GEMM]["traced"] for n in gemms] == ["NT", "TN", "NT"]
+        assert all(n.meta[GEMM]["mode"] == mode for n in gemms)
+        # every GEMM now reads operands stored in the form (the fake values say so)
+        assert all(form(n.args[-2].meta["val"], n.args[-1].meta["val"]) == mode for n in gemms)
+        copies = [n for n in gm.graph.nodes if n.target is aten.clone.default]
+        # one per operand not stored as the form asks: NN: W^T twice, g^T; NT: g^T and x
+        # of dW; TN: x and W^T of both forward products
+        assert len(copies) == {"NN": 3, "NT": 2, "TN": 4}[mode], (mode, len(copies))
+        got = gm(*ins)
+        for c, c64, bound in zip(got, want, absolute):
+            k = 32 if c.shape[1] != 32 else 8
+            # (k + 1): addmm adds the bias too
+            assert ((c.double() - c64).abs() <= (k + 1) * 2.0 ** -24 * bound).all(), mode
+    # default: untouched
+    gm = gemm_modes_pass(build(), _ctx(gemm_modes="default"))
+    assert not [n for n in gm.graph.nodes if n.target is aten.clone.default]
