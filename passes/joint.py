@@ -64,6 +64,13 @@ class JointProgram:
     diff_outputs: list[int]  # outputs that take a tangent
     grad_of: list[int]  # primal index of each gradient backward returns
     joint: fx.GraphModule  # the unsplit graph (for explain and tests)
+    # what the step calls for each part: the GraphModule itself, or its compiled form
+    # (backend="inductor": shardc/backend.py); set by ShardedModule when it is built
+    run_forward: Any = None
+    run_backward: Any = None
+
+    def runners(self) -> tuple[Any, Any]:
+        return (self.run_forward or self.forward, self.run_backward or self.backward)
 
 
 RUN_FUNCTIONS = {fn for fn, _ in F.RUNNERS.values()}

@@ -19,7 +19,7 @@ from shardc.passes.joint import JointProgram
 class JointStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, jp: JointProgram, *primals: Any) -> Any:
-        res = jp.forward(*primals)
+        res = jp.runners()[0](*primals)
         outs, saved = res[:jp.n_outputs], res[jp.n_outputs:]
         ctx.jp = jp
         # saved values (activations, gathered weights) go through save_for_backward, so
@@ -37,7 +37,7 @@ class JointStep(torch.autograd.Function):
     def backward(ctx: Any, *gouts: Any) -> Any:
         jp: JointProgram = ctx.jp
         tangents = [gouts[i].contiguous() for i in jp.diff_outputs]
-        grads = jp.backward(*ctx.saved_tensors, *tangents)
+        grads = jp.runners()[1](*ctx.saved_tensors, *tangents)
         out: list[Any] = [None] * ctx.n_primals
         for i, g in zip(jp.grad_of, grads):
             out[i] = g

@@ -35,13 +35,16 @@ from torch.fx.passes.split_module import split_module
 
 from shardc.context import BACKENDS
 from shardc.runtime import collectives as C
+from shardc.runtime import functional as F
 from shardc.runtime import ops as R
 
-# Runtime functions that hand tensors to torch.distributed (or wait on them). Every
-# other call in a program is local compute, pure given its inputs and the rank.
+# Runtime functions that hand tensors to torch.distributed (or wait on them): the
+# forward program's and the whole-step program's (passes/joint.py). Every other call in
+# a program is local compute, pure given its inputs and the rank.
 _COLLECTIVE_FUNCTIONS = frozenset({
     C.all_gather_start, C.all_reduce_start, C.reduce_scatter_start, C.all_to_all_start,
     C.wait, C.grad_all_reduce,
+    *(fn for fn, _ in F.RUNNERS.values()), F.WAIT,
 })
 # Namespaces of ATen collectives (functional collectives and c10d's own ops), so a program
 # that calls those instead is cut the same way.
@@ -73,9 +76,19 @@ def is_random(node: fx.Node) -> bool:
     return False
 
 
+def writes_in_place(node: fx.Node) -> bool:
+    """Does ``node`` write into one of its arguments? ``make_fx``'s whole-step program keeps
+    a few in-place ops (dropout's ``div_`` of the mask it just drew), where export's forward
+    program has none."""
+    t = node.target
+    return (node.op == "call_function" and isinstance(t, torch._ops.OpOverload)
+            and t._schema.is_mutable)
+
+
 def runs_eagerly(node: fx.Node) -> bool:
-    """Nodes the inductor backend leaves out of every compiled piece."""
-    return is_collective(node) or is_random(node)
+    """Nodes the inductor backend leaves out of every compiled piece: a piece is then a
+    pure function of its inputs, safe to run again eagerly if compiling it failed."""
+    return is_collective(node) or is_random(node) or writes_in_place(node)
 
 
 def split_at_collectives(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str], list[str]]:
@@ -120,18 +133,50 @@ def _reason(e: BaseException) -> str:
     return why if root is e else f"{type(e).__name__} from {why}"
 
 
+def _is_view(n: fx.Node) -> bool:
+    t = n.target
+    if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return False
+    rets = t._schema.returns
+    return bool(rets) and rets[0].alias_info is not None and not rets[0].alias_info.is_write
+
+
+def mutates(piece: fx.GraphModule) -> bool:
+    """Does a piece write in place into one of its inputs (or a view of one)? ``make_fx``'s
+    step program keeps in-place ops (dropout's ``div_``) where export's forward program is
+    functional; one on a tensor the piece itself made is harmless."""
+    for n in piece.graph.nodes:
+        t = n.target
+        if not (n.op == "call_function" and isinstance(t, torch._ops.OpOverload)
+                and t._schema.is_mutable):
+            continue
+        written = [a for a, arg in zip(n.args, t._schema.arguments)
+                   if arg.alias_info is not None and arg.alias_info.is_write]
+        for a in written:
+            while isinstance(a, fx.Node) and _is_view(a):
+                a = a.args[0]
+            if not isinstance(a, fx.Node) or a.op == "placeholder":
+                return True
+    return False
+
+
 class _CompiledPiece(torch.nn.Module):
     """A compute piece compiled on its first call; if compiling fails, the piece runs
-    eagerly from then on and a warning says why (the rest of the program stays compiled)."""
+    eagerly from then on and a warning says why (the rest of the program stays compiled).
+    A piece that writes in place into an input is never compiled: running it again
+    eagerly after a compiled attempt failed partway would apply its writes twice."""
 
     def __init__(self, name: str, piece: fx.GraphModule, options: dict[str, Any]) -> None:
         super().__init__()
         self.name = name
         self.eager = piece
-        self.compiled: Callable[..., Any] | None = torch.compile(
-            piece, backend="inductor", dynamic=False, options=options)
         self.tried = False
         self.failure: str | None = None
+        self.compiled: Callable[..., Any] | None = None
+        if mutates(piece):
+            self.failure = "writes into an input in place"
+        else:
+            self.compiled = torch.compile(piece, backend="inductor", dynamic=False, options=options)
 
     def forward(self, *args: Any) -> Any:
         if self.compiled is None:
@@ -175,6 +220,7 @@ class InductorProgram:
 
     @property
     def fallbacks(self) -> list[str]:
+        """Pieces that run eagerly: inductor failed on them, or they write into an input."""
         return [f"{n}: {p.failure}" for n, p in self._pieces.items() if p.failure]
 
     def __call__(self, *args: Any) -> Any:

@@ -60,8 +60,9 @@ class Options:
             # traced forms while claiming others
             raise ValueError(
                 f"shardc.compile: gemm_modes={self.gemm_modes!r} rewrites the GEMMs of the "
-                "whole-step program, which step_graph=False, backend='inductor' and "
-                "activation_checkpoint='blocks' do not run; use gemm_modes='default' with them.")
+                "whole-step program, which step_graph=False and activation_checkpoint='blocks' "
+                "do not run, and backend='inductor' picks its own layouts; use "
+                "gemm_modes='default' with them.")
         if self.reshard_after_forward and not self.step_graph:
             raise ValueError("shardc.compile: reshard_after_forward=True re-gathers weights inside "
                              "the whole-step program; it needs step_graph=True.")
@@ -77,8 +78,9 @@ class Options:
         if self.reshard_after_forward and (self.backend != "eager"
                                            or self.activation_checkpoint == "blocks"):
             raise ValueError("shardc.compile: reshard_after_forward=True is a pass of the "
-                             "whole-step program, which backend='inductor' and "
-                             "activation_checkpoint='blocks' do not run; use one of them.")
+                             "whole-step program, which activation_checkpoint='blocks' does not "
+                             "run, and has not been tested with backend='inductor'; use one of "
+                             "them.")
         if self.prefetch_depth < 0:
             raise ValueError(f"shardc.compile: prefetch_depth must be >= 0, got {self.prefetch_depth}.")
 

@@ -173,14 +173,13 @@ class ShardedModule(nn.Module):
         The forward program runs instead: without gradients; with step_graph=False; under
         ``no_sync`` and until the synced backward after it (no_sync defers reductions the
         forward program's backward issues); with activation_checkpoint (the recompute runs
-        autograd's checkpoint over the forward program); with backend="inductor" (its
-        compiled pieces are the forward program's)."""
+        autograd's checkpoint over the forward program). With backend="inductor" the
+        step program's parts run with their compute compiled (shardc/backend.py)."""
         needs = [isinstance(a, torch.Tensor) and a.requires_grad and
                  (role == "param" or (role == "input" and target in self.ctx.grad_inputs))
                  for a, (role, target) in zip(args, self._feeds)]
         eager = (not (self.ctx.options.step_graph and torch.is_grad_enabled() and any(needs))
                  or self._joint_failed is not None or self._recompute is not None
-                 or self.ctx.options.backend != "eager"
                  or not self.runtime.sync or self.pending_reductions() > 0)
         if eager:
             return self._forward_program(args)
@@ -223,6 +222,11 @@ class ShardedModule(nn.Module):
 
         assert jp is not None
         settle([jp.forward, jp.backward], self.ctx)
+        if self.ctx.options.backend != "eager":
+            from shardc.backend import build_runner
+
+            jp.run_forward = build_runner(jp.forward, self.ctx.options.backend)
+            jp.run_backward = build_runner(jp.backward, self.ctx.options.backend)
         return jp
 
     def regathered(self) -> list[str]:

@@ -1,5 +1,6 @@
 """compile(..., backend="inductor"): the compute between collectives through inductor,
-collectives and random draws eager (shardc/backend.py)."""
+collectives, random draws and in-place writes eager (shardc/backend.py), in the forward
+program and in both parts of the whole-step program."""
 from __future__ import annotations
 
 import copy
@@ -83,9 +84,14 @@ def _inductor_vs_eager(rank: int, world_size: int, spec: str) -> None:
         loss = sm(*local)
         loss.backward()
         results[backend] = (shardc.global_mean(loss, mesh).item(), sm.full_grads(), sm)
-    program = results["inductor"][2]._runner
-    assert isinstance(program, InductorProgram) and program.pieces > 1
-    assert program.fallbacks == []  # every piece really went through inductor
+    # training runs the whole-step program (forward and backward in one graph, with the
+    # step passes), each part cut at its collectives and compiled piece by piece
+    (jp,) = results["inductor"][2]._joint.values()
+    for part in jp.runners():
+        assert isinstance(part, InductorProgram) and part.pieces >= 1
+        assert part.fallbacks == []  # every piece really went through inductor
+        assert all(p.tried for p in part._pieces.values())
+    assert jp.runners()[0].pieces > 1
     torch.set_rng_state(rng)
     loss64 = ref64(*batch).item()
     (loss_e, grads_e, _), (loss_i, grads_i, _) = results["eager"], results["inductor"]
@@ -127,7 +133,9 @@ def test_inductor_failure_falls_back_to_eager_with_a_warning(monkeypatch) -> Non
                 loss = sm(x, t)
             assert any("runs eagerly" in str(w.message) and "no C++ compiler" in str(w.message)
                        for w in caught), [str(w.message) for w in caught]
-            assert sm._runner.fallbacks and sm._runner.pieces == len(sm._runner.fallbacks)
+            (jp,) = sm._joint.values()
+            forward = jp.runners()[0]
+            assert forward.fallbacks and forward.pieces == len(forward.fallbacks)
             loss.backward()
             ref = eager(x, t)
             ref.backward()
