@@ -16,6 +16,7 @@ from .lower import lower_pass
 from .bucket import bucket_pass
 from .coalesce import coalesce_pass
 from .gemm_modes import gemm_modes_pass
+from .inplace import inplace_pass
 from .prefetch import prefetch_pass
 from .schedule import schedule_pass
 
@@ -41,6 +42,8 @@ STEP_PIPELINE: list[Pass] = [
     # copies GEMM operands into the chosen form (NN/NT/TN); "auto" only times here and
     # rewrites once the ranks agree (gemm_modes.settle, after every rank built its part)
     gemm_modes_pass,
+    # after the packing passes made their buffers: reduces fresh buffers in place
+    inplace_pass,
     # only reorders, last: issues early, waits late, blocking paths first
     schedule_pass,
 ]

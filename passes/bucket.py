@@ -15,7 +15,8 @@ latency steps, a gloo or NCCL launch) once per parameter; DDP packs gradients in
 25 MiB buckets for that reason. Buckets fill in the order backward produces the
 gradients (the graph's order), one axis and dtype per bucket, and close when the next
 gradient would make them larger than ``bucket_mb`` (a gradient larger than that alone
-gets a bucket of its own). The scheduling pass then issues each bucket as soon as its
+gets a bucket of its own); the first bucket closes at 1 MiB already, as DDP's does, so
+that some reduction overlaps backward even when every gradient would fit in one bucket. The scheduling pass then issues each bucket as soon as its
 last gradient exists, so the reduction of the last layers overlaps the backward of the
 first.
 
@@ -36,6 +37,7 @@ from shardc.runtime import functional as F
 
 aten = torch.ops.aten
 BUCKET = "shardc_bucket"  # node.meta of a bucket's collective: {"members", "bytes"}
+FIRST_BUCKET_MB = 1.0  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
 
 
 def _step_reductions(gm: fx.GraphModule) -> list[fx.Node]:
@@ -66,7 +68,11 @@ def bucket_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         key = (n.meta[COMM]["axis"], n.meta["val"].dtype, n.args[2])
         buckets = groups.setdefault(key, [[]])
         cur = buckets[-1]
-        if cur and sum(_nbytes(m) for m in cur) + _nbytes(n) > limit:
+        # the first bucket is small (DDP's 1 MiB): the last layers' gradients go out
+        # while backward still has most of the model to do, instead of everything
+        # waiting for one full bucket at the end
+        cap = min(limit, FIRST_BUCKET_MB * 2 ** 20) if len(buckets) == 1 else limit
+        if cur and sum(_nbytes(m) for m in cur) + _nbytes(n) > cap:
             buckets.append(cur := [])
         cur.append(n)
     made = 0
@@ -98,6 +104,7 @@ def _pack(gm: fx.GraphModule, members: list[fx.Node]) -> None:
         cat = g.call_function(aten.cat.default, (flats,))
         total = sum(n.meta["val"].numel() for n in members)
         cat.meta["val"] = members[0].meta["val"].new_empty(total)
+        # (inplace_pass then reduces the packed buffer itself: nothing else reads it)
         issue = g.call_function(F.run_all_reduce, (cat, "sum", gname, rt, axis, ph))
         issue.meta["val"] = cat.meta["val"]
         issue.meta[COMM] = dict(last.meta[COMM])

@@ -274,7 +274,12 @@ def run_reduce_scatter(x: torch.Tensor, op: str, group_size: int, group_name: st
 
 
 def run_all_reduce(x: torch.Tensor, op: str, group_name: str, rt: str, axis: str,
-                   ph: str) -> torch.Tensor:
+                   ph: str, inplace: bool = False) -> torch.Tensor:
+    """``inplace``: reduce ``x`` itself instead of a copy (the functional op clones its
+    input first); for a buffer nothing else reads, such as a bucket the program just
+    packed (a clone of a 13 MiB bucket cost more than the reduction's own copy)."""
+    if inplace:
+        return _issue(rt, "all_reduce", axis, ph, x, lambda: _fc.all_reduce_(x, op, group_name))
     return _issue(rt, "all_reduce", axis, ph, x, lambda: _fc.all_reduce(x, op, group_name))
 
 

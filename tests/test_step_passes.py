@@ -313,3 +313,34 @@ def test_gemm_modes_copy_operands_into_the_form_and_keep_the_product() -> None:
     # default: untouched
     gm = gemm_modes_pass(build(), _ctx(gemm_modes="default"))
     assert not [n for n in gm.graph.nodes if n.target is aten.clone.default]
+
+
+def test_inplace_reduces_only_fresh_buffers_nothing_else_reads() -> None:
+    """A GEMM's partial sum or a packed bucket is reduced in place; a program input, a
+    view (it shares memory with its base) or a value read again later keeps the copy."""
+    from shardc.passes.bucket import bucket_pass
+    from shardc.passes.inplace import inplace_pass
+
+    b = G()
+    x, w = b.input("x", 8, 16), b.input("w", 16, 16)
+    fresh = b.op(aten.mm.default, x, w)
+    ar_fresh, t_fresh = b.collective("all_reduce", fresh, "x", "backward")
+    ar_input, t_input = b.collective("all_reduce", x, "x", "backward")
+    view = b.op(aten.view.default, b.op(aten.mm.default, x, w), [128])
+    ar_view, t_view = b.collective("all_reduce", view, "x", "backward")
+    again = b.op(aten.mm.default, x, w)
+    ar_again, t_again = b.collective("all_reduce", again, "x", "backward")
+    used = b.op(aten.add.Tensor, again, 1.0)
+    gm = inplace_pass(b.module(t_fresh, t_input, t_view, t_again, used), _ctx())
+    assert [n.kwargs.get("inplace", False) for n in (ar_fresh, ar_input, ar_view, ar_again)] == \
+        [True, False, False, False]
+    # a bucket's packed buffer is fresh and read by its reduction alone
+    b2 = G()
+    grads = []
+    for i in range(3):
+        g = b2.op(aten.mul.Tensor, b2.input(f"g{i}", 4, 4), 2.0)
+        _, wt = b2.collective("all_reduce", g, "data", "step")
+        grads.append(wt)
+    gm = inplace_pass(bucket_pass(b2.module(*grads), _ctx()), _ctx())
+    (issue,) = [n for n in gm.graph.nodes if n.target is F.run_all_reduce]
+    assert issue.kwargs.get("inplace") is True and issue.args[0].target is aten.cat.default
