@@ -2,7 +2,7 @@
 against "blocks", on gloo CPU ranks (the figures of the README's activation
 checkpointing table):
 
-    python examples/recompute_memory.py LAYERS MESH [MESH ...]
+    python examples/recompute_memory.py LAYERS MESH [MESH ...] [--prefetch-depth N]
     python examples/recompute_memory.py 8 x1y1z1d4 x1y1z4d1
 
 A GPT of LAYERS blocks (dim 64, 64 tokens, 16 sequences a rank); the peak is measured
@@ -25,7 +25,7 @@ from models import GPT  # noqa: E402
 from test_recompute_gloo import _peak_growth  # noqa: E402
 
 
-def _measure(rank: int, world_size: int, spec: str, layers: int) -> None:
+def _measure(rank: int, world_size: int, spec: str, layers: int, prefetch_depth: int | None) -> None:
     warnings.simplefilter("ignore")
     mesh = shardc.Mesh.parse(spec)
     g = torch.Generator().manual_seed(1)
@@ -34,15 +34,25 @@ def _measure(rank: int, world_size: int, spec: str, layers: int) -> None:
     model = GPT(dim=64, layers=layers, heads=8, seq=64)
     peak = {}
     for policy in ("none", "blocks"):
-        sm = shardc.compile(model, mesh, example_inputs=(tokens, tokens), activation_checkpoint=policy)
+        sm = shardc.compile(model, mesh, example_inputs=(tokens, tokens), activation_checkpoint=policy,
+                            prefetch_depth=prefetch_depth)
         local = [shardc.shard_batch(tokens, mesh)] * 2
         _peak_growth(sm, local)
         peak[policy] = min(_peak_growth(sm, local) for _ in range(2))
     if rank == 0:
-        print(f"{spec} layers={layers}: none {peak['none'] / 2**20:.2f} MiB, blocks "
+        print(f"{spec} layers={layers} prefetch_depth={prefetch_depth}: none {peak['none'] / 2**20:.2f} MiB, blocks "
               f"{peak['blocks'] / 2**20:.2f} MiB, ratio {peak['none'] / peak['blocks']:.2f}", flush=True)
 
 
 if __name__ == "__main__":
-    for spec in sys.argv[2:]:
-        run_on_ranks(_measure, shardc.Mesh.parse(spec).world_size, spec, int(sys.argv[1]))
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("layers", type=int)
+    ap.add_argument("meshes", nargs="+")
+    # default: compile's (1, and 0 under activation_checkpoint="blocks")
+    ap.add_argument("--prefetch-depth", type=int, default=None)
+    args = ap.parse_args()
+    for spec in args.meshes:
+        run_on_ranks(_measure, shardc.Mesh.parse(spec).world_size, spec, args.layers,
+                     args.prefetch_depth)
