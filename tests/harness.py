@@ -41,8 +41,11 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any) -> None:
         try:
             mp.spawn(_worker, args=(world_size, f"{d}/store", fn, args, d), nprocs=world_size, join=True)
         except Exception as e:  # noqa: BLE001
-            errs = sorted(f for f in os.listdir(d) if f.endswith(".err"))
-            text = open(os.path.join(d, errs[0])).read() if errs else str(e)
+            texts = {f: open(os.path.join(d, f)).read() for f in sorted(os.listdir(d))
+                     if f.endswith(".err")}
+            # the rank that failed first, not a peer that then lost its connection to it
+            errs = sorted(texts, key=lambda f: "gloo/transport" in texts[f])
+            text = texts[errs[0]] if errs else str(e)
             if not errs:
                 for f in sorted(f for f in os.listdir(d) if f.endswith(".fault")):
                     stacks = open(os.path.join(d, f)).read()

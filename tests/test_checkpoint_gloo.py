@@ -190,6 +190,10 @@ def _safety(rank: int, root: str, sm: Any, opt: torch.optim.Optimizer, sm2: Any,
             ckpt.save(sm, opt, d, step=2)
     assert ckpt.latest(d) == os.path.join(d, "step_00000001")
     assert os.path.isdir(os.path.join(d, ".tmp-step_00000002"))  # the partial save, ignored
+    # every rank has looked before rank 0's next save clears the partial directory (a
+    # slow rank otherwise asserts after it is gone, dies, and its peers see only
+    # "Connection closed by peer")
+    torch.distributed.barrier()
 
     # the job dies after every rank wrote, before rank 0 published
     def dying_publish(*args: Any, **kwargs: Any) -> None:
