@@ -36,6 +36,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardc.context import COMM, GLOBAL_VAL, PLACEMENT, PROGRAM, SOURCE, CompileContext
 from shardc.placement import Layout
+from shardc.precision import reduce_dtype
 from shardc.runtime import collectives as C
 from shardc.runtime import functional as F
 
@@ -208,7 +209,8 @@ def _trace(prog: fx.GraphModule, program: fx.GraphModule, ctx: CompileContext,
                 unused.append(i)
                 continue
             for axis in reduce_params.get(param_names[i] or "", []):
-                g = F.step_all_reduce(g, ctx.rt, axis, param_names[i] or "")
+                g = F.step_all_reduce(g, ctx.rt, axis, param_names[i] or "",
+                                      reduce_dtype(g.dtype, ctx.options.precision.reduce))
             grads[k] = g
         return (*outs, *[g for g in grads if g is not None])
 

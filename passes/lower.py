@@ -47,6 +47,9 @@ class Val:
     param: str | None = None  # set when the value is a parameter, maybe transposed
     ptrans: bool = False  # the value is the parameter transposed (t / permute)
     pchain: tuple = ()  # dtype casts applied to the parameter, replayed after gathering
+    # a narrowing cast (fp32 -> bf16) applied to the parameter: done before gathering, by
+    # the all-gather itself, so the weight travels in the narrow dtype
+    pcast: Any = None
 
     @property
     def shape(self) -> list[int]:
@@ -126,6 +129,8 @@ class Lowering:
         self.decisions: list[str] = []
         self.src = SourceInfo("", "", "")
         self.cur: fx.Node | None = None
+        # the dtype the next collective of a parameter's redistribution sends in (pcast)
+        self._send: torch.dtype | None = None
 
     # ------------------------------------------------------------------ emission
     def emit(self, target: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
@@ -152,9 +157,9 @@ class Lowering:
         return self._redistribute(v.node, v.layout.clean(self.mesh), target, v.val)
 
     def _redistribute(self, node: fx.Node, cur: Layout, target: Layout, gval: Any) -> fx.Node:
-        if cur == target:
+        if cur == target and self._send is None:
             return node
-        key: tuple = (node, target)
+        key: tuple = (node, target, self._send)
         if key in self.cache:
             return self.cache[key]
         lay = cur
@@ -203,6 +208,7 @@ class Lowering:
         for axis, op in target.partial:
             assert dict(lay.partial).get(axis) == op, (cur, target)
         assert lay == target, (cur, target, lay)
+        node = self._cast_pending(node, lay, gval)
         self.cache[key] = node
         return node
 
@@ -216,8 +222,16 @@ class Lowering:
         finally:
             self.src = here
 
+    def _cast_pending(self, node: fx.Node, lay: Layout, gval: Any) -> fx.Node:
+        """A parameter's narrowing cast that no all-gather took on: done here, locally."""
+        if self._send is None:
+            return node
+        dtype, self._send = self._send, None
+        return self.emit(aten._to_copy.default, (node,), {"dtype": dtype}, layout=lay, val=gval)
+
     def _reduce(self, node: fx.Node, lay: Layout, axis: str, op: str, gval: Any
                 ) -> tuple[fx.Node, Layout]:
+        node = self._cast_pending(node, lay, gval)
         with self._at_origin(node, axis):
             node = self._all_reduce(node, lay, axis, op, gval)
         return node, lay.with_replicated(axis)
@@ -253,6 +267,7 @@ class Lowering:
                     ) -> tuple[fx.Node, Layout]:
         """Cut over ``axis`` along ``src`` -> along ``dst``: an all-to-all moves (G-1)/G of
         the piece, where gathering and slicing would move (G-1) times it."""
+        node = self._cast_pending(node, lay, gval)
         out = lay.with_replicated(axis).with_shard(axis, dst)
         done = self._stacked(C.all_to_all_start, (node, self.rt, axis, src, dst), out,
                              {"collective": "all_to_all", "axis": axis, "src": src, "dst": dst})
@@ -294,18 +309,25 @@ class Lowering:
         red = aten.amax.default if op == "max" else aten.amin.default
         return self.emit(red, (done, [0]), layout=out, val=gval)
 
-    def _stacked(self, target: Callable, args: tuple, out: Layout, comm: dict) -> fx.Node:
+    def _stacked(self, target: Callable, args: tuple, out: Layout, comm: dict,
+                 kwargs: dict | None = None) -> fx.Node:
         """Issue a collective that fills a (G, *piece) buffer and wait for it; the buffer's
         dims are ``out``'s shifted by one (dim 0 indexes the ranks of the axis)."""
         buf = Layout(out.ndim + 1, ((),) + out.dims, out.partial, (1,) + out.interleave)
-        start = self.emit(target, args, layout=buf, val=None, kind="collective")
+        start = self.emit(target, args, kwargs, layout=buf, val=None, kind="collective")
         start.meta[COMM] = comm
         return self.emit(C.wait, (start,), layout=buf, val=None, kind="wait")
 
     def _all_gather(self, node: fx.Node, lay: Layout, axis: str, dim: int, gval: Any) -> fx.Node:
         out = lay.with_replicated(axis)
+        kwargs = {}
+        if self._send is not None:
+            # the parameter's narrowing cast, fused into its first gather: sent narrow, and
+            # the gradient reduce-scattered in the policy's reduce dtype (runtime.collectives)
+            kwargs = {"dtype": self._send, "reduce_dtype": self.ctx.options.precision.reduce}
+            self._send = None
         done = self._stacked(C.all_gather_start, (node, self.rt, axis, "slice"), out,
-                             {"collective": "all_gather", "axis": axis, "dim": dim})
+                             {"collective": "all_gather", "axis": axis, "dim": dim}, kwargs)
         k = lay.interleave[dim]
         if k == 1:
             return self.emit(C.concat_gathered, (done, dim), layout=out, val=gval)
@@ -322,7 +344,14 @@ class Lowering:
                            tuple(reversed(want.interleave)))
         if name not in self.storage:
             self.storage[name] = self._storage_for(pwant, list(self.param_val[name].shape))
-        node = self._redistribute(self.param_ph[name], self.storage[name], pwant, self.param_val[name])
+        if v.pcast is not None:
+            self._send = v.pcast
+            node = self._redistribute(self.param_ph[name], self.storage[name], pwant,
+                                      _cast_val(self.param_val[name], v.pcast))
+            self._send = None  # consumed, or the cached redistribution already casts
+        else:
+            node = self._redistribute(self.param_ph[name], self.storage[name], pwant,
+                                      self.param_val[name])
         if v.ptrans:
             key: tuple = (node, "t")
             if key not in self.cache:
@@ -437,6 +466,11 @@ class Lowering:
                     want = want.with_shard(a, 0)
         assert lay.ndim == v.ndim, (self.cur, lay, v.val.shape)
         return self.to_layout(v, want)
+
+
+def _cast_val(val: Any, dtype: torch.dtype) -> Any:
+    """The global value ``val`` in ``dtype`` (shape and dtype are what the passes read)."""
+    return torch.empty(val.shape, dtype=dtype, device="meta")
 
 
 def _may_carry_grad(node: fx.Node) -> bool:

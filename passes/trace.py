@@ -5,8 +5,16 @@ Writes: an ExportedProgram whose ops the sharding rules know (ops with a rule ar
         whole, everything else decomposed to core ATen so that e.g. ``mse_loss`` arrives
         as sub/pow/mean, which have rules)
 
-The trace depends only on the model's code and the inputs' shapes, never on parameter
-values or on the mesh, so one trace serves every mesh a model is compiled for.
+The trace depends only on the model's code, the inputs' shapes and the compute dtype of
+the precision policy, never on parameter values or on the mesh, so one trace serves
+every mesh a model is compiled for.
+
+Under a mixed-precision policy the model is traced as it runs under that policy on one
+device: each floating parameter cast to the compute dtype where it is read, floating
+inputs cast on entry. Casting the traced graph afterwards would not do: the model's own
+dtype decisions (``x.to(input_dtype)`` in Llama's RMSNorm, ``logits.float()``) are
+recorded as constants at trace time, and a later cast would leave them contradicting
+the parameters (an fp32 activation meeting a bf16 weight in a GEMM).
 """
 from __future__ import annotations
 
@@ -16,6 +24,7 @@ from typing import Any
 import torch
 
 from shardc.errors import TraceError
+from shardc.precision import CastAtUse
 from shardc.passes.checkpoint_calls import record_checkpoint_calls, unique
 
 _CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, dict[Any, torch.export.ExportedProgram]]" = \
@@ -29,10 +38,13 @@ def _signature(inputs: tuple) -> Any:
     return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else repr(a) for a in inputs)
 
 
-def trace(model: torch.nn.Module, example_inputs: tuple) -> torch.export.ExportedProgram:
+def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = torch.float32
+          ) -> torch.export.ExportedProgram:
+    """``compute``: the policy's compute dtype (``shardc.precision``); fp32 traces the
+    model as it is."""
     from shardc.passes.rules import RULES
 
-    key = (_signature(example_inputs), model.training)
+    key = (_signature(example_inputs), model.training, compute)
     per_model = _CACHE.setdefault(model, {})
     if key in per_model:
         return per_model[key]
@@ -41,7 +53,8 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> torch.export.Exporte
     # same dropout masks as the single-device model seeded identically.
     with torch.random.fork_rng(devices=[]), record_checkpoint_calls(model, found):
         try:
-            ep = torch.export.export(model, tuple(example_inputs), strict=False)
+            root = model if compute == torch.float32 else CastAtUse(model, compute)
+            ep = torch.export.export(root, tuple(example_inputs), strict=False)
         except Exception as e:  # noqa: BLE001 - re-raised with the cause named
             raise TraceError(_explain_trace_failure(model, e)) from e
         if not all(_has_rule(n.target, RULES) for n in ep.graph.nodes if n.op == "call_function"):

@@ -142,12 +142,14 @@ def _issue(buf: torch.Tensor, rt: str, collective: str, axis: str, phase: str, f
 # ---------------------------------------------------------------------------- forward
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, grad: str, key: str | None = None
+    def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, grad: str, key: str | None = None,
+                dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None
                 ) -> torch.Tensor:
         r = get_runtime(rt)
         g = r.mesh.size(axis)
         ctx.rt, ctx.axis, ctx.grad, ctx.key = rt, axis, grad, key
-        x = x.contiguous()
+        ctx.in_dtype, ctx.reduce_dtype = x.dtype, reduce_dtype or x.dtype
+        x = x.contiguous() if dtype is None else x.to(dtype).contiguous()
         flat = x.reshape((-1, *x.shape[1:])) if x.dim() else x.reshape(1)
         buf = x.new_empty((g, *x.shape))
         # gloo wants the output as (G*d0, ...): hand it a view, return the base
@@ -163,26 +165,30 @@ class _AllGather(torch.autograd.Function):
             # The gathered tensor fed computations that differ across the axis (other
             # tokens), so each rank's gradient is a partial sum: reduce and keep our shard.
             shape = g_buf.shape[1:]
-            g_flat = g_buf.contiguous().reshape((-1, *shape[1:]) if len(shape) else (-1,))
+            # a gather that cast (precision): the gradient comes back in the input's dtype,
+            # held across no_sync in it, and reduced in the policy's reduce dtype
+            g_flat = g_buf.to(ctx.in_dtype).contiguous().reshape(
+                (-1, *shape[1:]) if len(shape) else (-1,))
             if not r.sync and ctx.key is not None:
                 # no_sync and x is a weight: keep the whole unreduced gradient; the shard
                 # gets nothing now. (Without a key x is an activation, whose gradient the
                 # rest of backward needs now: reduced every time, which is exact too.)
                 held = r.deferred.get(ctx.key)
                 r.deferred[ctx.key] = g_flat.clone() if held is None else held.add_(g_flat)
-                return None, None, None, None, None
+                return None, None, None, None, None, None, None
             held = r.deferred.pop(ctx.key, None) if ctx.key is not None else None
             if held is not None:
                 # reduce-scatter is linear: reducing the sum of the micro-batches'
                 # gradients once equals reducing each and summing the shards
                 g_flat = held.add_(g_flat)
+            g_flat = g_flat.to(ctx.reduce_dtype)
             out = g_flat.new_empty((g_flat.shape[0] // g_buf.shape[0], *g_flat.shape[1:]))
             r.count("reduce_scatter", ctx.axis, "backward", g_flat)
             with guarded(ctx.rt, "reduce_scatter", ctx.axis, "backward"):
                 reduce_scatter_flat(out, g_flat, group=r.group(ctx.axis))
-            return out.view(shape), None, None, None, None
+            return out.view(shape).to(ctx.in_dtype), None, None, None, None, None, None
         # The gradient is already the same on every rank of the axis: keep our piece.
-        return g_buf[r.coord(ctx.axis)], None, None, None, None
+        return g_buf[r.coord(ctx.axis)].to(ctx.in_dtype), None, None, None, None, None, None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -281,13 +287,18 @@ class _GradAllReduce(torch.autograd.Function):
 
 
 # --------------------------------------------------------------- graph-callable ops
-def all_gather_start(x: torch.Tensor, rt: str, axis: str, grad: str, key: str | None = None
+def all_gather_start(x: torch.Tensor, rt: str, axis: str, grad: str, key: str | None = None,
+                     dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None
                      ) -> torch.Tensor:
     """Issue an all-gather over ``axis``; returns a (G, *x.shape) buffer being filled.
     ``grad`` is "reduce_scatter" or "slice", decided by the gradient analysis pass;
     ``key`` names the gather (its node) so that ``no_sync`` can hold its unreduced
-    gradient across backward calls."""
-    return _AllGather.apply(x, rt, axis, grad, key)
+    gradient across backward calls. ``dtype`` casts ``x`` before sending (a weight under
+    a mixed-precision policy); its gradient is then reduce-scattered in ``reduce_dtype``
+    (default: x's own dtype) and returned in x's dtype. The cast belongs to the gather
+    because a separate cast node would round the reduced gradient to the narrow dtype
+    on its way back."""
+    return _AllGather.apply(x, rt, axis, grad, key, dtype, reduce_dtype)
 
 
 def all_reduce_start(x: torch.Tensor, rt: str, axis: str, op: str = "sum") -> torch.Tensor:
@@ -377,13 +388,14 @@ def axis_index(rt: str, axis: str) -> int:
     return get_runtime(rt).coord(axis)
 
 
-def grad_reduce_hook(rt: str, axis: str, name: str | None = None):
+def grad_reduce_hook(rt: str, axis: str, name: str | None = None, dtype: torch.dtype | None = None):
     """A leaf-tensor hook that sums a parameter's gradient over ``axis`` (the "step"
     phase: data-parallel reduction, or any axis whose ranks saw different tokens).
 
     Under ``no_sync`` it passes the local gradient through (``.grad`` accumulates local
     sums) and marks parameter ``name`` unreduced; the next synced backward leaves that
-    parameter to ``grad_reduce_after_accumulate``, which reduces ``.grad`` as a whole."""
+    parameter to ``grad_reduce_after_accumulate``, which reduces ``.grad`` as a whole.
+    ``dtype``: the precision policy's reduce dtype, when narrower than the gradient."""
     r = get_runtime(rt)
 
     def hook(g: torch.Tensor) -> torch.Tensor:
@@ -393,16 +405,18 @@ def grad_reduce_hook(rt: str, axis: str, name: str | None = None):
             return g
         if name is not None and name in r.unreduced:
             return g
-        g = g.clone(memory_format=torch.contiguous_format)
+        own = g.dtype
+        g = g.clone(memory_format=torch.contiguous_format) if dtype is None else g.to(dtype)
         r.count("all_reduce", axis, "step", g)
         with guarded(rt, "all_reduce", axis, "step"):
             dist.all_reduce(g, group=r.group(axis))
-        return g
+        return g.to(own)
 
     return hook
 
 
-def grad_reduce_after_accumulate(rt: str, axes: list[str], name: str):
+def grad_reduce_after_accumulate(rt: str, axes: list[str], name: str,
+                                 dtype: torch.dtype | None = None):
     """A post-accumulate-grad hook: in the first synced backward after ``no_sync``, sum
     the parameter's accumulated ``.grad`` (earlier micro-batches' local gradients plus
     this one's) over ``axes``, in place: one reduction for all the micro-batches."""
@@ -414,7 +428,10 @@ def grad_reduce_after_accumulate(rt: str, axes: list[str], name: str):
         r.unreduced.discard(name)
         assert p.grad is not None
         for axis in axes:
-            r.count("all_reduce", axis, "step", p.grad)
-            dist.all_reduce(p.grad, group=r.group(axis))
+            g = p.grad if dtype is None else p.grad.to(dtype)
+            r.count("all_reduce", axis, "step", g)
+            dist.all_reduce(g, group=r.group(axis))
+            if dtype is not None:
+                p.grad.copy_(g)
 
     return hook

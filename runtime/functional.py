@@ -114,11 +114,14 @@ def _exchange(x: torch.Tensor, rt: str, axis: str, node: str) -> torch.Tensor:
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, grad: str) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, grad: str,
+                dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None
+                ) -> torch.Tensor:
         ctx.rt, ctx.axis, ctx.grad, ctx.shape = rt, axis, grad, tuple(x.shape)
+        ctx.in_dtype, ctx.reduce_dtype = x.dtype, reduce_dtype or x.dtype
         ctx.node = STATE.node
         g = get_runtime(rt).mesh.size(axis)
-        flat = x.contiguous()
+        flat = x.contiguous() if dtype is None else x.to(dtype).contiguous()
         flat = flat.reshape(1) if flat.dim() == 0 else flat
         _log("all_gather", axis)
         buf = _fc.all_gather_into_tensor(flat, g, _gname(rt, axis))
@@ -130,9 +133,10 @@ class _AllGather(torch.autograd.Function):
         r = get_runtime(ctx.rt)
         g = r.mesh.size(ctx.axis)
         if ctx.grad == "reduce_scatter":
-            out = _scatter(g_flat, ctx.rt, ctx.axis, ctx.node)
-            return out.reshape(ctx.shape), None, None, None
-        return g_flat.reshape((g, *ctx.shape))[r.coord(ctx.axis)], None, None, None
+            out = _scatter(g_flat.to(ctx.reduce_dtype), ctx.rt, ctx.axis, ctx.node)
+            return out.reshape(ctx.shape).to(ctx.in_dtype), None, None, None, None, None
+        piece = g_flat.reshape((g, *ctx.shape))[r.coord(ctx.axis)]
+        return piece.to(ctx.in_dtype), None, None, None, None, None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -200,11 +204,12 @@ class _GradAllReduce(torch.autograd.Function):
 
 
 # ------------------------------------------------- the counterparts of collectives.*
-def all_gather_start(x: torch.Tensor, rt: str, axis: str, grad: str, key: str | None = None
+def all_gather_start(x: torch.Tensor, rt: str, axis: str, grad: str, key: str | None = None,
+                     dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None
                      ) -> torch.Tensor:
     # ``key`` names the gather for no_sync's held gradients; the step program does not
     # run under no_sync (the module runs the forward program then), so it is unused here
-    return _AllGather.apply(x, rt, axis, grad)
+    return _AllGather.apply(x, rt, axis, grad, dtype, reduce_dtype)
 
 
 def all_reduce_start(x: torch.Tensor, rt: str, axis: str, op: str = "sum") -> torch.Tensor:
@@ -229,9 +234,13 @@ def grad_all_reduce(x: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
     return _GradAllReduce.apply(x, rt, axis)
 
 
-def step_all_reduce(g: torch.Tensor, rt: str, axis: str, param: str) -> torch.Tensor:
-    """The post-backward sum of a parameter's gradient over ``axis`` (phase "step")."""
+def step_all_reduce(g: torch.Tensor, rt: str, axis: str, param: str,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The post-backward sum of a parameter's gradient over ``axis`` (phase "step"),
+    in ``dtype`` when the precision policy reduces narrower than the gradient."""
     with phase("step"):
+        if dtype is not None:
+            return _reduce(g.to(dtype), rt, axis, f"grad:{param}").to(g.dtype)
         return _reduce(g, rt, axis, f"grad:{param}")
 
 

@@ -13,12 +13,13 @@ from shardc.mesh import Mesh
 from shardc.module import ShardedModule
 from shardc.placement import Layout, Partial, Replicate, Shard
 from shardc.planner import Candidate, plan
+from shardc.precision import CastAtUse, Precision
 from shardc.report import CommReport, CommRow, comm_report
 
 __all__ = ["Mesh", "compile", "shard_batch", "global_mean", "ShardedModule", "ShardcError",
            "TraceError", "CollectiveError", "Layout", "Shard", "Replicate", "Partial", "explain", "comm_report",
            "CommReport", "CommRow", "Machine", "plan", "Candidate", "checkpoint", "StepGuard",
-           "NonFiniteError", "clip_grad_norm_", "ShardcWarning"]
+           "NonFiniteError", "clip_grad_norm_", "ShardcWarning", "Precision", "CastAtUse"]
 
 
 def __getattr__(name: str) -> Any:

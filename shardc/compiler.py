@@ -71,7 +71,7 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
             gemm_modes: str = "default", step_graph: bool = True, bucket_mb: float = 25.0,
             reshard_after_forward: bool = False, machine: Any = None,
             input_layouts: Mapping[int, Layout] | None = None,
-            activation_checkpoint: Any = "none", precision: str = "fp32",
+            activation_checkpoint: Any = "none", precision: Any = "fp32",
             shard_optimizer: bool = False, backend: str = "eager") -> ShardedModule:
     """Compile ``model`` into this rank's program for ``mesh``. Collective: call it on
     every rank, after ``torch.distributed.init_process_group``, with the same model and
@@ -94,10 +94,12 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
 
     ``activation_checkpoint="blocks"`` recomputes every repeated block in backward (run
     with autograd's backward over the forward program: the step passes do not apply).
-    ``precision`` ("fp32") and ``shard_optimizer`` (False) are named by the API; other
-    values are refused with ``NotImplementedError`` until they are built.
+    ``precision="bf16"`` computes and communicates in bf16 with fp32 parameters and
+    gradient reductions; a ``shardc.Precision(compute, reduce)`` says both dtypes (see
+    ``shardc.precision``). ``shard_optimizer=True`` is named by the API and refused with
+    ``NotImplementedError`` until it is built.
     ``torch.autocast`` around ``compile`` or the compiled module is refused (the comm
-    report would not match what moves); a model calling ``torch.utils.checkpoint``
+    report would not match what moves; use ``precision``); a model calling ``torch.utils.checkpoint``
     compiles with a warning naming the modules, whose activations are kept (torch.export
     inlines the checkpoint).
 
@@ -146,7 +148,7 @@ def _compile_here(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | li
                   prefetch_depth: int, gemm_modes: str, step_graph: bool, bucket_mb: float,
                   reshard_after_forward: bool, machine: Any,
                   input_layouts: Mapping[int, Layout] | None, activation_checkpoint: Any,
-                  precision: str, shard_optimizer: bool, backend: str) -> ShardedModule:
+                  precision: Any, shard_optimizer: bool, backend: str) -> ShardedModule:
     """``compile`` on this rank alone; ``seen["items"]`` gets what the ranks compare."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"shardc.compile: model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -180,7 +182,7 @@ def _compile_here(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | li
                       shard_optimizer=shard_optimizer, backend=backend)
     if dist.get_backend() != "fake" and dist.get_world_size() > 1:
         seen["items"] = describe(model, mesh, example_inputs, options, input_layouts,
-                                 trace(model, example_inputs).graph)
+                                 trace(model, example_inputs, options.precision.compute).graph)
     sm = _compile(model, mesh, example_inputs, options, dist.get_rank(), input_layouts)
     validate.after_compile(sm, model, example_inputs)
     return sm
@@ -188,7 +190,7 @@ def _compile_here(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | li
 
 def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
              rank: int, input_layouts: Mapping[int, Layout] | None = None) -> ShardedModule:
-    ep = trace(model, example_inputs)
+    ep = trace(model, example_inputs, options.precision.compute)
     lost = checkpointed_modules(ep)
     if lost:
         warnings.warn(

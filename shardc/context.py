@@ -6,6 +6,7 @@ from typing import Any
 
 from shardc.mesh import Mesh
 from shardc.placement import Layout
+from shardc.precision import as_precision
 
 # node.meta keys (listed with their invariants in passes/README.md)
 PLACEMENT = "shardc_placement"  # Layout of the node's (global-shaped) value
@@ -20,7 +21,6 @@ PROGRAM = "shardc"  # gm.meta key: what the passes learnt (storage layouts, fall
 
 GEMM_MODES = ("auto", "default", "NN", "NT", "TN")
 CHECKPOINT_POLICIES = ("none", "blocks")
-PRECISIONS = ("fp32", "bf16")
 BACKENDS = ("eager", "inductor")  # how the rank's program runs (shardc/backend.py)
 
 
@@ -40,11 +40,13 @@ class Options:
     # memory behaviour); needs step_graph
     reshard_after_forward: bool = False
     activation_checkpoint: Any = "none"
-    precision: str = "fp32"
+    # "fp32", "bf16" or a shardc.Precision; a Precision after construction
+    precision: Any = "fp32"
     shard_optimizer: bool = False
     backend: str = "eager"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", as_precision(self.precision))
         if self.backend not in BACKENDS:
             raise ValueError(
                 f"shardc.compile: backend={self.backend!r} is not one of {BACKENDS}: 'eager' runs "
@@ -68,7 +70,7 @@ class Options:
                              "the whole-step program; it needs step_graph=True.")
         if self.bucket_mb < 0:
             raise ValueError(f"shardc.compile: bucket_mb must be >= 0, got {self.bucket_mb}.")
-        _check_memory_options(self.activation_checkpoint, self.precision, self.shard_optimizer)
+        _check_memory_options(self.activation_checkpoint, self.shard_optimizer)
         # both run the forward program through something the other cannot wrap: refuse
         # the pair rather than silently drop one
         if self.activation_checkpoint == "blocks" and self.backend != "eager":
@@ -85,7 +87,7 @@ class Options:
             raise ValueError(f"shardc.compile: prefetch_depth must be >= 0, got {self.prefetch_depth}.")
 
 
-def _check_memory_options(activation_checkpoint: Any, precision: Any, shard_optimizer: Any) -> None:
+def _check_memory_options(activation_checkpoint: Any, shard_optimizer: Any) -> None:
     """The API names these options; what is not built yet is refused, never ignored."""
     if isinstance(activation_checkpoint, str):
         if activation_checkpoint not in CHECKPOINT_POLICIES:
@@ -97,13 +99,6 @@ def _check_memory_options(activation_checkpoint: Any, precision: Any, shard_opti
             f"shardc.compile: activation_checkpoint={activation_checkpoint!r}: selective "
             "policies are not implemented yet. Use 'none' (keep every activation) or 'blocks' "
             "(recompute each repeated block in backward).")
-    if precision not in PRECISIONS:
-        raise ValueError(f"shardc.compile: precision={precision!r} is not one of {PRECISIONS}.")
-    if precision != "fp32":
-        raise NotImplementedError(
-            f"shardc.compile: precision={precision!r} (bf16 compute and communication with fp32 "
-            "parameters and gradient reductions) is not implemented yet. Use precision='fp32', "
-            "or cast the whole model with model.to(torch.bfloat16) before compiling.")
     if not isinstance(shard_optimizer, bool):
         raise TypeError(f"shardc.compile: shard_optimizer must be True or False, got "
                         f"{shard_optimizer!r}.")

@@ -58,6 +58,10 @@ def _format(n: fx.Node) -> str:
             args.append(f"op={n.args[3]}")
         if t is C.all_gather_start:
             args.append(f"backward={n.args[3]}")
+            if n.kwargs.get("dtype") is not None:  # precision: the weight sent narrow
+                short = str(n.kwargs["dtype"]).replace("torch.", "")
+                red = str(n.kwargs.get("reduce_dtype") or "").replace("torch.", "")
+                args.append(f"send={short}" + (f", reduce={red}" if red else ""))
         body = ", ".join(args)
     elif t is R.vocab_parallel_embedding or t is R.target_logit:
         body = f"{_arg(n.args[0])}, {_arg(n.args[1])}, axis={n.args[3]}"
@@ -81,6 +85,10 @@ def explain(sm: Any) -> str:
     for r in rep.rows:
         per_node.setdefault(r.node, []).append(f"{r.phase} {r.collective}@{r.axis} {_fmt_bytes(r.bytes)}")
     lines = [f"shardc program for {mesh} ({mesh.world_size} ranks; byte counts are per rank)", ""]
+    policy = sm.ctx.options.precision
+    if policy.mixed:
+        lines[-1:-1] = [f"precision: {policy}; parameters and optimizer state in their own "
+                        "dtype (weights cast before their all-gather)"]
     lines.append("parameters: global shape -> stored shard [placement]")
     for name, gshape, lshape, lay in sm.parameter_report():
         extra = ""

@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 
 from shardc import validate
 from shardc.context import KIND, PARAM, PLACEMENT, PROGRAM, CompileContext
-from shardc.precision import check_no_autocast
+from shardc.precision import check_no_autocast, reduce_dtype
 from shardc.errors import ShardcError
 from shardc.mesh import Mesh
 from shardc.placement import Layout, local_slice, shard_offsets
@@ -130,10 +130,12 @@ class ShardedModule(nn.Module):
         self._hooks_active = True
         for name, axes in self.grad_reductions.items():
             p = self.get_parameter(name)
+            dt = reduce_dtype(p.dtype, ctx.options.precision.reduce)
             for axis in axes:
-                p.register_hook(self._eager_only(C.grad_reduce_hook(runtime.key, axis, name)))
+                p.register_hook(self._eager_only(C.grad_reduce_hook(runtime.key, axis, name, dt)))
             # acts only after no_sync, which the forward program runs (never the step's)
-            p.register_post_accumulate_grad_hook(C.grad_reduce_after_accumulate(runtime.key, axes, name))
+            p.register_post_accumulate_grad_hook(
+                C.grad_reduce_after_accumulate(runtime.key, axes, name, dt))
 
     def _eager_only(self, hook: Any) -> Any:
         def run(g: torch.Tensor) -> torch.Tensor:

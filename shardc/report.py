@@ -21,6 +21,7 @@ import torch.fx as fx
 from shardc.context import GLOBAL_VAL, KIND, PARAM, PLACEMENT, REQUIRES_GRAD, SOURCE
 from shardc.mesh import AXES, Mesh
 from shardc.placement import Layout
+from shardc.precision import reduce_dtype
 from shardc.runtime import collectives as C
 from shardc.runtime.volume import as_number, ring_bytes
 
@@ -70,6 +71,10 @@ def _elsize(val: Any) -> int:
     return torch.empty((), dtype=val.dtype).element_size() if isinstance(val, torch.Tensor) else 4
 
 
+def _dtype_size(dtype: Any) -> int:
+    return torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 0
+
+
 def _local_numel(n: fx.Node, mesh: Mesh) -> int:
     val, lay = n.meta.get(GLOBAL_VAL), n.meta.get(PLACEMENT)
     if not isinstance(val, torch.Tensor):
@@ -104,7 +109,10 @@ def _param_of(n: Any) -> str | None:
 
 
 def build_rows(gm: fx.GraphModule, mesh: Mesh, storage: dict[str, Layout],
-               reduce_params: dict[str, list[str]], param_vals: dict[str, Any]) -> list[CommRow]:
+               reduce_params: dict[str, list[str]], param_vals: dict[str, Any],
+               reduce: torch.dtype = torch.float32) -> list[CommRow]:
+    """``reduce``: the precision policy's reduce dtype (the step reductions' dtype where
+    it is narrower than the parameter's)."""
     rows: list[CommRow] = []
 
     def src(n: fx.Node) -> tuple[str, str]:
@@ -119,15 +127,21 @@ def build_rows(gm: fx.GraphModule, mesh: Mesh, storage: dict[str, Layout],
             inp = n.args[0]
             axis, mode = n.args[2], n.args[3]
             g = mesh.size(axis)
-            shard = _local_numel(inp, mesh) * _elsize(inp.meta[GLOBAL_VAL])
+            # a gather that casts (precision) sends its dtype and reduces the gradient in
+            # its reduce dtype; else both move the input's dtype
+            own = _elsize(inp.meta[GLOBAL_VAL])
+            sent = _dtype_size(n.kwargs.get("dtype")) or own
+            reduced = _dtype_size(n.kwargs.get("reduce_dtype")) or own
+            elems = _local_numel(inp, mesh)
             num, divs = _terms(inp)
             param = _param_of(inp)
             rows.append(CommRow(n.name, op, module, param, "all_gather", axis, "forward",
-                                as_number(ring_bytes("all_gather", g, shard)), num, divs))
+                                as_number(ring_bytes("all_gather", g, elems * sent)),
+                                num // own * sent, divs))
             if mode == "reduce_scatter" and inp.meta.get(REQUIRES_GRAD):
                 rows.append(CommRow(n.name, op, module, param, "reduce_scatter", axis, "backward",
-                                    as_number(ring_bytes("reduce_scatter", g, g * shard)), num, divs,
-                                    True))
+                                    as_number(ring_bytes("reduce_scatter", g, g * elems * reduced)),
+                                    num // own * reduced, divs, True))
         elif n.target in (C.reduce_scatter_start, C.all_to_all_start):
             # partial -> shard (backward: all-gather of the gradient), or shard(i) ->
             # shard(j) (backward: the reverse all-to-all)
@@ -158,8 +172,9 @@ def build_rows(gm: fx.GraphModule, mesh: Mesh, storage: dict[str, Layout],
     for name, axes in reduce_params.items():
         val = param_vals[name]
         lay = storage[name]
-        nb = math.prod(lay.local_shape(list(val.shape), mesh)) * _elsize(val)
-        num = math.prod(val.shape) * _elsize(val)
+        el = _dtype_size(reduce_dtype(val.dtype, reduce) or val.dtype)
+        nb = math.prod(lay.local_shape(list(val.shape), mesh)) * el
+        num = math.prod(val.shape) * el
         divs = tuple(a for d in lay.dims for a in d)
         module = name.rsplit(".", 1)[0] if "." in name else ""
         for axis in axes:
@@ -305,7 +320,8 @@ def comm_report(sm: Any) -> CommReport:
     for n in gm.graph.nodes:
         if n.op == "placeholder" and n.meta.get(KIND) == "param":
             param_vals[n.meta[PARAM]] = n.meta[GLOBAL_VAL]
-    rows = build_rows(gm, sm.mesh, sm.param_layouts, sm.grad_reductions, param_vals)
+    rows = build_rows(gm, sm.mesh, sm.param_layouts, sm.grad_reductions, param_vals,
+                      sm.ctx.options.precision.reduce)
     # reshard_after_forward: the weights backward gathers again, as the step program does
     regathered = sm.regathered() if hasattr(sm, "regathered") else []
     for node in regathered:

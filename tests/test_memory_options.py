@@ -22,7 +22,6 @@ def _mlp() -> tuple[nn.Module, tuple]:
     ({"activation_checkpoint": {"save": ["aten.mm"]}}, NotImplementedError,
      "selective policies are not implemented"),
     ({"activation_checkpoint": "everything"}, ValueError, "not one of"),
-    ({"precision": "bf16"}, NotImplementedError, "precision='bf16'.*not implemented"),
     ({"precision": "fp16"}, ValueError, "precision='fp16' is not one of"),
     ({"shard_optimizer": True}, NotImplementedError, "ZeRO-1/2.*not implemented"),
     ({"shard_optimizer": "yes"}, TypeError, "shard_optimizer must be True or False"),
@@ -39,7 +38,7 @@ def test_defaults_compile(fake_world) -> None:
     model, inputs = _mlp()
     sm = shardc.compile(model, shardc.Mesh(x=2, data=2), inputs, activation_checkpoint="none",
                         precision="fp32", shard_optimizer=False)
-    assert sm.ctx.options.precision == "fp32"
+    assert sm.ctx.options.precision == shardc.Precision(torch.float32, torch.float32)
 
 
 def test_autocast_around_compile_is_refused(fake_world) -> None:

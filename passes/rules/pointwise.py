@@ -9,6 +9,7 @@ import torch.fx as fx
 
 from shardc.mesh import BATCH_AXES, Mesh
 from shardc.placement import PARTIAL_OPS, Layout
+from shardc.precision import narrows
 from shardc.passes.lower import Lowering, Val
 from shardc.passes.rules.common import (Strategy, apply_strategy, aten, fallback_rule,
                                         materialise_then, register_rule, strategy, tensor_inputs,
@@ -166,6 +167,15 @@ def pointwise_layouts(target: Any, ins: list[Val | None], out_shape: list[int],
     return out, needs
 
 
+def _only_dtype(node: fx.Node) -> bool:
+    """A cast that changes the dtype and nothing else (device, layout, memory format)."""
+    if node.target is aten._to_copy.default:
+        return not node.args[1:] and set(node.kwargs) <= {"dtype"}
+    if node.target is aten.to.dtype:
+        return not node.kwargs and all(a in (False, None) for a in node.args[2:])
+    return False
+
+
 @register_rule("pointwise", aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor,
                aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.gelu.default,
                aten.silu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default,
@@ -195,7 +205,13 @@ def pointwise_rule(L: Lowering, node: fx.Node) -> Any:
         extra = tuple(node.args[1:]) if node.target is not aten._to_copy.default else ()
         if node.target in (aten.alias.default, aten.detach.default, aten.contiguous.default,
                            aten.clone.default):
-            return Val(None, None, val, v.param, v.ptrans, v.pchain)
+            return Val(None, None, val, v.param, v.ptrans, v.pchain, v.pcast)
+        src_dtype = L.param_val[v.param].dtype
+        if not v.pchain and v.pcast is None and narrows(src_dtype, val.dtype) and \
+                _only_dtype(node):
+            # a narrowing cast of the weight (precision='bf16'): cast the stored shard and
+            # send it narrow, rather than gather fp32 and cast after
+            return Val(None, None, val, v.param, v.ptrans, v.pchain, pcast=val.dtype)
         if node.kwargs and node.target is aten._to_copy.default:
             return materialise_then(L, node)
         return Val(None, None, val, v.param, v.ptrans, v.pchain + ((node.target, extra),))

@@ -117,7 +117,7 @@ def permute_rule(L: Lowering, node: fx.Node) -> Any:
     x = L.env[node.args[0]]
     if x.layout is None:
         if x.ndim == 2 and _perm(node, 2) == [1, 0]:  # a transposed weight: decided at its use
-            return Val(None, None, node.meta["val"], x.param, not x.ptrans, x.pchain)
+            return Val(None, None, node.meta["val"], x.param, not x.ptrans, x.pchain, x.pcast)
         return materialise_then(L, node)
     return apply_strategy(L, node, permute_strategy)
 

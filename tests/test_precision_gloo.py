@@ -1,0 +1,164 @@
+"""compile(precision=...) on real gloo ranks: the GPT and transformers' Llama trained
+under the bf16 policy (bf16 compute and communication, fp32 parameters, fp32 or bf16
+gradient reductions) against one device running the same policy
+(``shardc.CastAtUse``), on meshes that cover every axis, with the step program, the
+forward program (step_graph=False), no_sync accumulation and reshard-after-forward.
+
+What is compared, and why the tolerances are what they are:
+
+- First-step gradients against a float64 copy of the model (exact to ~1e-16). One
+  device under the policy is that far from float64 because of bf16 rounding (8-bit
+  mantissa: ~1e-3 of an entry); the compiled program rounds the same products but sums
+  them in other orders (shards, rings), which changes the realised error by a small
+  factor, as in test_train_gloo: GRAD_FACTOR = 4 of one policy device's max-abs error,
+  per parameter. The floor for entries that are zero in exact arithmetic is the same
+  reasoning as fp32's, at bf16's unit roundoff (2**-9) of the largest gradient entry:
+  there one device may round to exactly 0 while another order leaves a few bf16
+  roundings of the cancelling terms. A missing or doubled reduction is off by the
+  gradient's own size, hundreds of times this.
+- Losses over three AdamW steps against one policy device: each step's loss within 4x
+  one policy device's distance to the fp32 model (the size of the policy's own effect on
+  the loss), plus one bf16 ulp of the loss (a model returning a bf16 loss rounds it to 8
+  bits; another summation order can land one ulp away).
+- Measured == reported, exactly, and the report's dtypes: weights gathered in bf16,
+  gradients reduced in the reduce dtype.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import shardc
+from harness import run_on_ranks
+from models import GPT, llama
+from test_train_gloo import EPS, GRAD_FACTOR, LR
+
+pytestmark = pytest.mark.distributed
+
+BF16_UNIT_ROUNDOFF = 2.0 ** -9
+BF16_REDUCE = shardc.Precision(torch.bfloat16, torch.bfloat16)
+# (mesh, policy, compile options): every axis carries a collective in at least one case
+CASES = [
+    ("x2y2z1d1", "bf16", {}),
+    ("x1y1z2d2", "bf16", {}),
+    ("x2y1z2d1", "bf16", {"reshard_after_forward": True}),
+    ("x1y2z1d2", "bf16", {"step_graph": False}),
+    ("x1y1z2d2", "bf16", {"activation_checkpoint": "blocks"}),
+    ("x1y1z2d2", BF16_REDUCE, {}),
+    ("x2y1z1d2", BF16_REDUCE, {"step_graph": False}),
+]
+
+
+def _batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g))
+            for _ in range(n)]
+
+
+def _grad_failures(where: str, grads: dict, one: dict, f64: dict) -> list[str]:
+    out = []
+    big = max(g.abs().max().item() for g in f64.values())
+    floor = BF16_UNIT_ROUNDOFF * big
+    for k, g64 in f64.items():
+        if grads.get(k) is None or grads[k].dtype != torch.float32:
+            out.append(f"{where}: grad {k} is {grads.get(k)!r:.40}, not an fp32 tensor")
+            continue
+        err = (grads[k].double() - g64).abs().max().item()
+        err1 = (one[k].double() - g64).abs().max().item()
+        limit = GRAD_FACTOR * err1 + floor
+        if not err <= limit:
+            out.append(f"{where}: grad {k}: max-abs err vs float64 compiled {err:.3e}, one "
+                       f"bf16-policy device {err1:.3e} (limit {limit:.3e})")
+    return out
+
+
+def _train_failures(name: str, make, spec: str, policy, opts: dict) -> list[str]:
+    where = f"{name}@{spec} {policy} {opts}"
+    mesh = shardc.Mesh.parse(spec)
+    batches = _batches(3)
+    torch.manual_seed(0)
+    model = make()
+    ref32, ref64, ref16 = copy.deepcopy(model), copy.deepcopy(model).double(), copy.deepcopy(model)
+    one = shardc.CastAtUse(ref16, torch.bfloat16)
+    sm = shardc.compile(model, mesh, example_inputs=batches[0], precision=policy, **opts)
+    opts32 = torch.optim.AdamW(ref32.parameters(), lr=LR, eps=EPS)
+    opt16 = torch.optim.AdamW(ref16.parameters(), lr=LR, eps=EPS)
+    opt = torch.optim.AdamW(sm.parameters(), lr=LR, eps=EPS)
+    out: list[str] = []
+    for step, (tok, tgt) in enumerate(batches):
+        if step == 0:
+            ref64(tok, tgt).backward()
+        l32, l16 = ref32(tok, tgt), one(tok, tgt)
+        l32.backward()
+        l16.backward()
+        sm.reset_measured_comm()
+        loss = sm(shardc.shard_batch(tok, mesh), shardc.shard_batch(tgt, mesh))
+        loss.backward()
+        if step == 0:
+            measured, reported = sm.measured_comm(), shardc.comm_report(sm).by_key()
+            if measured != reported:
+                out.append(f"{where}: measured {measured} != reported {reported}")
+            out += _grad_failures(where, sm.full_grads(),
+                                  {n: p.grad for n, p in ref16.named_parameters()},
+                                  {n: p.grad for n, p in ref64.named_parameters()})
+        got = shardc.global_mean(loss, mesh).item()
+        limit = 4 * abs(l16.item() - l32.item()) + 2.0 ** -8 * abs(l16.item())
+        if not abs(got - l16.item()) <= limit:
+            out.append(f"{where}: step {step} loss {got} vs one bf16-policy device {l16.item()} "
+                       f"(fp32 {l32.item()}, limit {limit:.3e})")
+        for o in (opts32, opt16, opt):
+            o.step()
+            o.zero_grad()
+    # the parameters (and so AdamW's state) stay fp32: the policy's master copy
+    if {p.dtype for p in sm.parameters()} != {torch.float32}:
+        out.append(f"{where}: parameters are {({p.dtype for p in sm.parameters()})}, not fp32")
+    return out
+
+
+def _report_failures(spec: str) -> list[str]:
+    """The comm report under the policy against fp32's, collective by collective: weight
+    gathers halve, gradient reductions keep the reduce dtype's size."""
+    where = f"report@{spec}"
+    mesh = shardc.Mesh.parse(spec)
+    batch = _batches(1)[0]
+    torch.manual_seed(0)
+    model = GPT()
+    keyed = {}
+    for policy in ("fp32", "bf16", BF16_REDUCE):
+        keyed[str(policy)] = shardc.comm_report(
+            shardc.compile(model, mesh, example_inputs=batch, precision=policy)).by_key()
+    f32, b16, r16 = keyed.values()
+    out = []
+    for key, v in f32.items():
+        collective, axis, phase = key
+        weights_or_grads = (collective in ("all_gather", "reduce_scatter") and axis == "z"
+                            or phase == "step")
+        if not weights_or_grads:
+            continue
+        want_b = v / 2 if collective == "all_gather" else v
+        want_r = v / 2
+        if b16.get(key) != want_b or r16.get(key) != want_r:
+            out.append(f"{where}: {key}: fp32 {v}, bf16 {b16.get(key)} (want {want_b}), "
+                       f"bf16 reductions {r16.get(key)} (want {want_r})")
+    if not any(k[1] == "z" for k in f32):
+        out.append(f"{where}: the mesh gathers nothing over z; the check proves nothing")
+    return out
+
+
+def _all(rank: int, world_size: int) -> None:
+    failures: list[str] = []
+    for name, make in (("gpt", GPT), ("llama", llama)):
+        for spec, policy, opts in CASES:
+            failures += _train_failures(name, make, spec, policy, opts)
+    failures += _report_failures("x1y1z2d2")
+    if failures:
+        raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures))
+
+
+def test_bf16_policy_trains_like_one_device_on_4_ranks() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_on_ranks(_all, 4)
