@@ -96,8 +96,9 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
     with autograd's backward over the forward program: the step passes do not apply).
     ``precision="bf16"`` computes and communicates in bf16 with fp32 parameters and
     gradient reductions; a ``shardc.Precision(compute, reduce)`` says both dtypes (see
-    ``shardc.precision``). ``shard_optimizer=True`` is named by the API and refused with
-    ``NotImplementedError`` until it is built.
+    ``shardc.precision``). ``shard_optimizer=True`` shards the optimizer state
+    over data (ZeRO-1/2): ``sm.parameters()`` are then each rank's 1/G_data slices of the
+    stored shards (``runtime/zero.py``).
     ``torch.autocast`` around ``compile`` or the compiled module is refused (the comm
     report would not match what moves; use ``precision``); a model calling ``torch.utils.checkpoint``
     compiles with a warning naming the modules, whose activations are kept (torch.export

@@ -102,12 +102,6 @@ def _check_memory_options(activation_checkpoint: Any, shard_optimizer: Any) -> N
     if not isinstance(shard_optimizer, bool):
         raise TypeError(f"shardc.compile: shard_optimizer must be True or False, got "
                         f"{shard_optimizer!r}.")
-    if shard_optimizer:
-        raise NotImplementedError(
-            "shardc.compile: shard_optimizer=True (ZeRO-1/2: optimizer state sharded over "
-            "'data') is not implemented yet; the optimizer state of each parameter shard is "
-            "replicated over 'data'. Use shard_optimizer=False, or a mesh with z > 1 (which "
-            "shards parameters, gradients and optimizer state, as FSDP does).")
 
 
 @dataclass(frozen=True)

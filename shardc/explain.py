@@ -94,6 +94,14 @@ def explain(sm: Any) -> str:
         extra = ""
         if name in sm.grad_reductions:
             extra = "  grad summed over " + ", ".join(sm.grad_reductions[name]) + " after backward"
+        zp = getattr(sm, "_zero", {}).get(name)
+        if zp is not None:
+            # shard_optimizer: the program reads the copy whole over data; the optimizer
+            # steps this rank's slice of it
+            extra += (f"  optimizer slice over data (dim {zp.dim}; program copy "
+                      f"{list(zp.full.shape)} {sm._program_layouts[name]}): grad "
+                      "reduce-scattered over data after backward, slices all-gathered "
+                      "before the next forward")
         lines.append(f"  {name}: {gshape} -> {lshape} {lay}{extra}")
     lines.append("")
     lines.append("program (forward; backward collectives are listed on the node that issues them):")

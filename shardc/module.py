@@ -18,6 +18,7 @@ from shardc.errors import ShardcError
 from shardc.mesh import Mesh
 from shardc.placement import Layout, local_slice, shard_offsets
 from shardc.runtime import collectives as C
+from shardc.runtime import zero
 from shardc.runtime.groups import axis_groups
 
 
@@ -99,6 +100,12 @@ class ShardedModule(nn.Module):
             local = local_slice(full.detach(), layout, coords, self.mesh)
             p = nn.Parameter(local.clone(), requires_grad=full.requires_grad)
             _set_param(self, name, p)
+        # the stored shards as the program reads them; ``param_layouts`` are the
+        # registered parameters', which differ where the optimizer's slice is cut over data
+        self._program_layouts: dict[str, Layout] = dict(res.storage)
+        self._zero: dict[str, zero.ZeroParam] = {}
+        if ctx.options.shard_optimizer:
+            self._shard_optimizer(res.reduce_params)
         # parameters the program never reads still belong to the model (and its state)
         for name, full in named.items():
             if name not in res.storage:
@@ -129,13 +136,68 @@ class ShardedModule(nn.Module):
         self._offline: Any = None  # the step program traced for the report (reshard)
         self._hooks_active = True
         for name, axes in self.grad_reductions.items():
-            p = self.get_parameter(name)
-            dt = reduce_dtype(p.dtype, ctx.options.precision.reduce)
+            t = self._program_param(name)
+            dt = reduce_dtype(t.dtype, ctx.options.precision.reduce)
             for axis in axes:
-                p.register_hook(self._eager_only(C.grad_reduce_hook(runtime.key, axis, name, dt)))
+                t.register_hook(self._eager_only(C.grad_reduce_hook(runtime.key, axis, name, dt)))
             # acts only after no_sync, which the forward program runs (never the step's)
-            p.register_post_accumulate_grad_hook(
+            t.register_post_accumulate_grad_hook(
                 C.grad_reduce_after_accumulate(runtime.key, axes, name, dt))
+        # after those (hooks run in the order registered): the sum over every other axis
+        # is in the program copy's .grad when it is reduce-scattered over data
+        for zp in self._zero.values():
+            zp.full.register_post_accumulate_grad_hook(self._zero_hook(zp))
+
+    # ------------------------------------------------------- optimizer over data
+    def _shard_optimizer(self, reduce_params: dict[str, list[str]]) -> None:
+        """Split each parameter whose gradient is summed over data into the program copy
+        and this rank's slice of it (runtime/zero.py); the slice becomes the parameter."""
+        gd = self.mesh.size("data")
+        if gd == 1:
+            return
+        coords = self.mesh.coords(self.ctx.rank)
+        for name, axes in list(reduce_params.items()):
+            p = self.get_parameter(name)
+            if "data" not in axes or not p.requires_grad:
+                continue
+            lay = self._program_layouts[name]
+            # a dim of the stored shard that data divides, not interleaved (a fused QKV
+            # dim's pieces are not contiguous blocks of it)
+            dim = next((d for d, n in enumerate(p.shape)
+                        if n % gd == 0 and lay.interleave[d] == 1), None)
+            if dim is None:
+                self.decisions.append(f"shard_optimizer: {name} {list(p.shape)} kept whole over "
+                                      f"data (no dim of its shard divides by {gd})")
+                continue
+            full = p.detach().clone().requires_grad_(True)
+            piece = nn.Parameter(zero.slice_of(full.detach(), dim, coords["data"], gd).clone())
+            _set_param(self, name, piece)
+            self.param_layouts[name] = lay.with_shard("data", dim).clean(self.mesh)
+            zp = zero.ZeroParam(name, full, piece, dim, seen=piece._version,
+                                reduce_dtype=reduce_dtype(p.dtype, self.ctx.options.precision.reduce))
+            self._zero[name] = zp
+            rest = [a for a in axes if a != "data"]
+            if rest:
+                reduce_params[name] = rest
+            else:
+                del reduce_params[name]
+        self.grad_reductions = dict(reduce_params)
+
+    def _zero_hook(self, zp: Any) -> Any:
+        key, rt = f"zero:{zp.name}", self.runtime
+
+        def hook(_: torch.Tensor) -> None:
+            if not rt.sync:  # no_sync: the program copy's .grad accumulates locally
+                rt.unreduced.add(key)
+                return
+            rt.unreduced.discard(key)
+            zero.reduce_grad(rt.key, zp)
+        return hook
+
+    def _program_param(self, name: str) -> torch.Tensor:
+        """The tensor the program reads for parameter ``name``."""
+        zp = self._zero.get(name)
+        return zp.full if zp is not None else self.get_parameter(name)
 
     def _eager_only(self, hook: Any) -> Any:
         def run(g: torch.Tensor) -> torch.Tensor:
@@ -148,11 +210,13 @@ class ShardedModule(nn.Module):
         flat, _ = pytree.tree_flatten((inputs, kwargs))
         validate.check_inputs(self, inputs, kwargs, flat)  # before anything is communicated
         axis_groups(self.mesh)  # collective on first use: every rank creates every group
+        for zp in self._zero.values():  # slices the optimizer stepped: gather them
+            zero.refresh(self.runtime.key, zp)
         it = iter(flat)
         args: list[Any] = []
         for role, target in self._feeds:
             if role == "param":
-                args.append(self.get_parameter(target))
+                args.append(self._program_param(target))
             elif role == "buffer":
                 args.append(self._buffers_full[target])
             elif role == "constant":
@@ -264,7 +328,7 @@ class ShardedModule(nn.Module):
         needs: list[bool] = []
         for role, target in self._feeds:
             if role == "param":
-                p = self.get_parameter(target)
+                p = self._program_param(target)
                 args.append(p)
                 needs.append(p.requires_grad)
             elif role == "buffer":
@@ -308,6 +372,8 @@ class ShardedModule(nn.Module):
         """``nn.Module.zero_grad``, and drop the gradients ``no_sync`` holds for the next
         synced backward (an optimizer's ``zero_grad`` cannot reach those)."""
         super().zero_grad(set_to_none)
+        for zp in self._zero.values():
+            zp.full.grad = None
         self.runtime.deferred.clear()
         self.runtime.unreduced.clear()
 

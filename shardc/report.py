@@ -184,6 +184,31 @@ def build_rows(gm: fx.GraphModule, mesh: Mesh, storage: dict[str, Layout],
     return rows
 
 
+def zero_rows(mesh: Mesh, layouts: dict[str, Layout], zero: dict[str, Any],
+              param_vals: dict[str, Any]) -> list[CommRow]:
+    """shard_optimizer: per parameter split over data (runtime/zero.py), the reduce-
+    scatter of its gradient into the optimizer's slice and the all-gather of the stepped
+    slices; together the bytes of the all-reduce they replace."""
+    rows: list[CommRow] = []
+    g = mesh.size("data")
+    for name, zp in zero.items():
+        val, lay = param_vals[name], layouts[name]
+        elems = math.prod(lay.local_shape(list(val.shape), mesh))
+        own = _elsize(val)
+        red = _dtype_size(zp.reduce_dtype) or own
+        divs = tuple(a for d in lay.dims for a in d)
+        module = name.rsplit(".", 1)[0] if "." in name else ""
+        numel = math.prod(val.shape)
+        rows.append(CommRow(f"grad:{name}", "optimizer slice (gradient)", module, name,
+                            "reduce_scatter", "data", "step",
+                            as_number(ring_bytes("reduce_scatter", g, elems * red)), numel * red, divs))
+        rows.append(CommRow(f"param:{name}", "optimizer slice (parameter)", module, name,
+                            "all_gather", "data", "step",
+                            as_number(ring_bytes("all_gather", g, Fraction(elems * own, g))),
+                            numel * own, divs + ("data",)))
+    return rows
+
+
 class CommReport:
     """Every collective of one training step on one rank (the ring model's bytes)."""
 
@@ -320,8 +345,10 @@ def comm_report(sm: Any) -> CommReport:
     for n in gm.graph.nodes:
         if n.op == "placeholder" and n.meta.get(KIND) == "param":
             param_vals[n.meta[PARAM]] = n.meta[GLOBAL_VAL]
-    rows = build_rows(gm, sm.mesh, sm.param_layouts, sm.grad_reductions, param_vals,
+    layouts = getattr(sm, "_program_layouts", sm.param_layouts)
+    rows = build_rows(gm, sm.mesh, layouts, sm.grad_reductions, param_vals,
                       sm.ctx.options.precision.reduce)
+    rows += zero_rows(sm.mesh, layouts, getattr(sm, "_zero", {}), param_vals)
     # reshard_after_forward: the weights backward gathers again, as the step program does
     regathered = sm.regathered() if hasattr(sm, "regathered") else []
     for node in regathered:

@@ -23,7 +23,6 @@ def _mlp() -> tuple[nn.Module, tuple]:
      "selective policies are not implemented"),
     ({"activation_checkpoint": "everything"}, ValueError, "not one of"),
     ({"precision": "fp16"}, ValueError, "precision='fp16' is not one of"),
-    ({"shard_optimizer": True}, NotImplementedError, "ZeRO-1/2.*not implemented"),
     ({"shard_optimizer": "yes"}, TypeError, "shard_optimizer must be True or False"),
 ])
 def test_options_not_built_are_refused(fake_world, kw: dict, err: type, match: str) -> None:

@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import traceback
+from typing import Any
 
 import pytest
 import torch
@@ -131,14 +132,17 @@ def _attention_masks(f) -> bool:
     return f.op == "aten.index.Tensor" and not f.gathered
 
 
-def _case_failures(name: str, mesh: shardc.Mesh, allowed=_attention_masks) -> list[str]:
+def _case_failures(name: str, mesh: shardc.Mesh, allowed=_attention_masks, **compile_kw: Any
+                   ) -> list[str]:
     """Every check of one (model, mesh); the failures as lines (empty when it passes).
-    ``allowed``: which ops may run replicated (``sm.fallbacks``) without failing the case."""
+    ``allowed``: which ops may run replicated (``sm.fallbacks``) without failing the case;
+    ``compile_kw``: options for shardc.compile (named in the failure lines)."""
     make, batches = MODELS[name]()
     make = _same_model(name, make)
-    where = f"{name}@{mesh.spec()}"
+    where = f"{name}@{mesh.spec()}" + "".join(f" {k}={v}" for k, v in compile_kw.items())
     try:
-        run = train_side_by_side(make, batches, mesh, lr=LR, eps=EPS, float64_reference=True)
+        run = train_side_by_side(make, batches, mesh, lr=LR, eps=EPS, float64_reference=True,
+                                 **compile_kw)
     except Exception:  # noqa: BLE001 (a compile or runtime error is this case's failure)
         return [f"{where}: raised\n{traceback.format_exc()}"]
     out = _grad_failures(where, run.grads, run.ref_grads, run.f64_grads)

@@ -1,0 +1,70 @@
+"""One-process tests (fake process group) of compile(shard_optimizer=True): what the
+report and explain say, and which parameters are split. Training with it is tested
+against one device on real gloo ranks in test_shard_optimizer_gloo.py."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import shardc
+from models import GPT
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g)
+
+
+def test_report_moves_what_the_all_reduce_moved(fake_world) -> None:
+    """Each data all-reduce of a gradient becomes a reduce-scatter plus an all-gather of
+    the stepped slices: the same bytes in the ring model, in phase "step"."""
+    fake_world(4)
+    torch.manual_seed(0)
+    model, batch = GPT(), _batch()
+    plain = shardc.comm_report(shardc.compile(model, "x1y1z2d2", example_inputs=batch))
+    sm = shardc.compile(model, "x1y1z2d2", example_inputs=batch, shard_optimizer=True)
+    zero = shardc.comm_report(sm)
+    assert zero.total_bytes(axis="data", phase="step", collective="all_reduce") == 0
+    rs = zero.total_bytes(axis="data", phase="step", collective="reduce_scatter")
+    ag = zero.total_bytes(axis="data", phase="step", collective="all_gather")
+    assert rs > 0 and rs == ag
+    assert rs + ag == plain.total_bytes(axis="data", phase="step")
+    # every other row is unchanged
+    assert {k: v for k, v in zero.by_key().items() if k[1] != "data" or k[2] != "step"} == \
+        {k: v for k, v in plain.by_key().items() if k[1] != "data" or k[2] != "step"}
+    text = shardc.explain(sm)
+    assert "optimizer slice over data" in text
+
+
+def test_slices_are_the_parameters(fake_world) -> None:
+    fake_world(4)
+    torch.manual_seed(0)
+    model = GPT()
+    sm = shardc.compile(model, "x1y1z1d4", example_inputs=_batch(), shard_optimizer=True)
+    full = dict(model.named_parameters())
+    for name, p in sm.named_parameters():
+        # each parameter is 1/4 of the model's, cut over data
+        assert p.numel() * 4 == full[name].numel(), name
+        assert not sm.param_layouts[name].is_replicated("data"), name
+
+
+class Odd(nn.Module):
+    """A weight with no dim that 4 divides stays whole over data (and is said so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 18)
+        self.b = nn.Linear(18, 3, bias=False)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return ((self.b(torch.relu(self.a(x))) - t) ** 2).mean()
+
+
+def test_a_parameter_no_dim_of_which_divides_stays_whole(fake_world) -> None:
+    fake_world(4)
+    sm = shardc.compile(Odd(), "x1y1z1d4", example_inputs=(torch.randn(8, 16), torch.randn(8, 3)),
+                        shard_optimizer=True)
+    assert sm.get_parameter("a.weight").shape == (18, 4)  # the first dim 4 divides
+    assert sm.get_parameter("b.weight").shape == (3, 18)
+    assert any("b.weight" in d and "kept whole over data" in d for d in sm.decisions)
+    assert sm.grad_reductions["b.weight"] == ["data"]
