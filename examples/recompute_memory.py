@@ -1,5 +1,5 @@
 """Peak bytes allocated during one forward and backward, activation_checkpoint "none"
-against "blocks", on gloo CPU ranks (the figures of the README's activation
+against "blocks" and "selective", on gloo CPU ranks (the figures of the README's activation
 checkpointing table):
 
     python examples/recompute_memory.py LAYERS MESH [MESH ...] [--prefetch-depth N]
@@ -33,7 +33,7 @@ def _measure(rank: int, world_size: int, spec: str, layers: int, prefetch_depth:
     torch.manual_seed(0)
     model = GPT(dim=64, layers=layers, heads=8, seq=64)
     peak = {}
-    for policy in ("none", "blocks"):
+    for policy in ("none", "blocks", "selective"):
         sm = shardc.compile(model, mesh, example_inputs=(tokens, tokens), activation_checkpoint=policy,
                             prefetch_depth=prefetch_depth)
         local = [shardc.shard_batch(tokens, mesh)] * 2
@@ -41,7 +41,8 @@ def _measure(rank: int, world_size: int, spec: str, layers: int, prefetch_depth:
         peak[policy] = min(_peak_growth(sm, local) for _ in range(2))
     if rank == 0:
         print(f"{spec} layers={layers} prefetch_depth={prefetch_depth}: none {peak['none'] / 2**20:.2f} MiB, blocks "
-              f"{peak['blocks'] / 2**20:.2f} MiB, ratio {peak['none'] / peak['blocks']:.2f}", flush=True)
+              f"{peak['blocks'] / 2**20:.2f} MiB (ratio {peak['none'] / peak['blocks']:.2f}), selective "
+              f"{peak['selective'] / 2**20:.2f} MiB (ratio {peak['none'] / peak['selective']:.2f})", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Activation checkpointing of the rank's program: ``compile(activation_checkpoint="blocks")``.
+"""Activation checkpointing of the rank's program: ``compile(activation_checkpoint="blocks")``
+(or ``"selective"`` / ``Selective(save=...)``).
 
 Reads:  meta[SOURCE] (the module each node came from) of the rank's finished program, and
         the model's repeated blocks (children of a ModuleList/Sequential of >= 2 modules of
@@ -19,11 +20,20 @@ report adds a backward row for each (``RECOMPUTE``), so measured == reported sti
 A collective's issue and its wait always go to the same segment (the issue follows its
 wait): a recompute must never issue a collective it does not wait for. Early stopping of
 the recompute is off for the same reason.
+
+A selective policy (``Selective``) cuts the same segments but saves, inside them, the
+outputs of the ops it names (by default the GEMMs and attention: the expensive ops whose
+outputs are the large activations worth keeping) and recomputes the rest: the pointwise
+and norm ops between them, as torch's selective activation checkpointing does (it is
+that mechanism: ``torch.utils.checkpoint.create_selective_checkpoint_contexts``). Every
+collective is recomputed (never saved): a segment's recompute re-issues all of them, so
+the report's backward rows stay exact.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -34,6 +44,56 @@ from shardc.context import SOURCE
 from shardc.runtime import collectives as C
 
 RECOMPUTE = "shardc_recompute"  # node.meta: the block whose recompute re-runs this node
+
+# GEMMs and attention as they reach the dispatcher (linear is addmm/mm there; the fused
+# attention kernels of each backend); only those this torch has are used
+DEFAULT_SAVE = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm",
+                "aten._scaled_dot_product_flash_attention",
+                "aten._scaled_dot_product_flash_attention_for_cpu",
+                "aten._scaled_dot_product_efficient_attention",
+                "aten._scaled_dot_product_cudnn_attention")
+
+
+def _op_named(name: str) -> Any:
+    """``"aten.mm"`` -> torch.ops.aten.mm (an overload packet), or None."""
+    ns, _, op = name.partition(".")
+    if not op or "." in op:
+        return None
+    try:
+        return getattr(getattr(torch.ops, ns), op)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+@dataclass(frozen=True)
+class Selective:
+    """A selective activation-checkpointing policy: inside each repeated block, keep the
+    outputs of the ops in ``save`` (names like ``"aten.mm"``: ATen overload packets) and
+    recompute everything else in backward. ``Selective()`` saves GEMMs and attention."""
+
+    save: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = tuple(self.save) if self.save else tuple(n for n in DEFAULT_SAVE if _op_named(n))
+        if isinstance(self.save, str):
+            raise TypeError(f"shardc.Selective: save must be a list of op names, got the string "
+                            f"{self.save!r}; write save=[{self.save!r}].")
+        bad = [n for n in names if not isinstance(n, str) or _op_named(n) is None]
+        if bad:
+            raise ValueError(f"shardc.Selective: {', '.join(map(repr, bad))} name no op this torch "
+                             "has; name ATen ops as 'aten.<op>' (an overload packet, e.g. "
+                             "'aten.mm', 'aten.addmm', 'aten._scaled_dot_product_flash_attention').")
+        object.__setattr__(self, "save", names)
+
+    def policy(self) -> Callable[..., Any]:
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        keep = {_op_named(n) for n in self.save}
+
+        def decide(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+            packet = getattr(op, "overloadpacket", op)
+            return CheckpointPolicy.MUST_SAVE if packet in keep else CheckpointPolicy.PREFER_RECOMPUTE
+        return decide
 
 _STARTS = (C.all_gather_start, C.all_reduce_start, C.reduce_scatter_start, C.all_to_all_start)
 
@@ -59,9 +119,11 @@ def _block_of(n: fx.Node, blocks: list[str]) -> str | None:
     return None
 
 
-def mark_and_split(gm: fx.GraphModule, blocks: list[str], rt: str) -> fx.GraphModule:
+def mark_and_split(gm: fx.GraphModule, blocks: list[str], rt: str,
+                   selective: Selective | None = None) -> fx.GraphModule:
     """Mark the nodes each block's recompute re-runs and return the program split into
-    segments (outside-block segments plain, block segments checkpointed)."""
+    segments (outside-block segments plain, block segments checkpointed, with
+    ``selective``'s policy where given)."""
     order = {b: i for i, b in enumerate(blocks)}
     part: dict[fx.Node, int] = {}  # segment index: 2*i+1 for block i, even between blocks
     seen = -1
@@ -107,7 +169,7 @@ def mark_and_split(gm: fx.GraphModule, blocks: list[str], rt: str) -> fx.GraphMo
     for name, sub in list(split.named_children()):
         idx = int(name.rsplit("_", 1)[1])
         if idx % 2:
-            setattr(split, name, _Checkpointed(sub, rt))
+            setattr(split, name, _Checkpointed(sub, rt, selective))
     return split
 
 
@@ -115,10 +177,11 @@ class _Checkpointed(nn.Module):
     """A block's segment run under non-reentrant ``torch.utils.checkpoint``, its recompute
     counted in the backward phase."""
 
-    def __init__(self, inner: nn.Module, rt: str) -> None:
+    def __init__(self, inner: nn.Module, rt: str, selective: Selective | None = None) -> None:
         super().__init__()
         self.inner = inner
         self.rt = rt
+        self.selective = selective
 
     def forward(self, *args: Any) -> Any:
         r = C.get_runtime(self.rt)
@@ -132,6 +195,19 @@ class _Checkpointed(nn.Module):
             finally:
                 r.recomputing = prev
 
+        def contexts() -> tuple[Any, Any]:
+            if self.selective is None:
+                return contextlib.nullcontext(), recomputing()
+            from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+            fwd, rec = create_selective_checkpoint_contexts(self.selective.policy())
+            return fwd, _both(rec, recomputing())
+
         return torch.utils.checkpoint.checkpoint(
-            self.inner, *args, use_reentrant=False, early_stop=False,
-            context_fn=lambda: (contextlib.nullcontext(), recomputing()))
+            self.inner, *args, use_reentrant=False, early_stop=False, context_fn=contexts)
+
+
+@contextlib.contextmanager
+def _both(a: Any, b: Any) -> Iterator[None]:
+    with a, b:
+        yield

@@ -45,8 +45,15 @@ class Options:
     shard_optimizer: bool = False
     backend: str = "eager"
 
+    @property
+    def recompute(self) -> bool:
+        """Does the program recompute blocks in backward ("blocks" or a selective policy)?"""
+        return bool(self.activation_checkpoint != "none")
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", as_precision(self.precision))
+        object.__setattr__(self, "activation_checkpoint",
+                           _as_checkpoint_policy(self.activation_checkpoint))
         if self.backend not in BACKENDS:
             raise ValueError(
                 f"shardc.compile: backend={self.backend!r} is not one of {BACKENDS}: 'eager' runs "
@@ -57,12 +64,12 @@ class Options:
                 f"shardc.compile: gemm_modes={self.gemm_modes!r} is not one of {GEMM_MODES}."
             )
         if self.gemm_modes != "default" and (not self.step_graph or self.backend != "eager"
-                                             or self.activation_checkpoint == "blocks"):
+                                             or self.recompute):
             # the forms are a pass of the whole-step program: refuse rather than run the
             # traced forms while claiming others
             raise ValueError(
                 f"shardc.compile: gemm_modes={self.gemm_modes!r} rewrites the GEMMs of the "
-                "whole-step program, which step_graph=False and activation_checkpoint='blocks' "
+                "whole-step program, which step_graph=False and block or selective recompute "
                 "do not run, and backend='inductor' picks its own layouts; use "
                 "gemm_modes='default' with them.")
         if self.reshard_after_forward and not self.step_graph:
@@ -70,35 +77,39 @@ class Options:
                              "the whole-step program; it needs step_graph=True.")
         if self.bucket_mb < 0:
             raise ValueError(f"shardc.compile: bucket_mb must be >= 0, got {self.bucket_mb}.")
-        _check_memory_options(self.activation_checkpoint, self.shard_optimizer)
+        _check_memory_options(self.shard_optimizer)
         # both run the forward program through something the other cannot wrap: refuse
         # the pair rather than silently drop one
-        if self.activation_checkpoint == "blocks" and self.backend != "eager":
-            raise ValueError("shardc.compile: activation_checkpoint='blocks' with "
-                             f"backend={self.backend!r} is not supported (the recompute wraps the "
+        if self.recompute and self.backend != "eager":
+            raise ValueError("shardc.compile: block or selective recompute (activation_checkpoint) "
+                             f"with backend={self.backend!r} is not supported (the recompute wraps the "
                              "eager program's blocks); use one of them.")
         if self.reshard_after_forward and (self.backend != "eager"
-                                           or self.activation_checkpoint == "blocks"):
+                                           or self.recompute):
             raise ValueError("shardc.compile: reshard_after_forward=True is a pass of the "
-                             "whole-step program, which activation_checkpoint='blocks' does not "
+                             "whole-step program, which block or selective recompute does not "
                              "run, and has not been tested with backend='inductor'; use one of "
                              "them.")
         if self.prefetch_depth < 0:
             raise ValueError(f"shardc.compile: prefetch_depth must be >= 0, got {self.prefetch_depth}.")
 
 
-def _check_memory_options(activation_checkpoint: Any, shard_optimizer: Any) -> None:
-    """The API names these options; what is not built yet is refused, never ignored."""
-    if isinstance(activation_checkpoint, str):
-        if activation_checkpoint not in CHECKPOINT_POLICIES:
-            raise ValueError(
-                f"shardc.compile: activation_checkpoint={activation_checkpoint!r} is not one of "
-                f"{CHECKPOINT_POLICIES} or a selective policy.")
-    if activation_checkpoint not in CHECKPOINT_POLICIES:
-        raise NotImplementedError(
-            f"shardc.compile: activation_checkpoint={activation_checkpoint!r}: selective "
-            "policies are not implemented yet. Use 'none' (keep every activation) or 'blocks' "
-            "(recompute each repeated block in backward).")
+def _as_checkpoint_policy(activation_checkpoint: Any) -> Any:
+    """"none", "blocks", or a Selective ("selective" is Selective())."""
+    from shardc.passes.recompute import Selective
+
+    if isinstance(activation_checkpoint, Selective):
+        return activation_checkpoint
+    if activation_checkpoint == "selective":
+        return Selective()
+    if isinstance(activation_checkpoint, str) and activation_checkpoint in CHECKPOINT_POLICIES:
+        return activation_checkpoint
+    raise ValueError(
+        f"shardc.compile: activation_checkpoint={activation_checkpoint!r} is not one of "
+        f"{CHECKPOINT_POLICIES + ('selective',)} or a shardc.Selective(save=[...]) policy.")
+
+
+def _check_memory_options(shard_optimizer: Any) -> None:
     if not isinstance(shard_optimizer, bool):
         raise TypeError(f"shardc.compile: shard_optimizer must be True or False, got "
                         f"{shard_optimizer!r}.")

@@ -19,9 +19,11 @@ def _mlp() -> tuple[nn.Module, tuple]:
 
 
 @pytest.mark.parametrize("kw, err, match", [
-    ({"activation_checkpoint": {"save": ["aten.mm"]}}, NotImplementedError,
-     "selective policies are not implemented"),
+    ({"activation_checkpoint": {"save": ["aten.mm"]}}, ValueError,
+     "or a shardc.Selective"),
     ({"activation_checkpoint": "everything"}, ValueError, "not one of"),
+    ({"activation_checkpoint": "selective", "backend": "inductor"}, ValueError,
+     "selective recompute .* not supported"),
     ({"precision": "fp16"}, ValueError, "precision='fp16' is not one of"),
     ({"shard_optimizer": "yes"}, TypeError, "shard_optimizer must be True or False"),
 ])
@@ -30,6 +32,17 @@ def test_options_not_built_are_refused(fake_world, kw: dict, err: type, match: s
     model, inputs = _mlp()
     with pytest.raises(err, match=match):
         shardc.compile(model, shardc.Mesh(x=2, data=2), inputs, **kw)
+
+
+def test_selective_policy_names_real_ops() -> None:
+    assert "aten.mm" in shardc.Selective().save
+    assert shardc.Selective(save=["aten.mm"]).save == ("aten.mm",)
+    with pytest.raises(ValueError, match="'aten.matmull' name no op"):
+        shardc.Selective(save=["aten.mm", "aten.matmull"])
+    with pytest.raises(ValueError, match="'mm' name no op"):
+        shardc.Selective(save=["mm"])
+    with pytest.raises(TypeError, match="save=\\['aten.mm'\\]"):
+        shardc.Selective(save="aten.mm")
 
 
 def test_defaults_compile(fake_world) -> None:
