@@ -210,7 +210,7 @@ def _trace(prog: fx.GraphModule, program: fx.GraphModule, ctx: CompileContext,
                 continue
             for axis in reduce_params.get(param_names[i] or "", []):
                 g = F.step_all_reduce(g, ctx.rt, axis, param_names[i] or "",
-                                      reduce_dtype(g.dtype, ctx.options.precision.reduce))
+                                      reduce_dtype(g.dtype, ctx.options.precision))
             grads[k] = g
         return (*outs, *[g for g in grads if g is not None])
 

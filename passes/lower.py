@@ -32,6 +32,7 @@ from shardc.context import (COMM, GLOBAL_VAL, KIND, PARAM, PLACEMENT, PROGRAM, S
                             CompileContext)
 from shardc.mesh import BATCH_AXES, Mesh
 from shardc.placement import Layout
+from shardc.precision import reduce_dtype
 from shardc.runtime import collectives as C
 
 aten = torch.ops.aten
@@ -324,7 +325,8 @@ class Lowering:
         if self._send is not None:
             # the parameter's narrowing cast, fused into its first gather: sent narrow, and
             # the gradient reduce-scattered in the policy's reduce dtype (runtime.collectives)
-            kwargs = {"dtype": self._send, "reduce_dtype": self.ctx.options.precision.reduce}
+            kwargs = {"dtype": self._send,
+                      "reduce_dtype": reduce_dtype(node.meta[GLOBAL_VAL].dtype, self.ctx.options.precision)}
             self._send = None
         done = self._stacked(C.all_gather_start, (node, self.rt, axis, "slice"), out,
                              {"collective": "all_gather", "axis": axis, "dim": dim}, kwargs)

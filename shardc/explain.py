@@ -6,7 +6,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from shardc.context import FALLBACK, KIND, PLACEMENT
+from shardc.context import FALLBACK, GLOBAL_VAL, KIND, PLACEMENT
 from shardc.report import _fmt_bytes, comm_report
 from shardc.runtime import collectives as C
 from shardc.runtime import ops as R
@@ -59,9 +59,12 @@ def _format(n: fx.Node) -> str:
         if t is C.all_gather_start:
             args.append(f"backward={n.args[3]}")
             if n.kwargs.get("dtype") is not None:  # precision: the weight sent narrow
-                short = str(n.kwargs["dtype"]).replace("torch.", "")
-                red = str(n.kwargs.get("reduce_dtype") or "").replace("torch.", "")
-                args.append(f"send={short}" + (f", reduce={red}" if red else ""))
+                # the gradient is reduce-scattered in reduce_dtype, else in the input's
+                src = n.args[0]
+                assert isinstance(src, fx.Node)
+                red = n.kwargs.get("reduce_dtype") or src.meta[GLOBAL_VAL].dtype
+                args.append(f"send={str(n.kwargs['dtype']).replace('torch.', '')}, "
+                            f"reduce={str(red).replace('torch.', '')}")
         body = ", ".join(args)
     elif t is R.vocab_parallel_embedding or t is R.target_logit:
         body = f"{_arg(n.args[0])}, {_arg(n.args[1])}, axis={n.args[3]}"

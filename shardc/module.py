@@ -137,7 +137,7 @@ class ShardedModule(nn.Module):
         self._hooks_active = True
         for name, axes in self.grad_reductions.items():
             t = self._program_param(name)
-            dt = reduce_dtype(t.dtype, ctx.options.precision.reduce)
+            dt = reduce_dtype(t.dtype, ctx.options.precision)
             for axis in axes:
                 t.register_hook(self._eager_only(C.grad_reduce_hook(runtime.key, axis, name, dt)))
             # acts only after no_sync, which the forward program runs (never the step's)
@@ -174,7 +174,7 @@ class ShardedModule(nn.Module):
             _set_param(self, name, piece)
             self.param_layouts[name] = lay.with_shard("data", dim).clean(self.mesh)
             zp = zero.ZeroParam(name, full, piece, dim, seen=piece._version,
-                                reduce_dtype=reduce_dtype(p.dtype, self.ctx.options.precision.reduce))
+                                reduce_dtype=reduce_dtype(p.dtype, self.ctx.options.precision))
             self._zero[name] = zp
             rest = [a for a in axes if a != "data"]
             if rest:

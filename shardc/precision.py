@@ -113,10 +113,13 @@ def as_precision(value: Any) -> Precision:
                      "shardc.Precision(compute=..., reduce=...).")
 
 
-def reduce_dtype(grad: torch.dtype, reduce: torch.dtype) -> torch.dtype | None:
-    """The dtype a gradient of dtype ``grad`` is summed in under a policy reducing in
-    ``reduce``; None: its own (the policy never widens a reduction)."""
-    return reduce if narrows(grad, reduce) else None
+def reduce_dtype(grad: torch.dtype, policy: "Precision") -> torch.dtype | None:
+    """The dtype a gradient of dtype ``grad`` is summed in under ``policy``; None: its
+    own. Only a mixed policy changes it, and never to a wider dtype (a float64 model
+    under the default policy reduces in float64)."""
+    if not policy.mixed:
+        return None
+    return policy.reduce if narrows(grad, policy.reduce) else None
 
 
 def narrows(src: torch.dtype, dst: torch.dtype) -> bool:

@@ -21,7 +21,7 @@ import torch.fx as fx
 from shardc.context import GLOBAL_VAL, KIND, PARAM, PLACEMENT, REQUIRES_GRAD, SOURCE
 from shardc.mesh import AXES, Mesh
 from shardc.placement import Layout
-from shardc.precision import reduce_dtype
+from shardc.precision import Precision, reduce_dtype
 from shardc.runtime import collectives as C
 from shardc.runtime.volume import as_number, ring_bytes
 
@@ -110,9 +110,10 @@ def _param_of(n: Any) -> str | None:
 
 def build_rows(gm: fx.GraphModule, mesh: Mesh, storage: dict[str, Layout],
                reduce_params: dict[str, list[str]], param_vals: dict[str, Any],
-               reduce: torch.dtype = torch.float32) -> list[CommRow]:
-    """``reduce``: the precision policy's reduce dtype (the step reductions' dtype where
-    it is narrower than the parameter's)."""
+               policy: Precision | None = None) -> list[CommRow]:
+    """``policy``: the precision policy (the step reductions run in its reduce dtype
+    where that is narrower than the parameter's)."""
+    policy = policy or Precision(torch.float32, torch.float32)
     rows: list[CommRow] = []
 
     def src(n: fx.Node) -> tuple[str, str]:
@@ -172,7 +173,7 @@ def build_rows(gm: fx.GraphModule, mesh: Mesh, storage: dict[str, Layout],
     for name, axes in reduce_params.items():
         val = param_vals[name]
         lay = storage[name]
-        el = _dtype_size(reduce_dtype(val.dtype, reduce) or val.dtype)
+        el = _dtype_size(reduce_dtype(val.dtype, policy) or val.dtype)
         nb = math.prod(lay.local_shape(list(val.shape), mesh)) * el
         num = math.prod(val.shape) * el
         divs = tuple(a for d in lay.dims for a in d)
@@ -347,7 +348,7 @@ def comm_report(sm: Any) -> CommReport:
             param_vals[n.meta[PARAM]] = n.meta[GLOBAL_VAL]
     layouts = getattr(sm, "_program_layouts", sm.param_layouts)
     rows = build_rows(gm, sm.mesh, layouts, sm.grad_reductions, param_vals,
-                      sm.ctx.options.precision.reduce)
+                      sm.ctx.options.precision)
     rows += zero_rows(sm.mesh, layouts, getattr(sm, "_zero", {}), param_vals)
     # reshard_after_forward: the weights backward gathers again, as the step program does
     regathered = sm.regathered() if hasattr(sm, "regathered") else []

@@ -41,7 +41,8 @@ def test_weights_gathered_in_bf16_from_fp32_shards(fake_world, make) -> None:
     for n in gathers:
         assert n.args[0].meta[GLOBAL_VAL].dtype == torch.float32, n.format_node()
         assert n.kwargs.get("dtype") == torch.bfloat16, n.format_node()
-        assert n.kwargs.get("reduce_dtype") == torch.float32, n.format_node()
+        # reduce-scattered in the parameter's own dtype, fp32 (None: no change)
+        assert n.kwargs.get("reduce_dtype") is None, n.format_node()
     assert {p.dtype for p in sm.parameters()} == {torch.float32}
     # nothing gathers a weight in fp32 and casts it afterwards
     for n in sm.graph_module.graph.nodes:
