@@ -252,7 +252,8 @@ def _weight_gemms(ep: torch.export.ExportedProgram) -> list[_Gemm]:
 
 def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
          example_inputs: tuple, *, checkpointing: bool = False, exact_top: int = 10,
-         verify: bool = True, **compile_kw: Any) -> Plan:
+         verify: bool = True, memory: str = "formula", optimizer: str | int = "adamw",
+         **compile_kw: Any) -> Plan:
     """Every mesh of ``world_size`` ranks, ranked by predicted communication time; the
     ones the model or batch does not divide, or that do not fit in device memory, are in
     ``.dropped`` with their reason. Works offline: no process group, meta tensors welcome.
@@ -262,7 +263,20 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
     ``exact_top`` is compiled for itself and its meshes re-evaluated exactly, until the
     top ``exact_top`` are all exact. Candidates past them may keep their first estimate
     (``Candidate.exact`` says which).
+
+    Memory: ``memory="formula"`` (fast, for any world size) counts 16 bytes per parameter
+    element and a bound on the activations (every forward intermediate; with
+    ``checkpointing``, the blocks' inputs and the largest block). ``memory="traced"``
+    replaces that, for the top ``exact_top`` candidates, with ``shardc.memory.estimate``
+    of each one's compiled program (its traced step's peak plus its resident state,
+    ``optimizer`` saying how much state per parameter), under the same ``compile_kw``
+    (``activation_checkpoint``, ``precision``, ``shard_optimizer``): what the program
+    will hold, within ~10% of the measured peak on the GPT of ``benchmarks/memory.py``.
+    A candidate that then does not fit is dropped.
     """
+    if memory not in ("formula", "traced"):
+        raise ValueError(f"shardc.plan: memory must be 'formula' or 'traced', got {memory!r}.")
+    checkpointing = checkpointing or compile_kw.get("activation_checkpoint", "none") != "none"
     from shardc.passes.trace import trace
 
     machine = resolve_machine(machine)
@@ -337,6 +351,9 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
             exact_patterns.add(pattern)
     cands = sorted((c for c in evaluated.values() if isinstance(c, Candidate)), key=_key)
     dropped += [d for d in evaluated.values() if isinstance(d, Dropped)]
+    if memory == "traced":
+        cands = _traced_memory(model, inputs, cands, exact_top, machine, dropped, optimizer,
+                               compile_kw)
     if not cands:
         _nothing_fits(world_size, machine, dropped)
     if verify:
@@ -386,6 +403,27 @@ def _smallest_of_pattern(pattern: tuple[bool, ...], batch: int) -> Mesh | None:
     sizes = {a: (2 if on else 1) for a, on in zip(AXES, pattern)}
     m = Mesh(**sizes)
     return m if batch % (m.data * m.z) == 0 else None
+
+
+def _traced_memory(model: torch.nn.Module, inputs: tuple, cands: list[Candidate], top: int,
+                   machine: Machine, dropped: list[Dropped], optimizer: str | int,
+                   compile_kw: dict) -> list[Candidate]:
+    """The top candidates' memory from their compiled programs (shardc.memory)."""
+    from shardc.memory import estimate
+
+    out: list[Candidate] = []
+    for i, c in enumerate(cands):
+        if i < top:
+            est = estimate(compile_offline(model, inputs, c.mesh, **compile_kw), optimizer)
+            c.memory_bytes_per_rank = float(est.total)
+            c.param_bytes_per_rank = float(est.resident)
+            c.activation_bytes_per_rank = float(est.step_peak)
+            if est.total > machine.memory_bytes:
+                dropped.append(Dropped(c.mesh, f"memory: {est.total / 2**30:.1f} GiB per rank "
+                                               f"(traced) > {machine.memory_bytes / 2**30:.1f} GiB"))
+                continue
+        out.append(c)
+    return out
 
 
 def _verify(model: torch.nn.Module, inputs: tuple, best: Candidate, compile_kw: dict) -> None:

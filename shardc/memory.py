@@ -1,0 +1,237 @@
+"""How many bytes a rank holds at the peak of a training step, from the compiled program.
+
+``estimate(sm)`` adds what a rank keeps between steps (its parameter shards, the program
+copies ``shard_optimizer`` keeps, the optimizer's state) to the peak of what one forward
+and backward allocate on top of that. The peak is not a formula over the model: the
+rank's training step is traced with ``make_fx`` on fake tensors (no communication, no
+memory), exactly as it runs, and walked in execution order with every tensor alive from
+the op that makes it to its last use (a view or in-place result shares its base's
+storage; the gradients the step returns stay alive). So the estimate follows every
+option the program follows:
+
+- the collectives' buffers (gathered weights, reduced partial sums) and their dtypes,
+  hence the precision policy;
+- ``reshard_after_forward`` (the traced whole-step program re-gathers in backward);
+- block recompute: torch.utils.checkpoint is traced through, its recompute appears in
+  backward where autograd runs it;
+- selective recompute: the same trace, where each recomputed op the policy saves reads
+  the forward's output instead (the ops are matched in order within each block, whose
+  recompute replays its forward).
+
+What it leaves out: the allocator's rounding and fragmentation, the step passes'
+buckets (flat copies of gradients, at most ``bucket_mb`` at a time) and scheduling, and
+optimizer temporaries (a foreach AdamW step allocates about one parameter's worth while
+activations are gone).
+"""
+from __future__ import annotations
+
+import copy
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+# optimizer name -> state tensors it keeps per parameter, each the parameter's size
+STATE_PER_PARAMETER = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1, "adagrad": 1,
+                       "rmsprop": 1}
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes one rank holds (``total``): ``resident`` between steps (``parameters`` +
+    ``optimizer``) and the ``step_peak`` a forward and backward add on top (activations,
+    gathered weights, gradients)."""
+
+    parameters: int
+    optimizer: int
+    step_peak: int
+
+    @property
+    def resident(self) -> int:
+        return self.parameters + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.resident + self.step_peak
+
+
+def estimate(sm: Any, optimizer: str | int = "adamw") -> MemoryEstimate:
+    """The memory estimate of compiled module ``sm`` (no communication; traces one step
+    on fake tensors). ``optimizer``: a name in ``STATE_PER_PARAMETER`` or the number of
+    parameter-sized state tensors it keeps."""
+    per = optimizer if isinstance(optimizer, int) else STATE_PER_PARAMETER.get(optimizer.lower())
+    if per is None:
+        raise ValueError(f"shardc.memory.estimate: optimizer={optimizer!r} is not one of "
+                         f"{sorted(STATE_PER_PARAMETER)} or a number of state tensors per parameter.")
+    own = sum(_nbytes(p) for p in sm.parameters())
+    copies = sum(_nbytes(zp.full) for zp in getattr(sm, "_zero", {}).values())
+    trainable = sum(_nbytes(p) for p in sm.parameters() if p.requires_grad)
+    graph, saved_as = traced_step(sm)
+    return MemoryEstimate(own + copies, per * trainable, peak_bytes(graph, saved_as))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ------------------------------------------------------------------------- the trace
+def traced_step(sm: Any) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
+    """One training step of ``sm`` as a graph of ATen ops and functional collectives in
+    execution order, and (selective recompute) each recomputed node the policy saves ->
+    the forward node whose output it reads instead."""
+    from shardc.passes.joint import trace_joint
+
+    args, needs = sm._example_args()
+    names = [t if role == "param" else None for role, t in sm._feeds]
+    if sm._recompute is None and sm.ctx.options.step_graph:
+        jp = trace_joint(sm.graph_module, sm.ctx, args, needs, names, offline=True)
+        return jp.joint.graph, {}
+    return _trace_forward_program(sm, args, needs)
+
+
+def _trace_forward_program(sm: Any, args: list[Any], needs: list[bool]
+                           ) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
+    """The forward program (recompute-wrapped where it is) and autograd's backward."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+    from torch.utils.checkpoint import checkpoint
+
+    from shardc.passes.joint import SWAP
+    from shardc.passes.recompute import Selective, _Checkpointed
+    from shardc.runtime import functional as F
+
+    run = copy.deepcopy(sm._recompute if sm._recompute is not None else sm.graph_module)
+    for m in run.modules():
+        if isinstance(m, fx.GraphModule):
+            for n in m.graph.nodes:
+                if n.op == "call_function" and n.target in SWAP:
+                    n.target = SWAP[n.target]
+            m.recompile()
+    spans: list[tuple[int, int, int]] = []  # (block, first node, end): forward, then recompute
+
+    def recording(inner: Callable, block: int) -> Callable:
+        def call(*a: Any) -> Any:
+            graph = get_proxy_mode().tracer.graph  # type: ignore[union-attr]
+            start = len(graph.nodes)
+            out = inner(*a)
+            spans.append((block, start, len(graph.nodes)))
+            return out
+        return call
+
+    blocks = [m for m in run.modules() if isinstance(m, _Checkpointed)]
+    for i, m in enumerate(blocks):
+        # plain checkpoint: its recompute is traced into backward (a selective policy's
+        # saving is applied to the trace afterwards; under make_fx it would only tag)
+        def fwd(*a: Any, _m: _Checkpointed = m, _i: int = i) -> Any:
+            return checkpoint(recording(_m.inner, _i), *a, use_reentrant=False, early_stop=False)
+        m.forward = fwd  # type: ignore[method-assign]
+    grad_at = [i for i, w in enumerate(needs) if w]
+
+    def step(*flat: Any) -> Any:
+        outs = run(*flat)
+        outs = outs if isinstance(outs, (list, tuple)) else (outs,)
+        diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        grads = torch.autograd.grad(diff, [flat[i] for i in grad_at],
+                                    [torch.ones_like(o) for o in diff], allow_unused=True)
+        return (*outs, *[g for g in grads if g is not None])
+
+    inputs = [a.detach().requires_grad_(w) if isinstance(a, torch.Tensor) else a
+              for a, w in zip(args, needs)]
+    F.STATE.offline = True
+    try:
+        with torch.enable_grad():
+            gm = make_fx(step, tracing_mode="fake")(*inputs)
+    finally:
+        F.STATE.offline = False
+        F.STATE.log.clear()
+        F.STATE.shapes.clear()
+    saved_as: dict[fx.Node, fx.Node] = {}
+    policy = sm.ctx.options.activation_checkpoint
+    if isinstance(policy, Selective):
+        saved_as = _saved_by(gm.graph, spans, policy)
+    return gm.graph, saved_as
+
+
+def _saved_by(graph: fx.Graph, spans: list[tuple[int, int, int]], policy: Any
+              ) -> dict[fx.Node, fx.Node]:
+    """Pair each block's recomputed ops with its forward ops (the recompute replays the
+    forward in order) and keep the pairs whose op the policy saves."""
+    from shardc.passes.recompute import _op_named
+
+    keep = {_op_named(n) for n in policy.save}
+    nodes = list(graph.nodes)
+    calls: dict[int, list[tuple[int, int]]] = {}
+    for block, a, b in spans:
+        calls.setdefault(block, []).append((a, b))
+    out: dict[fx.Node, fx.Node] = {}
+    for block, seen in calls.items():
+        if len(seen) != 2:
+            continue
+        (fa, fb), (ra, rb) = seen
+        # the recompute adds detaches (autograd's unpacking of what it saves): not ops
+        # of the block
+        fwd = [n for n in nodes[fa:fb] if n.op == "call_function" and n.target is not _DETACH]
+        rec = [n for n in nodes[ra:rb] if n.op == "call_function" and n.target is not _DETACH]
+        if [n.target for n in fwd] != [n.target for n in rec]:
+            continue  # not a replay: leave this block fully recomputed
+        for f, r in zip(fwd, rec):
+            if getattr(f.target, "overloadpacket", None) in keep:
+                out[r] = f
+    return out
+
+
+_DETACH = torch.ops.aten.detach.default
+
+
+# ---------------------------------------------------------------------- liveness
+def _tensor_bytes(v: Any) -> int:
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def _alias_of(n: fx.Node) -> fx.Node | None:
+    """The input whose storage ``n``'s output shares (a view, detach, an in-place op's
+    result), or None when the op allocates."""
+    if n.op != "call_function" or n.target is operator.getitem:
+        return None  # each output of a multi-output op is its own tensor
+    schema = getattr(n.target, "_schema", None)
+    if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+        return None
+    for arg, value in zip(schema.arguments, n.args):
+        if arg.alias_info is not None and isinstance(value, fx.Node):
+            return value
+    return None
+
+
+def peak_bytes(graph: fx.Graph, saved_as: dict[fx.Node, fx.Node] | None = None) -> int:
+    """The most bytes alive at once while ``graph`` runs, beyond its inputs: each
+    allocating node's output from its op to its last reader (through views), the
+    outputs to the end. ``saved_as``: nodes that allocate nothing and read another's
+    output instead (selective recompute)."""
+    saved_as = saved_as or {}
+    nodes = list(graph.nodes)
+    where = {n: i for i, n in enumerate(nodes)}
+    root: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        base = saved_as.get(n) or _alias_of(n)
+        root[n] = root.get(base, base) if base is not None else n
+    last: dict[fx.Node, int] = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            r = root[a]
+            last[r] = max(last.get(r, 0), where[n])
+        last.setdefault(root[n], where[n])
+    out = nodes[-1]
+    for a in out.all_input_nodes:
+        last[root[a]] = len(nodes)
+    size = {n: _tensor_bytes(n.meta.get("val")) for n in nodes
+            if n.op == "call_function" and root[n] is n}
+    frees: dict[int, int] = {}
+    for r, s in size.items():
+        frees[last[r]] = frees.get(last[r], 0) + s
+    live = peak = 0
+    for i, n in enumerate(nodes):
+        live += size.get(n, 0)
+        peak = max(peak, live)
+        live -= frees.get(i, 0)
+    return peak

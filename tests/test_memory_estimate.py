@@ -1,0 +1,70 @@
+"""One-process tests (fake process group) of shardc.memory.estimate and the planner's
+traced memory. How close the estimate comes to a measured peak is tested on real gloo
+ranks in test_recompute_gloo.py (and tabled by benchmarks/memory.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardc
+from shardc.memory import estimate, peak_bytes
+from shardc.offline import compile_offline
+from models import GPT
+
+
+def _tokens(n: int = 16) -> torch.Tensor:
+    return torch.randint(0, 64, (n, 64), generator=torch.Generator().manual_seed(1))
+
+
+def test_the_options_move_the_estimate_as_they_move_memory(fake_world) -> None:
+    fake_world(4)
+    torch.manual_seed(0)
+    model, t = GPT(dim=64, layers=4, heads=8, seq=64), _tokens()
+    est = {name: estimate(shardc.compile(model, "x1y1z2d2", example_inputs=(t, t), **kw))
+           for name, kw in {"none": {}, "blocks": {"activation_checkpoint": "blocks"},
+                            "selective": {"activation_checkpoint": "selective"},
+                            "bf16": {"precision": "bf16"},
+                            "zero": {"shard_optimizer": True}}.items()}
+    assert est["blocks"].step_peak < est["selective"].step_peak < est["none"].step_peak
+    # bf16 halves the activations and gathered weights, not the fp32 gradients
+    assert 0.4 * est["none"].step_peak < est["bf16"].step_peak < 0.7 * est["none"].step_peak
+    assert est["bf16"].resident == est["none"].resident
+    # shard_optimizer: AdamW's state halves over data = 2; the program copies are added
+    assert est["zero"].optimizer * 2 == est["none"].optimizer
+    assert est["zero"].parameters > est["none"].parameters
+
+
+def test_sgd_keeps_no_state_and_a_bad_name_is_refused(fake_world) -> None:
+    fake_world(4)
+    torch.manual_seed(0)
+    t = _tokens()
+    t = t[:, :16].contiguous()
+    sm = shardc.compile(GPT(), "x1y1z2d2", example_inputs=(t, t))
+    assert estimate(sm, "sgd").optimizer == 0
+    assert estimate(sm, 3).optimizer == 3 * sum(p.numel() * 4 for p in sm.parameters())
+    with pytest.raises(ValueError, match="optimizer='lion' is not one of"):
+        estimate(sm, "lion")
+
+
+def test_liveness_frees_at_the_last_reader() -> None:
+    """a = x*2 (4 KiB), b = a+1 (4 KiB), a dies at b, c = b.sum(): peak 8 KiB, and the
+    view of a adds nothing."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        a = x * 2
+        b = a.view(-1) + 1
+        return b.sum()
+    from torch.fx.experimental.proxy_tensor import make_fx
+    gm = make_fx(f, tracing_mode="fake")(torch.zeros(32, 32))
+    assert peak_bytes(gm.graph) == 2 * 32 * 32 * 4
+
+
+def test_plan_traced_memory_is_the_programs_estimate() -> None:
+    torch.manual_seed(0)
+    model, t = GPT(dim=64, layers=2, heads=8, seq=64), _tokens()
+    plan = shardc.plan(model, 4, "perlmutter", (t, t), memory="traced", exact_top=2, verify=False,
+                       activation_checkpoint="blocks")
+    for c in plan[:2]:
+        est = estimate(compile_offline(model, (t, t), c.mesh, activation_checkpoint="blocks"))
+        assert c.memory_bytes_per_rank == est.total
+    with pytest.raises(ValueError, match="memory must be 'formula' or 'traced'"):
+        shardc.plan(model, 4, "perlmutter", (t, t), memory="exact")
