@@ -94,7 +94,8 @@ def traced_step(sm: Any) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
 def _trace_forward_program(sm: Any, args: list[Any], needs: list[bool]
                            ) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
     """The forward program (recompute-wrapped where it is) and autograd's backward."""
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+    from torch.fx.experimental import proxy_tensor
+    from torch.fx.experimental.proxy_tensor import make_fx
     from torch.utils.checkpoint import checkpoint
 
     from shardc.passes.joint import SWAP
@@ -112,7 +113,10 @@ def _trace_forward_program(sm: Any, args: list[Any], needs: list[bool]
 
     def recording(inner: Callable, block: int) -> Callable:
         def call(*a: Any) -> Any:
-            graph = get_proxy_mode().tracer.graph  # type: ignore[union-attr]
+            # the tracing mode's graph (get_proxy_mode; older torch: the legacy name)
+            current: Any = getattr(proxy_tensor, "get_proxy_mode", None) or \
+                getattr(proxy_tensor, "get_innermost_proxy_mode")
+            graph = current().tracer.graph
             start = len(graph.nodes)
             out = inner(*a)
             spans.append((block, start, len(graph.nodes)))
