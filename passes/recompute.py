@@ -129,6 +129,19 @@ def mark_and_split(gm: fx.GraphModule, blocks: list[str], rt: str,
     seen = -1
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     for n in nodes:
+        if n.target is C.wait or n.target is C.grad_all_reduce:
+            # A wait (and a gradient all-reduce, identity in forward) runs where its data
+            # is, whatever op the report attributes it to: the all-reduce completing a
+            # partial sum is attributed to the op that made the partial (Llama's
+            # vocabulary-parallel embedding), though it runs after the next block's
+            # RMSNorm scaled it. A weight's gather (its data a parameter) keeps its block.
+            start = n.args[0]
+            data = [a for a in n.all_input_nodes if a in part]
+            if n.target is C.wait and isinstance(start, fx.Node):
+                data += [a for a in start.all_input_nodes if a in part]
+            if data:
+                part[n] = max(part[a] for a in data)
+                continue
         b = _block_of(n, blocks)
         if b is not None:
             part[n] = 2 * order[b] + 1
@@ -151,8 +164,8 @@ def mark_and_split(gm: fx.GraphModule, blocks: list[str], rt: str,
         for a in n.all_input_nodes:
             if a in part and part[a] > part[n]:
                 raise NotImplementedError(
-                    f"shardc.compile: activation_checkpoint='blocks' cannot cut this program "
-                    f"into blocks: {n.format_node()} (segment {part[n]}) reads "
+                    f"shardc.compile: block recompute (activation_checkpoint) cannot cut this "
+                    f"program into blocks: {n.format_node()} (segment {part[n]}) reads "
                     f"{a.format_node()} (segment {part[a]}), computed after it.")
     for n in nodes:
         if part[n] % 2:
