@@ -1,10 +1,10 @@
 """Find the ``torch.utils.checkpoint`` calls a model makes while it is traced.
 
 ``torch.export`` runs a checkpointed function once, like any other code, and the graph
-keeps no trace of the checkpoint: the recompute the user asked for silently disappears
-and every activation is kept. shardc does not recompute yet
-(``compile(activation_checkpoint=...)`` is refused), so the least it owes the user is to
-say which modules lost their checkpointing.
+keeps no trace of the checkpoint: the recompute the user asked for would silently
+disappear and every activation be kept. Recording the calls lets ``compile`` recompute
+those submodules' segments of the rank's program (``passes/recompute.py``), and name the
+calls it cannot honour.
 
 Both forms of ``torch.utils.checkpoint.checkpoint`` go through a name in that module's
 globals at call time (``_checkpoint_without_reentrant_generator`` for

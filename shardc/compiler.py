@@ -18,9 +18,9 @@ from shardc.mesh import Mesh
 from shardc.module import ShardedModule
 from shardc.placement import Layout
 from shardc.passes import run_pipeline
-from shardc.passes.recompute import Selective, mark_and_split, repeated_blocks
+from shardc.passes.recompute import RECOMPUTE, Selective, mark_and_split, repeated_blocks
 from shardc.passes.trace import checkpointed_modules, trace
-from shardc.precision import check_no_autocast
+from shardc.precision import as_precision, check_no_autocast
 from shardc.runtime.collectives import Runtime, guarded
 
 
@@ -103,11 +103,14 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
     over data (ZeRO-1/2): ``sm.parameters()`` are then each rank's 1/G_data slices of the
     stored shards (``runtime/zero.py``).
     ``torch.autocast`` around ``compile`` or the compiled module is refused (the comm
-    report would not match what moves; use ``precision``); a model calling ``torch.utils.checkpoint``
-    compiles with a warning naming the modules, whose activations are kept (torch.export
-    inlines the checkpoint).
+    report would not match what moves; use ``precision``).
 
-    ``prefetch_depth`` (default 1; 0 with block or selective recompute) issues each
+    A model that calls ``torch.utils.checkpoint`` on its submodules has those
+    submodules recomputed in backward (its own checkpointing, honoured: torch.export
+    would inline it); a call on a function or the root compiles with a warning.
+
+    ``prefetch_depth`` (default 1; 0 with block or selective recompute, or the model's
+    own checkpointing) issues each
     weight's all-gather that many GEMMs ahead. Under block recompute every gather runs in
     its own block's segment anyway, and issuing it ahead there kept the activations alive
     on real gloo ranks (measured: a recompute saving 0.9-1.4x of the peak on z > 1 meshes
@@ -119,8 +122,6 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
     ``backend="inductor"`` compiles the compute between the program's collectives with
     ``torch.compile`` (the collectives stay eager; see ``shardc.backend``), in both parts
     of the step program (and in the forward program, which runs without gradients)."""
-    if prefetch_depth is None:
-        prefetch_depth = 0 if activation_checkpoint != "none" else 1
     if not dist.is_available() or not dist.is_initialized():
         raise ShardcError(
             "shardc.compile: torch.distributed is not initialised. Call "
@@ -149,7 +150,7 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
 
 def _compile_here(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | None,
                   seen: dict[str, list], *, transpose_alternate: bool, overlap: bool,
-                  prefetch_depth: int, gemm_modes: str, step_graph: bool, bucket_mb: float,
+                  prefetch_depth: int | None, gemm_modes: str, step_graph: bool, bucket_mb: float,
                   reshard_after_forward: bool, machine: Any,
                   input_layouts: Mapping[int, Layout] | None, activation_checkpoint: Any,
                   precision: Any, shard_optimizer: bool, backend: str) -> ShardedModule:
@@ -173,6 +174,13 @@ def _compile_here(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | li
     mesh = _check_mesh(mesh, dist.get_world_size())
     example_inputs = tuple(example_inputs)
     _check_batch(example_inputs, mesh, input_layouts or {})
+    if prefetch_depth is None:
+        # 0 under recompute (the compiler's or the model's own torch.utils.checkpoint
+        # calls, which are honoured as block recompute): see compile's docstring
+        compute = as_precision(precision).compute
+        recompute = activation_checkpoint != "none" or bool(
+            _checkpointed_blocks(model, trace(model, example_inputs, compute))[0])
+        prefetch_depth = 0 if recompute else 1
     validate.check_option_types(Options, transpose_alternate=transpose_alternate, overlap=overlap,
                                 prefetch_depth=prefetch_depth, gemm_modes=gemm_modes,
                                 step_graph=step_graph, bucket_mb=bucket_mb,
@@ -195,15 +203,21 @@ def _compile_here(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | li
 def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
              rank: int, input_layouts: Mapping[int, Layout] | None = None) -> ShardedModule:
     ep = trace(model, example_inputs, options.precision.compute)
-    lost = checkpointed_modules(ep)
+    own_blocks, lost = _checkpointed_blocks(model, ep)
+    if own_blocks and (options.backend != "eager" or options.reshard_after_forward
+                       or options.gemm_modes != "default"):
+        # those run the whole-step program, which the recompute does not wrap: keep the
+        # user's explicit option and say what is not honoured
+        lost, own_blocks = own_blocks + lost, []
     if lost:
         warnings.warn(
             f"shardc.compile: {type(model).__name__} calls torch.utils.checkpoint on "
-            f"{', '.join(lost)}; torch.export inlines it, so the compiled program keeps these "
-            "activations instead of recomputing them. Results are unchanged; memory is that of "
-            "the model without checkpointing. compile(..., activation_checkpoint='blocks') "
-            "recomputes every repeated block in the compiled program.", ShardcWarning,
-            stacklevel=3)
+            f"{', '.join(lost)}, which the compiled program cannot recompute (a function or the "
+            "root rather than a submodule, or with backend, reshard_after_forward or gemm_modes "
+            "options, which run the whole-step program); torch.export inlines it, so these "
+            "activations are kept. Results are unchanged. Checkpoint submodules "
+            "(checkpoint(self.block, x)) with the default options, or use "
+            "compile(..., activation_checkpoint='blocks').", ShardcWarning, stacklevel=3)
     canonical = _canonical_names(model)
     roles: dict[str, tuple[str, str]] = {}
     sig = ep.graph_signature
@@ -245,11 +259,39 @@ def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Optio
         selective = options.activation_checkpoint if isinstance(options.activation_checkpoint,
                                                                 Selective) else None
         object.__setattr__(sm, "_recompute", mark_and_split(program, blocks, runtime.key, selective))
+    elif own_blocks:
+        # the model's own torch.utils.checkpoint calls on submodules, honoured: those
+        # modules' segments of the rank's program are recomputed in backward
+        object.__setattr__(sm, "_recompute", mark_and_split(program, own_blocks, runtime.key))
+        marked = {n.meta.get(RECOMPUTE) for n in program.graph.nodes}
+        done = [b for b in own_blocks if b in marked]
+        missed = [b for b in own_blocks if b not in marked]
+        if done:
+            sm.decisions.append("recompute in backward, as the model's torch.utils.checkpoint "
+                                f"calls ask: {', '.join(done)}")
+        if missed:
+            # export records a module only when it is called (module(x)) outside an
+            # autograd.Function: module.forward(x), and the reentrant checkpoint (a
+            # Function), leave its ops with the caller's module, so no segment is its
+            warnings.warn(
+                f"shardc.compile: {type(model).__name__} calls torch.utils.checkpoint on "
+                f"{', '.join(missed)}, whose ops the trace does not attribute to it (the "
+                "reentrant form, or module.forward?); these activations are kept. Checkpoint "
+                "the module itself, non-reentrant: checkpoint(self.block, x, "
+                "use_reentrant=False).", ShardcWarning, stacklevel=3)
     if options.backend != "eager":
         from shardc.backend import build_runner  # noqa: PLC0415 - imports torch's compiler stack
 
         sm.set_runner(build_runner(program, options.backend))
     return sm
+
+
+def _checkpointed_blocks(model: nn.Module, ep: Any) -> tuple[list[str], list[str]]:
+    """The model's torch.utils.checkpoint calls (recorded while tracing): (submodules the
+    program can recompute as blocks, other calls it cannot: functions, the root)."""
+    modules = {name for name, _ in model.named_modules() if name}
+    calls = list(checkpointed_modules(ep))
+    return [c for c in calls if c in modules], [c for c in calls if c not in modules]
 
 
 def _input_layouts(example_inputs: tuple, names: list[str], given: Mapping[int, Layout],

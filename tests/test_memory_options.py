@@ -1,6 +1,7 @@
 """One-process tests (fake process group) of the memory and precision options' guards:
 what is not built is refused by name, autocast around compile is refused, and a model's
-own torch.utils.checkpoint calls are reported instead of silently dropped."""
+own torch.utils.checkpoint calls are honoured (or, where they cannot be, named) instead of
+silently dropped."""
 from __future__ import annotations
 
 import warnings
@@ -78,12 +79,71 @@ class Checkpointed(nn.Module):
         return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def test_model_checkpoint_calls_are_named(fake_world) -> None:
+class CheckpointedFunction(Checkpointed):
+    """A checkpointed function (not a submodule): the program cannot cut it out."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        m = self.inner
+        x = m.tok(idx) + m.pos(torch.arange(idx.shape[1]))
+        x = checkpoint(lambda h: m.blocks[1](m.blocks[0](h)), x, use_reentrant=False)
+        x = m.blocks[2](x)
+        logits = m.head(m.ln_f(x))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class CheckpointedModules(Checkpointed):
+    """Non-reentrant checkpoint on two submodules."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        m = self.inner
+        x = m.tok(idx) + m.pos(torch.arange(idx.shape[1]))
+        x = checkpoint(m.blocks[0], x, use_reentrant=False)
+        x = checkpoint(m.blocks[1], x, use_reentrant=False)
+        x = m.blocks[2](x)
+        logits = m.head(m.ln_f(x))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_model_checkpoint_calls_are_honoured(fake_world) -> None:
+    """Checkpoint on submodules: those blocks are recomputed (and said so); nothing is
+    lost, so nothing warns."""
     fake_world(4)
     tokens = torch.randint(0, 64, (8, 16))
-    with pytest.warns(shardc.ShardcWarning, match=r"torch.utils.checkpoint on inner.blocks.0, "
-                      r"inner.blocks.1; .* keeps these activations"):
-        shardc.compile(Checkpointed(), shardc.Mesh(x=2, z=2), (tokens, tokens))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", shardc.ShardcWarning)
+        sm = shardc.compile(CheckpointedModules(), shardc.Mesh(x=2, z=2), (tokens, tokens))
+    assert sm._recompute is not None
+    assert any("inner.blocks.0, inner.blocks.1" in d for d in sm.decisions), sm.decisions
+    assert sm.ctx.options.prefetch_depth == 0
+    marked = {n.meta.get("shardc_recompute") for n in sm.graph_module.graph.nodes} - {None}
+    assert marked == {"inner.blocks.0", "inner.blocks.1"}
+
+
+def test_a_checkpointed_forward_method_is_named(fake_world) -> None:
+    """The reentrant form (an autograd.Function) on module.forward: export does not
+    attribute its ops to the module, so that block cannot be cut out; it is named, the
+    other one is recomputed."""
+    fake_world(4)
+    tokens = torch.randint(0, 64, (8, 16))
+    with pytest.warns(shardc.ShardcWarning, match=r"on inner.blocks.1, whose ops the trace"):
+        sm = shardc.compile(Checkpointed(), shardc.Mesh(x=2, z=2), (tokens, tokens))
+    marked = {n.meta.get("shardc_recompute") for n in sm.graph_module.graph.nodes} - {None}
+    assert marked == {"inner.blocks.0"}
+
+
+def test_model_checkpoint_calls_that_cannot_be_honoured_are_named(fake_world) -> None:
+    fake_world(4)
+    tokens = torch.randint(0, 64, (8, 16))
+    with pytest.warns(shardc.ShardcWarning, match=r"torch.utils.checkpoint on .*<lambda>.* "
+                      r"cannot recompute"):
+        sm = shardc.compile(CheckpointedFunction(), shardc.Mesh(x=2, z=2), (tokens, tokens))
+    assert sm._recompute is None
+    # with an option that runs the whole-step program, the submodules' calls are named too
+    with pytest.warns(shardc.ShardcWarning, match=r"inner.blocks.0, inner.blocks.1, which the "
+                      r"compiled program cannot recompute"):
+        sm = shardc.compile(Checkpointed(), shardc.Mesh(x=2, z=2), (tokens, tokens),
+                            reshard_after_forward=True)
+    assert sm._recompute is None
     # and the hook is gone after the trace: a plain model warns nothing
     with warnings.catch_warnings():
         warnings.simplefilter("error", shardc.ShardcWarning)
