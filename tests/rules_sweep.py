@@ -309,15 +309,24 @@ class Reference:
     pgrads: dict[str, torch.Tensor | None]
 
 
+# One thread at a time in torch's RNG-state calls: the threaded world's rank threads
+# seeding at once deadlocked a CI run (every rank thread inside get_rng_state,
+# manual_seed or torch.cuda's lazy seeding, the main thread unable to time out). The
+# lock covers only the calls, never a case, so ranks still meet in their collectives.
+_RNG_LOCK = threading.Lock()
+
+
 def _seeded(spec: OpSpec):
     class _Ctx:
         def __enter__(self):
-            self.f = torch.random.fork_rng(devices=[])
-            self.f.__enter__()
-            torch.manual_seed(spec.seed)
+            with _RNG_LOCK:
+                self.f = torch.random.fork_rng(devices=[])
+                self.f.__enter__()
+                torch.manual_seed(spec.seed)
 
         def __exit__(self, *a):
-            return self.f.__exit__(*a)
+            with _RNG_LOCK:
+                return self.f.__exit__(*a)
     return _Ctx()
 
 
