@@ -36,7 +36,7 @@ import torch.distributed as dist  # noqa: E402
 import shardc  # noqa: E402
 from harness import run_on_ranks  # noqa: E402
 from models import GPT  # noqa: E402
-from shardc.memory import estimate  # noqa: E402
+from shardc.memory import estimate, measured_peak  # noqa: E402
 
 OPTIONS: dict[str, dict[str, Any]] = {
     "none": {},
@@ -65,14 +65,7 @@ def _optimizer_bytes(opt: torch.optim.Optimizer) -> int:
 def _step_peak(model: Any, inputs: list[torch.Tensor]) -> int:
     """Most bytes live at once above the start during one forward and backward."""
     model.zero_grad(set_to_none=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True) as prof:
-        model(*inputs).backward()
-    live = peak = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += e.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak
+    return measured_peak(lambda: model(*inputs).backward())
 
 
 def _measure(model: Any, params: Any, inputs: list[torch.Tensor], extra: int = 0) -> tuple[int, int]:

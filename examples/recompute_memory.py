@@ -6,8 +6,9 @@ checkpointing table):
     python examples/recompute_memory.py 8 x1y1z1d4 x1y1z4d1
 
 A GPT of LAYERS blocks (dim 64, 64 tokens, 16 sequences a rank); the peak is measured
-with torch's profiler (tests/test_recompute_gloo.py's ``_peak_growth``), the minimum of
-two steps after a warm-up step, on rank 0.
+from torch's profiler's allocation records (``shardc.memory.measured_peak``, through
+tests/test_recompute_gloo.py's ``_peak_growth``), the minimum of two steps after a
+warm-up step, on rank 0.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from models import GPT  # noqa: E402
 from test_recompute_gloo import _peak_growth  # noqa: E402
 
 
-def _measure(rank: int, world_size: int, spec: str, layers: int, prefetch_depth: int | None) -> None:
+def _measure(rank: int, world_size: int, spec: str, layers: int, prefetch_depth: int) -> None:
     warnings.simplefilter("ignore")
     mesh = shardc.Mesh.parse(spec)
     g = torch.Generator().manual_seed(1)
@@ -51,8 +52,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("layers", type=int)
     ap.add_argument("meshes", nargs="+")
-    # default: compile's (1, and 0 under activation_checkpoint="blocks")
-    ap.add_argument("--prefetch-depth", type=int, default=None)
+    ap.add_argument("--prefetch-depth", type=int, default=1)
     args = ap.parse_args()
     for spec in args.meshes:
         run_on_ranks(_measure, shardc.Mesh.parse(spec).world_size, spec, args.layers,

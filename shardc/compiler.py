@@ -20,7 +20,7 @@ from shardc.placement import Layout
 from shardc.passes import run_pipeline
 from shardc.passes.recompute import RECOMPUTE, Selective, mark_and_split, repeated_blocks
 from shardc.passes.trace import checkpointed_modules, trace
-from shardc.precision import as_precision, check_no_autocast
+from shardc.precision import check_no_autocast
 from shardc.runtime.collectives import Runtime, guarded
 
 
@@ -67,7 +67,7 @@ def _canonical_names(model: nn.Module) -> dict[str, str]:
 
 
 def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | None = None, *,
-            transpose_alternate: bool = True, overlap: bool = True, prefetch_depth: int | None = None,
+            transpose_alternate: bool = True, overlap: bool = True, prefetch_depth: int = 1,
             gemm_modes: str = "default", step_graph: bool = True, bucket_mb: float = 25.0,
             reshard_after_forward: bool = False, machine: Any = None,
             input_layouts: Mapping[int, Layout] | None = None,
@@ -109,12 +109,9 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
     submodules recomputed in backward (its own checkpointing, honoured: torch.export
     would inline it); a call on a function or the root compiles with a warning.
 
-    ``prefetch_depth`` (default 1; 0 with block or selective recompute, or the model's
-    own checkpointing) issues each
-    weight's all-gather that many GEMMs ahead. Under block recompute every gather runs in
-    its own block's segment anyway, and issuing it ahead there kept the activations alive
-    on real gloo ranks (measured: a recompute saving 0.9-1.4x of the peak on z > 1 meshes
-    instead of 4.2-4.3x), so the default there is 0.
+    ``prefetch_depth`` (default 1) issues each weight's all-gather that many GEMMs ahead,
+    in forward and in a recompute's replay of a block (a gather stays in its block's
+    segment: one issued ahead of a block boundary runs with the next block).
 
     ``gemm_modes`` ("default", "NN", "NT", "TN", "auto") puts each GEMM of the step
     program in a form (operand layouts); "auto" times the forms on the first batch.
@@ -150,7 +147,7 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
 
 def _compile_here(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | None,
                   seen: dict[str, list], *, transpose_alternate: bool, overlap: bool,
-                  prefetch_depth: int | None, gemm_modes: str, step_graph: bool, bucket_mb: float,
+                  prefetch_depth: int, gemm_modes: str, step_graph: bool, bucket_mb: float,
                   reshard_after_forward: bool, machine: Any,
                   input_layouts: Mapping[int, Layout] | None, activation_checkpoint: Any,
                   precision: Any, shard_optimizer: bool, backend: str) -> ShardedModule:
@@ -174,13 +171,6 @@ def _compile_here(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | li
     mesh = _check_mesh(mesh, dist.get_world_size())
     example_inputs = tuple(example_inputs)
     _check_batch(example_inputs, mesh, input_layouts or {})
-    if prefetch_depth is None:
-        # 0 under recompute (the compiler's or the model's own torch.utils.checkpoint
-        # calls, which are honoured as block recompute): see compile's docstring
-        compute = as_precision(precision).compute
-        recompute = activation_checkpoint != "none" or bool(
-            _checkpointed_blocks(model, trace(model, example_inputs, compute))[0])
-        prefetch_depth = 0 if recompute else 1
     validate.check_option_types(Options, transpose_alternate=transpose_alternate, overlap=overlap,
                                 prefetch_depth=prefetch_depth, gemm_modes=gemm_modes,
                                 step_graph=step_graph, bucket_mb=bucket_mb,

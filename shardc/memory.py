@@ -76,6 +76,43 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# ------------------------------------------------------------------- the measurement
+def measured_peak(step: Callable[[], Any], device: torch.device | str | None = None) -> int:
+    """The most bytes live at once, above what was live before, while ``step()`` runs
+    on this process: what ``estimate(sm).step_peak`` predicts when ``step`` is one
+    forward and backward of ``sm``.
+
+    On CUDA it is the caching allocator's peak of allocated bytes. On CPU it is the
+    running sum of torch's profiler's allocation records (each allocation and each
+    free, on every thread, in time order). Do not use the profiler's per-op
+    ``self_cpu_memory_usage`` for this. torch assigns each allocation record to every
+    CPU op whose time span contains it, on any thread. gloo's worker threads allocate
+    and free a staging buffer inside each collective, and their frees are lost or
+    charged to other ops. Summing per-op figures then counts every staging buffer as
+    never freed: 1.5-2 MiB too much by the end of a z2d2 backward, by an amount that
+    varies with gloo's timing."""
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        start = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        step()
+        torch.cuda.synchronize(dev)
+        return torch.cuda.max_memory_allocated(dev) - start
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        step()
+    # the raw records torch's own parser reads ("[memory]": one per allocation, with a
+    # negative size per free), before it distributes them over ops
+    records = [e for e in prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+               if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+    live = peak = 0
+    for e in sorted(records, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
 # ------------------------------------------------------------------------- the trace
 def traced_step(sm: Any) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
     """One training step of ``sm`` as a graph of ATen ops and functional collectives in
