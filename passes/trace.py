@@ -54,7 +54,12 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
     with torch.random.fork_rng(devices=[]), record_checkpoint_calls(model, found):
         try:
             root = model if compute == torch.float32 else CastAtUse(model, compute)
-            ep = torch.export.export(root, tuple(example_inputs), strict=False)
+            # traced on contiguous copies: export bakes an input's strides into the views
+            # it records (a language model's `data[:, :-1]` slice made `targets.flatten()`
+            # a view that cannot exist); the program's inputs are made contiguous on
+            # entry to match (ShardedModule.forward)
+            ep = torch.export.export(root, tuple(a.contiguous() if isinstance(a, torch.Tensor) else a
+                                                 for a in example_inputs), strict=False)
         except Exception as e:  # noqa: BLE001 - re-raised with the cause named
             raise TraceError(_explain_trace_failure(model, e)) from e
         if not all(_has_rule(n.target, RULES) for n in ep.graph.nodes if n.op == "call_function"):

@@ -222,7 +222,10 @@ class ShardedModule(nn.Module):
             elif role == "constant":
                 args.append(self._ep_constants[target])
             else:
-                args.append(next(it))
+                # the program was traced on contiguous inputs (passes/trace.py): a slice
+                # such as `data[:, :-1]` is copied once here rather than failing in a view
+                x = next(it)
+                args.append(x.contiguous() if isinstance(x, torch.Tensor) else x)
         out = self._run(args)
         return pytree.tree_unflatten(list(out), self._out_spec)
 

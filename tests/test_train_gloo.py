@@ -230,12 +230,33 @@ def _grads_and_state(rank: int, world_size: int) -> None:
         for name, p in ref.named_parameters():
             # same products summed in another order: fp32 rounding, ~1e-7 relative
             torch.testing.assert_close(grads[name], p.grad, rtol=RTOL, atol=1e-7)
+        _sliced_batch(ref, mesh)
         sd = {k: v + 1.0 for k, v in ref.state_dict().items()}
         sm.load_full_state_dict(sd)
         back = sm.full_state_dict()
         assert list(back) == list(sd)
         for k in sd:
             assert torch.equal(back[k], sd[k]), k
+
+
+def _sliced_batch(model: torch.nn.Module, mesh: shardc.Mesh) -> None:
+    """Inputs and targets sliced from one (B, T+1) batch, as language-model loaders make
+    them: non-contiguous, for the example inputs and every call. The compiled model
+    matches one device on contiguous copies of the same values."""
+    data = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(2))
+    x, y = data[:, :-1], data[:, 1:]
+    ref = copy.deepcopy(model)
+    ref.zero_grad()
+    sm = shardc.compile(copy.deepcopy(model), mesh, example_inputs=(x, y))
+    loss_ref = ref(x.contiguous(), y.contiguous())  # this GPT's `.view` needs contiguous
+    loss_ref.backward()
+    loss = sm(shardc.shard_batch(x, mesh), shardc.shard_batch(y, mesh))
+    loss.backward()
+    assert math.isclose(loss.item(), loss_ref.item(), rel_tol=RTOL), (loss.item(), loss_ref.item())
+    grads = sm.full_grads()
+    for name, p in ref.named_parameters():
+        # as in _grads_and_state: the same products summed in another order
+        torch.testing.assert_close(grads[name], p.grad, rtol=RTOL, atol=1e-7)
 
 
 def _dropout(rank: int, world_size: int) -> None:
