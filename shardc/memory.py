@@ -18,10 +18,15 @@ option the program follows:
   the forward's output instead (the ops are matched in order within each block, whose
   recompute replays its forward).
 
-What it leaves out: the allocator's rounding and fragmentation, the step passes'
-buckets (flat copies of gradients, at most ``bucket_mb`` at a time) and scheduling, and
-optimizer temporaries (a foreach AdamW step allocates about one parameter's worth while
-activations are gone).
+What it leaves out: the allocator's rounding and fragmentation; the step passes
+(the trace is the joint program before bucketing, coalescing and scheduling: packed
+copies of gradients, at most ``bucket_mb`` at a time); buffers a backend allocates inside
+a collective (gloo's coalesced reduce-scatter clones its inputs, 1.3 MiB at the
+backward peak of the 8-block GPT on z2d2, and stages every all-gather through a flat
+copy on its worker thread); optimizer temporaries (a foreach AdamW step allocates about
+one parameter's worth while activations are gone). Against ``measured_peak``
+(``benchmarks/memory.py``, 4 gloo ranks) it came to 0.88-1.00 of every option's
+measured total, running low by about those missing buffers.
 """
 from __future__ import annotations
 
