@@ -55,14 +55,14 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any) -> None:
 
 
 class SideBySide(NamedTuple):
-    ref_losses: list[float]      # the single-device (fp32) model's loss per step
+    ref_losses: list[float]      # one fp32 device's loss per step, at the same parameters
     losses: list[float]          # the compiled model's global-mean loss per step
-    ref_state: dict              # single-device state after the last step
+    ref_state: dict              # one device's state after the last step (see train_side_by_side)
     state: dict                  # the compiled model's full_state_dict() after the last step
     sm: shardc.ShardedModule
-    grads: dict                  # the compiled model's full_grads() at the first step
-    ref_grads: dict              # the single-device fp32 gradients at the first step
-    f64_grads: dict              # a float64 copy's gradients at the first step (or {})
+    grads: list[dict]            # the compiled model's full_grads() at each step
+    ref_grads: list[dict]        # one fp32 device's gradients at each step, same parameters
+    f64_grads: list[dict]        # a float64 copy's gradients at each step, same parameters
 
 
 def _double(t: Any) -> Any:
@@ -71,48 +71,58 @@ def _double(t: Any) -> Any:
 
 def train_side_by_side(make_model: Callable[[], torch.nn.Module], batches: list[tuple],
                        mesh: shardc.Mesh, lr: float = 1e-2, eps: float = 1e-6,
-                       float64_reference: bool = False, **compile_kw: Any) -> SideBySide:
-    """Train the single-device model and its compiled copy on the same global batches,
-    with AdamW. The first step's gradients of both (the compiled ones gathered with
-    ``full_grads``, collective) are kept, and with ``float64_reference`` those of a float64
-    copy of the same initial model on the same first batch, drawing the same dropout
-    masks: the exact-arithmetic gradient to measure both fp32 runs against."""
+                       **compile_kw: Any) -> SideBySide:
+    """Train the compiled model with AdamW on global batches beside one device, judging
+    each step's gradients rather than where AdamW takes the weights.
+
+    Two fp32 runs (compiled, one device) that each train on their own gradients drift
+    apart by AdamW's amplification of rounding: it divides every gradient element by its
+    own magnitude, so an element near ``eps`` (an embedding row whose token is seen once)
+    turns a few fp32 roundings of the sums behind it into a visible difference of the
+    weight, whoever computed it. So the single-device optimizer is driven by the compiled
+    model's gradients (``full_grads``, gathered each step): its weights are where the
+    compiled model's must be if the compiled optimizer steps every shard as one device
+    does, which ``state`` against ``ref_state`` checks; and at each step, at those same
+    weights, one fp32 device and a float64 copy (drawing the same dropout masks) compute
+    the gradient too: float64 is exact to ~1e-16, so each fp32 gradient's distance to it
+    is that run's rounding error, which the caller compares. A stale or wrong weight, a
+    missing reduction or a wrong shard at any step shows in that step's gradients or in
+    the state; rounding noise does not."""
     torch.manual_seed(0)
     model = make_model()
     # compile reads the model and never changes it: the single-device runs train copies.
     # A make_model that hands back the same model every time lets compile reuse its
     # trace (torch.export, most of the compile time) for every mesh.
     ref = copy.deepcopy(model)
-    ref64 = copy.deepcopy(model).double() if float64_reference else None
+    ref64 = copy.deepcopy(model).double()
     sm = shardc.compile(model, mesh, example_inputs=batches[0], **compile_kw)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr, eps=eps)
     opt = torch.optim.AdamW(sm.parameters(), lr=lr, eps=eps)
-    ref_losses, losses = [], []
-    grads: dict = {}
-    ref_grads: dict = {}
-    f64_grads: dict = {}
-    for step, batch in enumerate(batches):
+    run = SideBySide([], [], {}, {}, sm, [], [], [])
+    for batch in batches:
         rng = torch.get_rng_state()  # all draw the same dropout masks
-        if step == 0 and ref64 is not None:
-            ref64(*[_double(t) for t in batch]).backward()
-            f64_grads = {n: p.grad for n, p in ref64.named_parameters()}
-            torch.set_rng_state(rng)
+        ref64.load_state_dict(ref.state_dict())  # copy_ casts to float64
+        ref64(*[_double(t) for t in batch]).backward()
+        run.f64_grads.append({n: p.grad for n, p in ref64.named_parameters()})
+        ref64.zero_grad(set_to_none=True)
+        torch.set_rng_state(rng)
         loss_ref = ref(*batch)
         loss_ref.backward()
-        if step == 0:
-            ref_grads = {n: p.grad.clone() if p.grad is not None else None
-                         for n, p in ref.named_parameters()}
-        opt_ref.step()
-        opt_ref.zero_grad()
+        run.ref_grads.append({n: p.grad for n, p in ref.named_parameters()})
         torch.set_rng_state(rng)
         local = [shardc.shard_batch(t, mesh) for t in batch]
         loss = sm(*local)
         loss.backward()
-        if step == 0:
-            grads = sm.full_grads()
+        grads = sm.full_grads()
+        run.grads.append(grads)
+        for n, p in ref.named_parameters():
+            p.grad = grads[n].clone() if grads.get(n) is not None else None
         opt.step()
         opt.zero_grad()
-        ref_losses.append(loss_ref.item())
-        losses.append(shardc.global_mean(loss, mesh).item())
-    return SideBySide(ref_losses, losses, ref.state_dict(), sm.full_state_dict(), sm,
-                      grads, ref_grads, f64_grads)
+        opt_ref.step()
+        opt_ref.zero_grad(set_to_none=True)
+        run.ref_losses.append(loss_ref.item())
+        run.losses.append(shardc.global_mean(loss, mesh).item())
+    run.ref_state.update(ref.state_dict())
+    run.state.update(sm.full_state_dict())
+    return run

@@ -1,5 +1,5 @@
 """More transformers architectures than the sweep's, each on one mesh of 4 gloo ranks,
-through the same checks as tests/test_train_gloo.py (first-step gradients against
+through the same checks as tests/test_train_gloo.py (each step's gradients against
 float64, three AdamW steps against one device, measured == reported): Qwen2, Mistral,
 Gemma, BLOOM (alibi), GPT-J (parallel attention and MLP, interleaved rotary), StableLM,
 OLMo and Qwen3 (q/k norms), tiny configurations of each.

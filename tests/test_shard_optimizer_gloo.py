@@ -1,8 +1,8 @@
 """compile(shard_optimizer=True) (ZeRO-1/2 over data) on real gloo ranks.
 
-Each case runs test_train_gloo's checks with the option on: first-step gradients
-against float64 (4x one fp32 device's error), 3 AdamW steps within 1e-5 of one device,
-the full state after them, and measured == reported over a step that follows an
+Each case runs test_train_gloo's checks with the option on: each step's gradients
+against float64 (4x one fp32 device's error), 3 AdamW steps' losses within 1e-5 of one
+device, the full state after them (one device's AdamW on the same gradients), and measured == reported over a step that follows an
 optimizer step (so the all-gather of the stepped slices is in it). Beside those:
 the optimizer's state is 1/G_data of what it is without the option; gradient
 accumulation (no_sync) and clipping give one device's numbers; a checkpoint written with
