@@ -5,8 +5,8 @@ meshes that between them use every axis.
 Clipping is judged against ``torch.nn.utils.clip_grad_norm_`` on a float64 single-device
 copy, with bounds that follow from the triangle inequality (see ``_clip_failures``) rather
 than a guessed tolerance. Accumulation of 3 micro-batches (2 under ``no_sync``, the last
-synced) is judged against one device on the concatenated batch, gradients against float64
-as ``test_train_gloo`` judges one step, then two AdamW steps; and the bytes: a micro-batch
+synced) is judged against one device on the concatenated batch, each of two AdamW steps
+as ``test_train_gloo`` judges a step (gradients against float64, then the weights); and the bytes: a micro-batch
 under ``no_sync`` moves exactly the report's collectives less its gradient reductions, the
 synced one exactly the report.
 """
@@ -171,10 +171,16 @@ def _no_sync_failures(name: str, make, spec: str) -> list[str]:
             out.append(f"{where}: nothing held under no_sync (pending {pending})")
         if pending[-1]:
             out.append(f"{where}: {pending[-1]} reductions pending after the synced backward")
+        # judged as test_train_gloo judges a step (harness.train_side_by_side says why):
+        # the accumulated gradients against float64 at the same weights, then one
+        # device's AdamW driven by them, whose weights the compiled model's must equal
+        ref64.load_state_dict(ref.state_dict())
+        ref64(*whole).backward()
+        grads = sm.full_grads()
+        out += _grad_failures(where, grads, {n: p.grad for n, p in ref.named_parameters()},
+                              {n: p.grad for n, p in ref64.named_parameters()}, step=s)
+        ref64.zero_grad(set_to_none=True)
         if s == 0:
-            ref64(*whole).backward()
-            out += _grad_failures(where, sm.full_grads(), {n: p.grad for n, p in ref.named_parameters()},
-                                  {n: p.grad for n, p in ref64.named_parameters()})
             # under no_sync: the report less its gradient reductions, byte for byte
             for i, m in enumerate(moved[:-1]):
                 if m != want:
@@ -183,12 +189,14 @@ def _no_sync_failures(name: str, make, spec: str) -> list[str]:
                 out.append(f"{where}: the synced micro-batch moved {moved[-1]}, report {report}")
             if not deferred:
                 out.append(f"{where}: the mesh has no gradient reduction to defer (a useless case)")
+        for n, p in ref.named_parameters():
+            p.grad = grads[n].clone() if grads.get(n) is not None else None
         opt.step()
         opt.zero_grad()
         opt_ref.step()
         opt_ref.zero_grad()
-    # two AdamW steps on accumulated gradients: the test_train_gloo tolerances (there
-    # explained) apply, the accumulation being one more order of the same sums
+    # the weights after two AdamW steps on accumulated gradients: test_train_gloo's
+    # tolerances (there explained; the same elementwise update of the same numbers)
     state, ref_state = sm.full_state_dict(), ref.state_dict()
     for k, r in ref_state.items():
         got = state[k]

@@ -24,7 +24,7 @@ import shardc
 import shardc.checkpoint
 from harness import run_on_ranks
 from models import GPT, llama
-from test_train_gloo import EPS, LR, RTOL, _case_failures
+from test_train_gloo import EPS, LR, RTOL, _case_failures, _grad_failures
 
 pytestmark = pytest.mark.distributed
 
@@ -72,19 +72,21 @@ def _state_failures(spec: str) -> list[str]:
 
 
 def _accumulate_clip_failures(spec: str) -> list[str]:
-    """Two micro-batches under no_sync then a synced one, clipped: one device's norm and
-    state (the clipped norm within fp32 reduction-order noise, states within RTOL)."""
+    """Two micro-batches under no_sync then a synced one, clipped, twice: each step's
+    gradients against float64, one device's clipped norm (within fp32 reduction-order
+    noise) and the weights of one device's AdamW on the same gradients (within RTOL)."""
     where = f"no_sync+clip@{spec}"
     mesh = shardc.Mesh.parse(spec)
     micro = _batches(3, seed=5)
     torch.manual_seed(0)
     model = llama()
     ref = copy.deepcopy(model)
+    ref64 = copy.deepcopy(model).double()
     sm = shardc.compile(model, mesh, example_inputs=micro[0], shard_optimizer=True)
     opt = torch.optim.AdamW(sm.parameters(), lr=LR, eps=EPS)
     oref = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
     out: list[str] = []
-    for _ in range(2):
+    for step in range(2):
         with sm.no_sync():
             for b in micro[:2]:
                 sm(*[shardc.shard_batch(t, mesh) for t in b]).backward()
@@ -93,12 +95,23 @@ def _accumulate_clip_failures(spec: str) -> list[str]:
         sm(*[shardc.shard_batch(t, mesh) for t in micro[2]]).backward()
         if sm.pending_reductions() != 0:
             out.append(f"{where}: {sm.pending_reductions()} reductions still pending")
+        # judged as test_train_gloo judges a step (harness.train_side_by_side says why):
+        # the accumulated gradients against float64 at the same weights, the clipped
+        # norm, then one device's AdamW driven by the compiled model's clipped gradients
+        ref64.load_state_dict(ref.state_dict())
         for b in micro:
             ref(*b).backward()
+            ref64(*b).backward()
+        out += _grad_failures(where, sm.full_grads(), {n: p.grad for n, p in ref.named_parameters()},
+                              {n: p.grad for n, p in ref64.named_parameters()}, step=step)
+        ref64.zero_grad(set_to_none=True)
         norm = shardc.clip_grad_norm_(sm, 0.05).item()
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item()
         if abs(norm - ref_norm) > RTOL * ref_norm:
             out.append(f"{where}: norm {norm} vs one device {ref_norm}")
+        grads = sm.full_grads()
+        for n, p in ref.named_parameters():
+            p.grad = grads[n].clone() if grads.get(n) is not None else None
         for o in (opt, oref):
             o.step()
             o.zero_grad()
