@@ -65,6 +65,13 @@ class SideBySide(NamedTuple):
     f64_grads: list[dict]        # a float64 copy's gradients at each step, same parameters
 
 
+def drive_with(model: torch.nn.Module, grads: dict) -> None:
+    """Set ``model``'s ``.grad`` to the compiled model's gathered gradients (copies), so
+    that its optimizer takes the step the compiled one should have taken."""
+    for n, p in model.named_parameters():
+        p.grad = grads[n].clone() if grads.get(n) is not None else None
+
+
 def _double(t: Any) -> Any:
     return t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
 
@@ -115,8 +122,7 @@ def train_side_by_side(make_model: Callable[[], torch.nn.Module], batches: list[
         loss.backward()
         grads = sm.full_grads()
         run.grads.append(grads)
-        for n, p in ref.named_parameters():
-            p.grad = grads[n].clone() if grads.get(n) is not None else None
+        drive_with(ref, grads)
         opt.step()
         opt.zero_grad()
         opt_ref.step()

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import shardc
 from shardc.context import GLOBAL_VAL, KIND
-from harness import run_on_ranks
+from harness import drive_with, run_on_ranks
 from models import GPT, llama
 from test_train_gloo import ATOL, EPS, LR, RTOL, _grad_failures
 
@@ -189,8 +189,7 @@ def _no_sync_failures(name: str, make, spec: str) -> list[str]:
                 out.append(f"{where}: the synced micro-batch moved {moved[-1]}, report {report}")
             if not deferred:
                 out.append(f"{where}: the mesh has no gradient reduction to defer (a useless case)")
-        for n, p in ref.named_parameters():
-            p.grad = grads[n].clone() if grads.get(n) is not None else None
+        drive_with(ref, grads)
         opt.step()
         opt.zero_grad()
         opt_ref.step()

@@ -22,7 +22,7 @@ import shardc
 from harness import run_on_ranks, train_side_by_side
 from shardc.memory import estimate, measured_peak
 from models import GPT, llama
-from test_train_gloo import ATOL, EPS, LR, RTOL, _grad_failures
+from test_train_gloo import ATOL, EPS, LR, RTOL, _steps_grad_failures
 
 pytestmark = pytest.mark.distributed
 
@@ -52,8 +52,7 @@ def _train_failures(spec: str, policy: str = "blocks", make=lambda: GPT(layers=3
     where = f"{name} {policy}@{spec}"
     batches = _batches(3)
     run = train_side_by_side(make, batches, mesh, lr=LR, eps=EPS, activation_checkpoint=policy)
-    out = [line for step, g in enumerate(zip(run.grads, run.ref_grads, run.f64_grads))
-           for line in _grad_failures(where, *g, step=step)]
+    out = _steps_grad_failures(where, run)
     for step, (a, b) in enumerate(zip(run.ref_losses, run.losses)):
         if not math.isclose(a, b, rel_tol=RTOL):
             out.append(f"{where}: step {step} loss {b!r} vs one device {a!r}")

@@ -22,7 +22,7 @@ import torch
 
 import shardc
 import shardc.checkpoint
-from harness import run_on_ranks
+from harness import drive_with, run_on_ranks
 from models import GPT, llama
 from test_train_gloo import EPS, LR, RTOL, _case_failures, _grad_failures
 
@@ -109,9 +109,7 @@ def _accumulate_clip_failures(spec: str) -> list[str]:
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item()
         if abs(norm - ref_norm) > RTOL * ref_norm:
             out.append(f"{where}: norm {norm} vs one device {ref_norm}")
-        grads = sm.full_grads()
-        for n, p in ref.named_parameters():
-            p.grad = grads[n].clone() if grads.get(n) is not None else None
+        drive_with(ref, sm.full_grads())
         for o in (opt, oref):
             o.step()
             o.zero_grad()

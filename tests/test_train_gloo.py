@@ -118,6 +118,12 @@ def _grad_failures(where: str, grads: dict, ref_grads: dict, f64_grads: dict, st
     return out
 
 
+def _steps_grad_failures(where: str, run: Any) -> list[str]:
+    """``_grad_failures`` at every step of a ``train_side_by_side`` run."""
+    return [line for step, g in enumerate(zip(run.grads, run.ref_grads, run.f64_grads))
+            for line in _grad_failures(where, *g, step=step)]
+
+
 _BUILT: dict[str, torch.nn.Module] = {}
 
 
@@ -151,8 +157,7 @@ def _case_failures(name: str, mesh: shardc.Mesh, allowed=_attention_masks, **com
         run = train_side_by_side(make, batches, mesh, lr=LR, eps=EPS, **compile_kw)
     except Exception:  # noqa: BLE001 (a compile or runtime error is this case's failure)
         return [f"{where}: raised\n{traceback.format_exc()}"]
-    out = [line for step, g in enumerate(zip(run.grads, run.ref_grads, run.f64_grads))
-           for line in _grad_failures(where, *g, step=step)]
+    out = _steps_grad_failures(where, run)
     for step, (a, b) in enumerate(zip(run.ref_losses, run.losses)):
         if not math.isclose(a, b, rel_tol=RTOL):
             out.append(f"{where}: step {step} loss {b!r} vs one device {a!r} "
@@ -278,8 +283,7 @@ def _dropout(rank: int, world_size: int) -> None:
             run = train_side_by_side(make, batches, mesh, lr=LR, eps=EPS)
             # a mask drawn differently changes the gradient by its own size, far past
             # the rounding bound
-            fails = [line for step, g in enumerate(zip(run.grads, run.ref_grads, run.f64_grads))
-                     for line in _grad_failures(f"dropout@{spec}", *g, step=step)]
+            fails = _steps_grad_failures(f"dropout@{spec}", run)
             assert not fails, fails
             for a, b in zip(run.ref_losses, run.losses):
                 assert math.isclose(a, b, rel_tol=RTOL), (spec, run.ref_losses, run.losses)
