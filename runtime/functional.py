@@ -29,6 +29,7 @@ import threading
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 
 from shardc.runtime.collectives import get_runtime, guarded
 from shardc.runtime.volume import ring_bytes
@@ -47,7 +48,7 @@ class _TraceState(threading.local):
         self.shapes: dict[int, tuple[int, ...]] = {}
         self.phase = "forward"
         # at run time: id of a collective's result -> (its number under torch.profiler
-        # or None, runtime key, collective, axis, phase), for its wait
+        # or None, runtime key, collective, axis, phase, Work, result, input), for its wait
         self.flight: dict[int, tuple] = {}
         # the forward program's node being traced (a backward collective is logged with
         # the node whose autograd function issued it)
@@ -249,64 +250,98 @@ def step_all_reduce(g: torch.Tensor, rt: str, axis: str, param: str,
 # counts the bytes it hands to torch.distributed, as runtime.collectives does, and
 # issues the collective. The result is waited by a separate ``run_wait`` node.
 #
+# They issue through torch.distributed's async calls (``async_op=True``) and keep the
+# ``Work`` beside the buffer, as the forward program's runtime does, not through the
+# functional ops the program was traced with. On gloo (torch 2.13) the functional
+# all-gather, whose CPU path is gloo's coalesced all-gather, corrupted the heap: the
+# 8-rank step program aborted in malloc ("unaligned tcache chunk") within a few hundred
+# steps, every time, while the same program through ``dist.all_gather_into_tensor``
+# ran clean (benchmarks/soak_step.py). The functional ops stay what the program is
+# traced with: make_fx records them as nodes, and their schemas give the passes shapes
+# and aliasing.
+#
 # Under torch.profiler, the issue and the wait each leave a short labelled range
 # ("shardc.issue#K all_reduce@x backward 8192B" and "shardc.wait#K"): the two ends of
 # collective K's flight, which ``shardc.tracing`` joins into one span beside the compute
 # it overlapped.
 _ids = itertools.count()
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
 
 
-def _issue(rt: str, collective: str, axis: str, ph: str, x: torch.Tensor, call: Any) -> torch.Tensor:
+def _issue(rt: str, collective: str, axis: str, ph: str, x: torch.Tensor, out: torch.Tensor,
+           call: Any) -> torch.Tensor:
+    """Count, then ``call()`` (an async torch.distributed call filling ``out``); its Work,
+    with ``out`` and ``x`` held until the wait, goes in ``STATE.flight`` under ``out``.
+    Holding ``out`` also keeps its ``id`` from naming another tensor while in flight."""
     nbytes = _count(rt, collective, axis, ph, x)
     k = None
     with guarded(rt, collective, axis, ph):
         if torch.autograd.profiler._is_profiler_enabled:
             k = next(_ids)
             with torch.profiler.record_function(f"shardc.issue#{k} {collective}@{axis} {ph} {nbytes}B"):
-                out = call()
+                work = call()
         else:
-            out = call()
-    STATE.flight[id(out)] = (k, rt, collective, axis, ph)
+            work = call()
+    STATE.flight[id(out)] = (k, rt, collective, axis, ph, work, out, x)
     return out
 
 
 def run_all_gather(x: torch.Tensor, group_size: int, group_name: str, rt: str, axis: str,
                    ph: str) -> torch.Tensor:
-    return _issue(rt, "all_gather", axis, ph, x,
-                  lambda: _fc.all_gather_into_tensor(x, group_size, group_name))
+    x = x.reshape(1) if x.dim() == 0 else x
+    out = x.new_empty((group_size * x.shape[0], *x.shape[1:]))
+    return _issue(rt, "all_gather", axis, ph, x, out, lambda: dist.all_gather_into_tensor(
+        out, x, group=get_runtime(rt).group(axis), async_op=True))
 
 
 def run_reduce_scatter(x: torch.Tensor, op: str, group_size: int, group_name: str, rt: str,
                        axis: str, ph: str) -> torch.Tensor:
-    return _issue(rt, "reduce_scatter", axis, ph, x,
-                  lambda: _fc.reduce_scatter_tensor(x, op, group_size, group_name))
+    out = x.new_empty((x.shape[0] // group_size, *x.shape[1:]))
+    return _issue(rt, "reduce_scatter", axis, ph, x, out, lambda: dist.reduce_scatter_tensor(
+        out, x, op=_OPS[op], group=get_runtime(rt).group(axis), async_op=True))
 
 
 def run_all_reduce(x: torch.Tensor, op: str, group_name: str, rt: str, axis: str,
                    ph: str, inplace: bool = False) -> torch.Tensor:
-    """``inplace``: reduce ``x`` itself instead of a copy (the functional op clones its
-    input first); for a buffer nothing else reads, such as a bucket the program just
-    packed (a clone of a 13 MiB bucket cost more than the reduction's own copy)."""
-    if inplace:
-        return _issue(rt, "all_reduce", axis, ph, x, lambda: _fc.all_reduce_(x, op, group_name))
-    return _issue(rt, "all_reduce", axis, ph, x, lambda: _fc.all_reduce(x, op, group_name))
+    """``inplace``: reduce ``x`` itself instead of a copy (the traced op is out of place);
+    for a buffer nothing else reads, such as a bucket the program just packed (a clone of
+    a 13 MiB bucket cost more than the reduction's own copy)."""
+    out = x if inplace else x.clone(memory_format=torch.contiguous_format)
+    return _issue(rt, "all_reduce", axis, ph, x, out, lambda: dist.all_reduce(
+        out, op=_OPS[op], group=get_runtime(rt).group(axis), async_op=True))
 
 
 def run_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
                    group_name: str, rt: str, axis: str, ph: str) -> torch.Tensor:
-    return _issue(rt, "all_to_all", axis, ph, x,
-                  lambda: _fc.all_to_all_single(x, out_splits, in_splits, group_name))
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    return _issue(rt, "all_to_all", axis, ph, x, out, lambda: dist.all_to_all_single(
+        out, x, list(out_splits), list(in_splits), group=get_runtime(rt).group(axis),
+        async_op=True))
 
 
 def run_wait(t: torch.Tensor) -> torch.Tensor:
     """Block until the collective that returned ``t`` is done; a failure (a dead peer, a
     timeout) becomes a CollectiveError naming the collective, axis and phase."""
-    k, rt, collective, axis, ph = STATE.flight.pop(id(t), (None, None, "collective", None, "?"))
+    flight = STATE.flight.pop(id(t), None)
+    if flight is None:
+        # another Python object over the same buffer (a value saved for backward comes
+        # back from autograd as a new wrapper)
+        ptr = t.untyped_storage().data_ptr()
+        key = next((i for i, f in STATE.flight.items()
+                    if ptr and f[6].untyped_storage().data_ptr() == ptr), None)
+        if key is None:
+            raise RuntimeError("shardc: the step program waits on a tensor that none of its "
+                               "collectives in flight returned")
+        flight = STATE.flight.pop(key)
+    k, rt, collective, axis, ph, work = flight[:6]
     with guarded(rt, collective, axis, ph):
         if k is None:
-            return _fc.wait_tensor(t)
-        with torch.profiler.record_function(f"shardc.wait#{k}"):
-            return _fc.wait_tensor(t)
+            work.wait()
+        else:
+            with torch.profiler.record_function(f"shardc.wait#{k}"):
+                work.wait()
+    return t
 
 
 def _count(rt: str, collective: str, axis: str, ph: str, t: torch.Tensor) -> int:

@@ -307,6 +307,41 @@ def _gemm_check() -> list[str]:
     return out
 
 
+def _runtime_ops_check() -> list[str]:
+    """At training time the step program issues its collectives through torch.distributed
+    (``c10d`` ops), never the functional ops it was traced with: on gloo the functional
+    all-gather corrupted the heap within a few hundred steps (runtime/functional.py;
+    benchmarks/soak_step.py is the soak that showed it)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Namespaces(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(f"{func.namespace}.{func.__name__}")
+            return func(*args, **(kwargs or {}))
+
+    make, batches = _lm(GPT)
+    torch.manual_seed(0)
+    mesh = shardc.Mesh.parse("x2y1z2d1")  # gathers weights on z, reduces on x
+    sm = shardc.compile(make(), mesh, example_inputs=batches[0])
+    inputs = tuple(shardc.shard_batch(x, mesh) for x in batches[0])
+    sm(*inputs).backward()  # builds the step program (its tracing uses functional ops)
+    with Namespaces() as mode:
+        sm(*inputs).backward()
+    functional = sorted(n for n in mode.seen if n.startswith("_c10d_functional."))
+    issued = sorted(n for n in mode.seen if n.startswith("c10d."))
+    out = []
+    if functional:
+        out.append(f"runtime ops: a training step ran functional collectives {functional}")
+    if not any("allgather" in n for n in issued) or not any("allreduce" in n for n in issued):
+        out.append(f"runtime ops: the step's all-gathers and all-reduces were not seen as "
+                   f"c10d ops (seen: {issued})")
+    return out
+
+
 def _all(rank: int, world_size: int, tmp: str) -> None:
     failures: list[str] = []
     for name in MODELS:
@@ -318,6 +353,7 @@ def _all(rank: int, world_size: int, tmp: str) -> None:
     failures += _overlap_check()
     failures += _gemm_check()
     failures += _trace_check(f"{tmp}/trace")
+    failures += _runtime_ops_check()
     if failures:
         raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures))
 
