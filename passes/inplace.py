@@ -23,11 +23,21 @@ from shardc.context import CompileContext
 from shardc.runtime import functional as F
 
 
+# ops that return a view of their input although their schema declares no alias
+# (``_unsafe_view(Tensor self, SymInt[] size) -> Tensor``: matmul's decomposition reshapes
+# its GEMM's result with it); reducing one in place writes into its base
+_UNDECLARED_VIEWS = (torch.ops.aten._unsafe_view.default,)
+
+
 def _fresh(n: fx.Node) -> bool:
-    """Does ``n`` produce a tensor in memory of its own?"""
+    """Does ``n`` produce a tensor in memory of its own (or a view of one that nothing
+    but this view reads)?"""
     t = n.target
     if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
         return False  # a program input, a tuple's element, a runtime call
+    if t in _UNDECLARED_VIEWS:
+        base = n.args[0]
+        return isinstance(base, fx.Node) and len(base.users) == 1 and _fresh(base)
     if t._schema.is_mutable:
         return False
     rets = t._schema.returns

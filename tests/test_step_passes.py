@@ -331,9 +331,19 @@ def test_inplace_reduces_only_fresh_buffers_nothing_else_reads() -> None:
     again = b.op(aten.mm.default, x, w)
     ar_again, t_again = b.collective("all_reduce", again, "x", "backward")
     used = b.op(aten.add.Tensor, again, 1.0)
-    gm = inplace_pass(b.module(t_fresh, t_input, t_view, t_again, used), _ctx())
-    assert [n.kwargs.get("inplace", False) for n in (ar_fresh, ar_input, ar_view, ar_again)] == \
-        [True, False, False, False]
+    # _unsafe_view declares no alias but is a view: in place only when its base is fresh
+    # and read by nothing else
+    lone = b.op(aten._unsafe_view.default, b.op(aten.mm.default, x, w), [128])
+    ar_lone, t_lone = b.collective("all_reduce", lone, "x", "backward")
+    shared = b.op(aten.mm.default, x, w)
+    unsafe = b.op(aten._unsafe_view.default, shared, [128])
+    ar_unsafe, t_unsafe = b.collective("all_reduce", unsafe, "x", "backward")
+    reads = b.op(aten.add.Tensor, shared, 1.0)
+    gm = inplace_pass(b.module(t_fresh, t_input, t_view, t_again, used, t_lone, t_unsafe, reads),
+                      _ctx())
+    assert [n.kwargs.get("inplace", False)
+            for n in (ar_fresh, ar_input, ar_view, ar_again, ar_lone, ar_unsafe)] == \
+        [True, False, False, False, True, False]
     # a bucket's packed buffer is fresh and read by its reduction alone
     b2 = G()
     grads = []
