@@ -8,7 +8,8 @@ It prints one line per (model, mesh) as it finishes and "soak: N steps on M case
 failure" at the end; a rank that dies (a signal, an error) fails the run with its
 stacks. Before the step program issued its collectives through torch.distributed's
 async calls, the MLP chain aborted in malloc ("unaligned tcache chunk detected") within
-the first six meshes on every run (five of five); see runtime/functional.py.
+the first six meshes on every run (six of six, with and without the step passes); see
+runtime/functional.py.
 """
 from __future__ import annotations
 
