@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from shardc.runtime.collectives import get_runtime, guarded
+from shardc.runtime.collectives import all_gather_flat, get_runtime, guarded, reduce_scatter_flat
 from shardc.runtime.volume import ring_bytes
 
 _fc = torch.ops._c10d_functional
@@ -113,12 +113,24 @@ def _exchange(x: torch.Tensor, rt: str, axis: str, node: str) -> torch.Tensor:
     return _wait(_fc.all_to_all_single(x.contiguous(), [n] * g, [n] * g, _gname(rt, axis)))
 
 
+def _dense(g: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A real zero tensor on the forward's ``device`` for a gradient that autograd hands
+    over as an efficient zero tensor (the derivative of ``sgn``, ``sign``, ...). Under
+    make_fx the ops on such a tensor trace to device "meta", which the fake-tensor tracer
+    refuses (and which no program may run): the step program of ``sgn(amax(gather(x)))``
+    could not be built and fell back to autograd's backward."""
+    if g._is_zerotensor():
+        return torch.zeros(g.shape, dtype=g.dtype, device=device)
+    return g
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, grad: str,
                 dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None
                 ) -> torch.Tensor:
         ctx.rt, ctx.axis, ctx.grad, ctx.shape = rt, axis, grad, tuple(x.shape)
+        ctx.device = x.device
         ctx.in_dtype, ctx.reduce_dtype = x.dtype, reduce_dtype or x.dtype
         ctx.node = STATE.node
         g = get_runtime(rt).mesh.size(axis)
@@ -131,6 +143,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g_flat: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        g_flat = _dense(g_flat, ctx.device)
         r = get_runtime(ctx.rt)
         g = r.mesh.size(ctx.axis)
         if ctx.grad == "reduce_scatter":
@@ -155,13 +168,14 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, dim: int) -> torch.Tensor:
         ctx.rt, ctx.axis, ctx.dim, ctx.node = rt, axis, dim, STATE.node
+        ctx.device = x.device
         g = get_runtime(rt).mesh.size(axis)
         _log("reduce_scatter", axis)
         return _fc.reduce_scatter_tensor(x.movedim(dim, 0).contiguous(), "sum", g, _gname(rt, axis))
 
     @staticmethod
     def backward(ctx: Any, g_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        full = _gather(g_out, ctx.rt, ctx.axis, ctx.node)
+        full = _gather(_dense(g_out, ctx.device), ctx.rt, ctx.axis, ctx.node)
         return full.movedim(0, ctx.dim), None, None, None
 
 
@@ -170,6 +184,7 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, src: int, dst: int) -> torch.Tensor:
         g = get_runtime(rt).mesh.size(axis)
         ctx.rt, ctx.axis, ctx.dst, ctx.node = rt, axis, dst, STATE.node
+        ctx.device = x.device
         send = x.unflatten(dst, (g, x.shape[dst] // g)).movedim(dst, 0).contiguous()
         ctx.send_shape = tuple(send.shape)
         n = send.shape[0] // g
@@ -179,7 +194,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g_buf: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        back = _exchange(g_buf, ctx.rt, ctx.axis, ctx.node)
+        back = _exchange(_dense(g_buf, ctx.device), ctx.rt, ctx.axis, ctx.node)
         return back.movedim(0, ctx.dst).flatten(ctx.dst, ctx.dst + 1), None, None, None, None
 
 
@@ -197,11 +212,12 @@ class _GradAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
         ctx.rt, ctx.axis, ctx.node = rt, axis, STATE.node
+        ctx.device = x.device
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _reduce(g, ctx.rt, ctx.axis, ctx.node), None, None
+        return _reduce(_dense(g, ctx.device), ctx.rt, ctx.axis, ctx.node), None, None
 
 
 # ------------------------------------------------- the counterparts of collectives.*
@@ -255,7 +271,7 @@ def step_all_reduce(g: torch.Tensor, rt: str, axis: str, param: str,
 # functional ops the program was traced with. On gloo (torch 2.13) the functional
 # all-gather, whose CPU path is gloo's coalesced all-gather, corrupted the heap: the
 # 8-rank step program aborted in malloc ("unaligned tcache chunk") within a few hundred
-# steps, every time, while the same program through ``dist.all_gather_into_tensor``
+# steps, every time, while the same program through torch.distributed's all-gather
 # ran clean (benchmarks/soak_step.py). The functional ops stay what the program is
 # traced with: make_fx records them as nodes, and their schemas give the passes shapes
 # and aliasing.
@@ -291,14 +307,14 @@ def run_all_gather(x: torch.Tensor, group_size: int, group_name: str, rt: str, a
                    ph: str) -> torch.Tensor:
     x = x.reshape(1) if x.dim() == 0 else x
     out = x.new_empty((group_size * x.shape[0], *x.shape[1:]))
-    return _issue(rt, "all_gather", axis, ph, x, out, lambda: dist.all_gather_into_tensor(
+    return _issue(rt, "all_gather", axis, ph, x, out, lambda: all_gather_flat(
         out, x, group=get_runtime(rt).group(axis), async_op=True))
 
 
 def run_reduce_scatter(x: torch.Tensor, op: str, group_size: int, group_name: str, rt: str,
                        axis: str, ph: str) -> torch.Tensor:
     out = x.new_empty((x.shape[0] // group_size, *x.shape[1:]))
-    return _issue(rt, "reduce_scatter", axis, ph, x, out, lambda: dist.reduce_scatter_tensor(
+    return _issue(rt, "reduce_scatter", axis, ph, x, out, lambda: reduce_scatter_flat(
         out, x, op=_OPS[op], group=get_runtime(rt).group(axis), async_op=True))
 
 

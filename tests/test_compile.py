@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import warnings
 from collections import Counter
 
 import pytest
@@ -358,3 +359,29 @@ def test_sliced_inputs_are_accepted(fake_world) -> None:
     # trace) takes them too
     fake_world(4)
     assert shardc.comm_report(shardc.compile(GPT(layers=2), shardc.Mesh(x=2, data=2), (x, y))).total_bytes() > 0
+
+
+def test_step_program_builds_through_a_zero_derivative(fake_world) -> None:
+    """``sgn``'s derivative reaches a weight gather's backward as an efficient zero
+    tensor, whose ops trace to device "meta" under make_fx: the whole-step program could
+    not be built and the model silently lost the step passes (autograd's backward ran)."""
+    fake_world(2)
+
+    class SignOfMax(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 4))
+            self.v = torch.nn.Parameter(torch.randn(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x * torch.sgn(self.w.amax(0)) * self.v).sum()
+
+    mesh = shardc.Mesh(z=2)
+    x = torch.randn(4, 4)
+    sm = shardc.compile(SignOfMax(), mesh, example_inputs=(x,))
+    with warnings.catch_warnings():
+        # the fallback is a warning: make it fail here
+        warnings.filterwarnings("error", message="shardc: the whole-step program")
+        sm(shardc.shard_batch(x, mesh)).backward()
+    assert sm._joint_failed is None
+    assert sm._joint, "no whole-step program was built"
