@@ -44,6 +44,9 @@ from shardc.runtime.volume import ring_bytes
 # have only the old ones. Same semantics, so use whichever this torch has.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# the reduce-op names of torch's functional collectives, as torch.distributed's enum
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
+              "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
 
 _RUNTIMES: dict[str, "Runtime"] = {}
 _WORK = "_shardc_work"  # attribute of a buffer whose collective is still in flight
@@ -198,7 +201,7 @@ class _AllReduce(torch.autograd.Function):
         # Out of place: the producer of x may have saved it for its own backward.
         buf = x.detach().clone(memory_format=torch.contiguous_format)
         r.count("all_reduce", axis, "forward", buf)
-        red = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(op, dist.ReduceOp.SUM)
+        red = REDUCE_OPS.get(op, dist.ReduceOp.SUM)
         return _issue(buf, rt, "all_reduce", axis, "forward", dist.all_reduce, buf, op=red,
                       group=r.group(axis))
 
