@@ -57,8 +57,10 @@ _ids = itertools.count()
 class Runtime:
     """What one compiled program needs at run time on this rank."""
 
-    def __init__(self, mesh: Mesh) -> None:
+    def __init__(self, mesh: Mesh, rank: int | None = None) -> None:
         self.mesh = mesh
+        # the rank compiled for: what an offline trace (no process group) reads
+        self.compiled_rank = rank
         self.key = f"rt{next(_ids)}"
         self.measured: dict[tuple[str, str, str], Fraction] = defaultdict(Fraction)
         self.calls: dict[tuple[str, str, str], int] = defaultdict(int)
@@ -78,6 +80,10 @@ class Runtime:
 
     @property
     def rank(self) -> int:
+        # offline (shardc.offline, the planner) there is no process group; the program
+        # is the compiled rank's
+        if not dist.is_initialized() and self.compiled_rank is not None:
+            return self.compiled_rank
         return dist.get_rank()
 
     def coord(self, axis: str) -> int:

@@ -231,7 +231,7 @@ def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Optio
                 f"{spec.target!r}), e.g. BatchNorm running statistics; shardc cannot shard it yet. "
                 "Use a normalisation without running buffers (LayerNorm, RMSNorm), or compile the "
                 "model in eval mode (model.eval(): running statistics are read, not updated).")
-    runtime = Runtime(mesh)
+    runtime = Runtime(mesh, rank)
     trainable = frozenset(canonical[n] for n, p in model.named_parameters() if p.requires_grad)
     layouts, grad_inputs = _input_layouts(example_inputs, user_inputs, input_layouts or {}, mesh)
     ctx = CompileContext(mesh=mesh, options=options, rt=runtime.key, roles=tuple(roles.items()),

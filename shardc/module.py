@@ -302,26 +302,38 @@ class ShardedModule(nn.Module):
         """With ``reshard_after_forward``: the forward program's all-gather nodes whose
         weight the step program gathers again in backward. Traced offline (fake tensors,
         no communication) when no step has run yet."""
-        from shardc.passes.joint import collective_nodes, trace_joint
+        from shardc.passes.joint import collective_nodes
         from shardc.passes.reshard import REGATHER
 
         if not self.ctx.options.reshard_after_forward:
             return []
         built = [jp for jp in self._joint.values()]
-        if built:
-            jp = built[-1]
-        else:
-            if self._offline is None:
-                args, needs = self._example_args()
-                names = [t if role == "param" else None for role, t in self._feeds]
-                self._offline = trace_joint(self.graph_module, self.ctx, args, needs, names,
-                                            offline=True)
-            jp = self._offline
+        jp = built[-1] if built else self.offline_step()
         out: list[str] = []
         for n in collective_nodes(jp.backward.graph):
             v = n.meta.get(REGATHER)  # a list where coalesce_pass packed several
             out += [] if v is None else v if isinstance(v, list) else [v]
         return out
+
+    def offline_step(self) -> Any:
+        """The whole-step program (a ``JointProgram``) as the first training step builds
+        it, traced on fake tensors without communication, for what reads its structure
+        (the comm report under ``reshard_after_forward``, the planner's step-time model).
+        Not for running. The step passes run on it, except that ``gemm_modes="auto"``
+        times nothing here (its choice changes copies, not collectives)."""
+        if self._offline is None:
+            from shardc.passes import STEP_PIPELINE, run_step_pipeline
+            from shardc.passes.gemm_modes import gemm_modes_pass
+            from shardc.passes.joint import trace_joint
+
+            args, needs = self._example_args()
+            names = [t if role == "param" else None for role, t in self._feeds]
+            passes = [p for p in STEP_PIPELINE
+                      if not (p is gemm_modes_pass and self.ctx.options.gemm_modes == "auto")]
+            self._offline = run_step_pipeline(
+                trace_joint(self.graph_module, self.ctx, args, needs, names, offline=True),
+                self.ctx, passes)
+        return self._offline
 
     def _example_args(self) -> tuple[list[Any], list[bool]]:
         """Arguments shaped like this rank's (empty inputs of the local shapes)."""
