@@ -77,6 +77,9 @@ def _worker(
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+        # as torchrun runs CPU ranks (OMP_NUM_THREADS=1 unless told otherwise): threads
+        # beyond the cores' share would measure oversubscription, not the machine
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
     dist.init_process_group(
         backend,
         init_method=f"file://{init_file}",
@@ -128,15 +131,27 @@ def _worker(
                 if progress is not None:
                     progress.advance(task)
                 buf.fill_(1.0)  # keep values bounded across iterations
-            # An iteration lasts as long as its slowest rank: take the max over ranks.
-            t = torch.tensor(times, dtype=torch.float64, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            median = statistics.median(t.tolist())
+            median = _slowest_median(times, device)
+            # latency: a message small enough that its bytes cost nothing; a step program
+            # issues dozens of such calls (norm statistics, the loss, small buckets)
+            small = torch.ones(_SMALL_NUMEL, dtype=torch.float32, device=device)
+            lat: list[float] = []
+            for it in range(warmup + _LATENCY_ITERS):
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
+                dist.all_reduce(small, group=group)
+                sync()
+                if it >= warmup:
+                    lat.append(time.perf_counter() - t0)
+            latency = _slowest_median(lat, device)
             sent = 2 * (size - 1) / size * nbytes  # ring all-reduce, bytes per rank
             results.append(
-                {"inner": inner, "size": size, "seconds": median,
-                 "bytes_per_s": sent / max(median, 1e-12)}
+                {"inner": inner, "size": size, "seconds": median, "latency_s": latency,
+                 # the message's time less one call's latency: its bytes' share alone
+                 "bytes_per_s": sent / max(median - latency, median / 2, 1e-12)}
             )
+        compute = _compute_terms(buf, device, sync, warmup, iters)
     finally:
         if progress is not None:
             progress.stop()
@@ -150,12 +165,92 @@ def _worker(
         tmp = result_file + ".tmp"
         Path(tmp).write_text(
             json.dumps({"backend": backend, "memory_bytes": memory,
-                        "message_bytes": nbytes, "results": results}),
+                        "message_bytes": nbytes, "results": results, **compute}),
             encoding="utf-8",
         )
         os.replace(tmp, result_file)
     dist.barrier()
     dist.destroy_process_group()
+
+
+_SMALL_NUMEL = 16  # a 64-byte all-reduce: its time is the call's latency
+_LATENCY_ITERS = 20
+_OPS = 200  # small ops timed back to back for the per-op overhead
+
+
+def _slowest_median(times: list[float], device: torch.device) -> float:
+    """An iteration lasts as long as its slowest rank: the max over ranks, then the
+    median over iterations."""
+    t = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(statistics.median(t.tolist()))
+
+
+def _compute_terms(buf: torch.Tensor, device: torch.device, sync: Any, warmup: int,
+                   iters: int) -> dict[str, float]:
+    """Every rank at once (as in training, ranks sharing cores see their share): the
+    GEMM rate, the cost of one small op, and how much of an all-reduce of ``buf`` over
+    every rank hides behind a GEMM issued while it is in flight."""
+    n = 4096 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    x = torch.ones(256, device=device)
+
+    def timed(fn: Any) -> float:
+        times = []
+        for it in range(warmup + iters):
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if it >= warmup:
+                times.append(time.perf_counter() - t0)
+        return _slowest_median(times, device)
+
+    def ops() -> None:
+        y = x
+        for _ in range(_OPS):
+            y = y + 1.0
+
+    reps = max(1, int(0.05 / max(timed(lambda: torch.mm(a, b)), 1e-6)))  # ~50 ms of GEMMs
+
+    def gemms() -> None:
+        for _ in range(reps):
+            torch.mm(a, b)
+
+    t_gemm = timed(gemms)
+    small = torch.ones(_SMALL_NUMEL, device=device)
+
+    def hidden(comm: Any, chunks: int) -> float:
+        """The share of ``comm`` (issuing ``chunks`` async collectives) that GEMMs issued
+        while they are in flight hide."""
+        t_comm = timed(lambda: [w.wait() for w in comm()])
+
+        def both() -> None:
+            works = []
+            for w in comm():
+                works.append(w)
+                for _ in range(max(1, reps // chunks)):
+                    torch.mm(a, b)
+            for w in works:
+                w.wait()
+
+        t_both = timed(both)
+        t_g = t_gemm * max(1, reps // chunks) * chunks / reps
+        return min(1.0, max(0.0, (t_g + t_comm - t_both) / max(min(t_g, t_comm), 1e-12)))
+
+    # a step program's collectives: a few large (buckets, weights) and many small ones
+    # (norm statistics, the loss) issued one after another between GEMMs
+    big = hidden(lambda: [dist.all_reduce(buf, async_op=True)], 1)
+    little = hidden(lambda: (dist.all_reduce(small, async_op=True) for _ in range(5)), 5)
+    # beyond the caches: 4 Mi floats read and 4 Mi written per pass
+    src = torch.ones(1 << 22, device=device)
+    dst = torch.empty_like(src)
+    t_copy = timed(lambda: [torch.add(src, 1.0, out=dst) for _ in range(5)])
+    return {"gemm_flops": 2 * n ** 3 * reps / t_gemm, "op_overhead": timed(ops) / _OPS,
+            "memory_bandwidth": 5 * 2 * src.numel() * src.element_size() / t_copy,
+            "bandwidth_overlap": big, "latency_overlap": little}
 
 
 def profile_machine(
@@ -168,20 +263,30 @@ def profile_machine(
     timeout_s: float = 600.0,
     backend: str | None = None,
 ) -> Machine:
-    """Measure this node's intra-node bandwidth table with ``ranks`` processes.
+    """Measure this node's intra-node bandwidth and latency tables, its GEMM rate, its
+    per-op overhead and how well it overlaps communication with compute, with ``ranks``
+    processes.
 
     For every shape of :func:`profile_shapes`, all groups of :func:`shape_groups` run an
     all-reduce of ``message_bytes`` at once, ``warmup`` untimed then ``iters`` timed
-    rounds; a round's time is its slowest rank's, and the table gets the median round's
-    ring-model bandwidth ``2(size-1)/size * message_bytes / seconds`` (the bytes each rank
-    sends, the quantity equations 1-5 divide by beta). The paper uses 1 GB messages so
-    start-up costs vanish; 64 MiB is the default here to keep CPU runs short.
+    rounds; a round's time is its slowest rank's. The latency table gets the median
+    round of a 64-byte all-reduce (the cost of a call, whatever its size); the bandwidth
+    table the ring-model bandwidth ``2(size-1)/size * message_bytes / (seconds -
+    latency)`` (the bytes each rank sends, the quantity equations 1-5 divide by beta).
+    The paper uses 1 GB messages so start-up costs vanish; 64 MiB is the default here to
+    keep CPU runs short. Then, every rank at once: ``gemm_flops`` from square GEMMs,
+    ``memory_bandwidth`` from an element-wise op over 16 MiB, ``op_overhead`` from a chain
+    of small element-wise ops, ``bandwidth_overlap`` from an
+    all-reduce of ``message_bytes`` over every rank issued before GEMMs of about 50 ms and
+    waited after them (the part of the shorter of the two that disappears), and
+    ``latency_overlap`` the same with five 64-byte all-reduces issued between the GEMMs.
 
     Returns ``Machine(name="profiled", gpus_per_node=ranks, ...)`` with memory_bytes the
     GPU's memory (CUDA) or the host's RAM divided by ``ranks`` (CPU), and
-    inter_node_bandwidth set to the SMALLEST intra-node figure measured: a single node
-    has no inter-node link to measure, and this keeps the model from ever preferring a
-    mesh that would span nodes. Replace it with the real network figure on a cluster.
+    inter_node_bandwidth (inter_node_latency) set to the SMALLEST (LARGEST) intra-node
+    figure measured: a single node has no inter-node link to measure, and this keeps the
+    model from ever preferring a mesh that would span nodes. Replace them with the real
+    network's figures on a cluster.
 
     ``backend``: None picks "nccl" (one rank per CUDA device) when CUDA is available,
     else "gloo" on CPU processes; pass "gloo" to profile CPU ranks on a GPU machine.
@@ -229,10 +334,19 @@ def profile_machine(
                 f"({e}); rerun with progress=True to see how far they got."
             ) from None
     table = {(r["inner"], r["size"]): float(r["bytes_per_s"]) for r in data["results"]}
+    latency = {(r["inner"], r["size"]): float(r["latency_s"]) for r in data["results"]}
     return Machine(
         gpus_per_node=ranks,
         memory_bytes=float(data["memory_bytes"]),
         inter_node_bandwidth=min(table.values()),
         intra_node_bandwidth=table,
         name="profiled",
+        intra_node_latency=latency,
+        # like the bandwidth: no link to measure, so the worst figure of the node
+        inter_node_latency=max(latency.values()),
+        gemm_flops=float(data["gemm_flops"]),
+        memory_bandwidth=float(data["memory_bandwidth"]),
+        op_overhead=float(data["op_overhead"]),
+        bandwidth_overlap=float(data["bandwidth_overlap"]),
+        latency_overlap=float(data["latency_overlap"]),
     )

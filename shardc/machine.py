@@ -30,6 +30,9 @@ GB = 1e9
 GiB = float(1 << 30)
 
 _FORMAT = "shardc.machine/1"
+# optional scalar fields of the format (absent in files written before they existed)
+_STEP_FIELDS = ("inter_node_latency", "gemm_flops", "memory_bandwidth", "op_overhead",
+                "bandwidth_overlap", "latency_overlap")
 
 
 def _is_int(v: object) -> bool:
@@ -56,6 +59,26 @@ class Machine:
         node (``inner * size <= gpus_per_node``) and that communicate (``size >= 2``)
         belong here.
       name: a label for reports.
+
+    The step-time terms (optional; each left at zero is left out of the prediction, as
+    the presets leave them: the paper's model is bandwidth alone). ``profile_machine``
+    measures all of them:
+      intra_node_latency: ``(inner, size) -> seconds`` one collective call costs in a
+        group of that shape whatever its size (the alpha of an alpha-beta model: a
+        small message's all-reduce, all groups at once), keyed like the bandwidth table.
+      inter_node_latency: the same for a group that spans nodes.
+      gemm_flops: FLOP/s one rank sustains on GEMMs while every rank of the node
+        computes (ranks sharing cores or memory bandwidth see their share).
+      memory_bandwidth: bytes/s one rank reads and writes while every rank of the node
+        does: what element-wise ops, norms and the optimizer's step are bound by.
+      op_overhead: seconds each op of the step costs beyond its arithmetic and bytes
+        (dispatch, kernel launch): what a program of many small ops pays.
+      bandwidth_overlap, latency_overlap: how much of a collective's bandwidth time and
+        of its latency hide behind compute issued while it is in flight (0: they take
+        turns, 1: they run side by side), measured as the share of an all-reduce (a large
+        one, five small ones) that disappears behind concurrent GEMMs. They differ where
+        the collective's bytes need the cores the GEMMs use (gloo on CPU ranks) while
+        its waiting does not.
     """
 
     gpus_per_node: int
@@ -63,6 +86,13 @@ class Machine:
     inter_node_bandwidth: float
     intra_node_bandwidth: dict[tuple[int, int], float] = field(default_factory=dict)
     name: str = "custom"
+    intra_node_latency: dict[tuple[int, int], float] = field(default_factory=dict)
+    inter_node_latency: float = 0.0
+    gemm_flops: float = 0.0
+    memory_bandwidth: float = 0.0
+    op_overhead: float = 0.0
+    bandwidth_overlap: float = 0.0
+    latency_overlap: float = 0.0
 
     def __post_init__(self) -> None:
         # Validate eagerly: a bad table would otherwise surface as a wrong plan, much later.
@@ -124,6 +154,32 @@ class Machine:
         self.intra_node_bandwidth = dict(sorted(table.items()))
         self.memory_bytes = float(self.memory_bytes)
         self.inter_node_bandwidth = float(self.inter_node_bandwidth)
+        for fld in _STEP_FIELDS:
+            v = getattr(self, fld)
+            share = fld.endswith("overlap")
+            if not _is_number(v) or not (0 <= v < math.inf) or (share and v > 1):
+                rng = "in [0, 1]" if share else "a finite number >= 0 (0: not modelled)"
+                raise ValueError(f"{where}: {fld} must be {rng}, got {v!r}.")
+            setattr(self, fld, float(v))
+        if not isinstance(self.intra_node_latency, dict):
+            raise ValueError(f"{where}: intra_node_latency must be a dict {{(inner, size): seconds}}, "
+                             f"got {type(self.intra_node_latency).__name__}.")
+        lat: dict[tuple[int, int], float] = {}
+        for key, v in self.intra_node_latency.items():
+            if key not in self.intra_node_bandwidth:
+                raise ValueError(f"{where}: intra_node_latency has the key {key!r}, which the "
+                                 "bandwidth table lacks; both describe the same group shapes.")
+            if not _is_number(v) or not (0 <= v < math.inf):
+                raise ValueError(f"{where}: intra_node_latency[{key!r}] must be a finite number "
+                                 f"of seconds >= 0, got {v!r}.")
+            lat[key] = float(v)
+        self.intra_node_latency = dict(sorted(lat.items()))
+
+    def models_step(self) -> bool:
+        """Whether any step-time term beyond bandwidth is set (the planner then traces each
+        pattern's whole-step program to count its collectives, ops and overlaps)."""
+        return bool(self.intra_node_latency or self.inter_node_latency or self.gemm_flops
+                    or self.memory_bandwidth or self.op_overhead)
 
     # ------------------------------------------------------------------ the model
     def axis_bandwidth(self, mesh: Mesh, axis: str) -> float:
@@ -153,6 +209,26 @@ class Machine:
                     "mesh whose inner groups divide the node."
                 ) from None
         return self.inter_node_bandwidth / min(self.gpus_per_node, inner)
+
+    def axis_latency(self, mesh: Mesh, axis: str) -> float:
+        """Seconds one collective call over ``axis`` of ``mesh`` costs beyond its bytes:
+        the latency table's entry where the group fits in a node (0 when the machine has
+        no table), ``inter_node_latency`` where it spans nodes, 0 for an axis of size 1."""
+        size = mesh.size(axis)
+        if size == 1:
+            return 0.0
+        inner = mesh.stride(axis)
+        if inner * size > self.gpus_per_node:
+            return self.inter_node_latency
+        if not self.intra_node_latency:
+            return 0.0
+        try:
+            return self.intra_node_latency[(inner, size)]
+        except KeyError:
+            raise ValueError(
+                f"Machine {self.name!r}: no intra-node latency for axis {axis!r} of "
+                f"{mesh.spec()} (key ({inner}, {size})); profile the machine again "
+                "(shardc profile-machine) or drop intra_node_latency.") from None
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -187,6 +263,16 @@ class Machine:
                 {"inner": i, "size": s, "bytes_per_s": bw}
                 for (i, s), bw in self.intra_node_bandwidth.items()
             ],
+            "intra_node_latency": [
+                {"inner": i, "size": s, "seconds": v}
+                for (i, s), v in self.intra_node_latency.items()
+            ],
+            "inter_node_latency": self.inter_node_latency,
+            "gemm_flops": self.gemm_flops,
+            "memory_bandwidth": self.memory_bandwidth,
+            "op_overhead": self.op_overhead,
+            "bandwidth_overlap": self.bandwidth_overlap,
+            "latency_overlap": self.latency_overlap,
         }
 
     def to_json(self) -> str:
@@ -217,7 +303,8 @@ class Machine:
         if fmt != _FORMAT:
             raise bad("format", f"is {fmt!r}, this version reads {_FORMAT!r}")
         known = {"format", "name", "gpus_per_node", "memory_bytes",
-                 "inter_node_bandwidth", "intra_node_bandwidth"}
+                 "inter_node_bandwidth", "intra_node_bandwidth", *_STEP_FIELDS,
+                 "intra_node_latency"}
         for k in data:
             if k not in known:
                 raise bad(str(k), f"is not a machine field (known: {sorted(known)})")
@@ -258,8 +345,33 @@ class Machine:
             if (inner, size) in table:
                 raise bad(fld, f"repeats the key (inner={inner}, size={size})")
             table[(inner, size)] = float(bw)
-        return cls(gpus_per_node=gpn, memory_bytes=float(mem),
-                   inter_node_bandwidth=float(inter), intra_node_bandwidth=table, name=name)
+        # the step-time terms are optional: a file written before they existed still loads
+        steps: dict[str, float] = {}
+        for fld in _STEP_FIELDS:
+            v = data.get(fld, 0.0)
+            if not _is_number(v) or not (0 <= v < math.inf):
+                raise bad(fld, f"must be a finite number >= 0, got {v!r}")
+            steps[fld] = float(v)
+        lat_rows = data.get("intra_node_latency", [])
+        if not isinstance(lat_rows, list):
+            raise bad("intra_node_latency",
+                      "must be a list of {\"inner\": int, \"size\": int, \"seconds\": number}")
+        latency: dict[tuple[int, int], float] = {}
+        for idx, row in enumerate(lat_rows):
+            fld = f"intra_node_latency[{idx}]"
+            if not isinstance(row, dict) or set(row) != {"inner", "size", "seconds"}:
+                raise bad(fld, f"must be an object with exactly inner, size, seconds; got {row!r}")
+            if (row["inner"], row["size"]) not in table:
+                raise bad(fld, f"has no row of the same inner and size in intra_node_bandwidth")
+            if not _is_number(row["seconds"]) or not (0 <= row["seconds"] < math.inf):
+                raise bad(fld, f"needs a finite number seconds >= 0, got {row!r}")
+            latency[(row["inner"], row["size"])] = float(row["seconds"])
+        try:
+            return cls(gpus_per_node=gpn, memory_bytes=float(mem),
+                       inter_node_bandwidth=float(inter), intra_node_bandwidth=table, name=name,
+                       intra_node_latency=latency, **steps)
+        except ValueError as e:  # overlap above 1: say which file
+            raise ValueError(f"Machine.load: {source}: {e}") from None
 
     @classmethod
     def from_json(cls, text: str, *, source: str = "<string>") -> Machine:

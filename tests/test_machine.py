@@ -242,6 +242,12 @@ def test_profile_machine_two_ranks() -> None:
     bw = m.intra_node_bandwidth[(1, 2)]
     assert 0 < bw < math.inf
     assert m.inter_node_bandwidth == bw
+    # every step-time term measured: a call costs time, GEMMs and memory have a rate
+    assert set(m.intra_node_latency) == {(1, 2)} and m.intra_node_latency[(1, 2)] > 0
+    assert m.inter_node_latency == m.intra_node_latency[(1, 2)]
+    assert m.gemm_flops > 0 and m.memory_bandwidth > 0 and m.op_overhead > 0
+    assert 0 <= m.bandwidth_overlap <= 1 and 0 <= m.latency_overlap <= 1
+    assert m.models_step()
     assert m.memory_bytes > 0
     assert m.axis_bandwidth(Mesh(x=2), "x") == bw
     assert Machine.from_json(m.to_json()) == m
@@ -249,3 +255,63 @@ def test_profile_machine_two_ranks() -> None:
         profile_machine(1)
     with pytest.raises(ValueError, match=r"backend must be 'gloo', 'nccl' or None"):
         profile_machine(2, backend="mpi")
+
+
+STEPPED = dict(gpus_per_node=4, memory_bytes=1e9, inter_node_bandwidth=1e9,
+               intra_node_bandwidth={(1, 2): 4e9, (2, 2): 3e9, (1, 4): 2e9},
+               intra_node_latency={(1, 2): 1e-5, (2, 2): 2e-5, (1, 4): 3e-5},
+               inter_node_latency=7e-5, gemm_flops=1e12, memory_bandwidth=1e11,
+               op_overhead=1e-6, bandwidth_overlap=0.5, latency_overlap=0.25)
+
+
+def test_step_terms_round_trip_and_old_files_still_load(tmp_path: Path) -> None:
+    m = Machine(**STEPPED, name="stepped")
+    assert m.models_step()
+    assert Machine.from_json(m.to_json()) == m
+    # a file written before the step-time terms existed: bandwidth alone, as before
+    old = json.loads(m.to_json())
+    for k in ("intra_node_latency", "inter_node_latency", "gemm_flops", "memory_bandwidth",
+              "op_overhead", "bandwidth_overlap", "latency_overlap"):
+        del old[k]
+    back = Machine.load(_write(tmp_path, old))
+    assert not back.models_step()
+    assert back.intra_node_bandwidth == m.intra_node_bandwidth
+    assert not any(Machine.preset(n).models_step() for n in PRESETS)
+
+
+def test_step_terms_are_validated(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"bandwidth_overlap must be in \[0, 1\]"):
+        Machine(**{**STEPPED, "bandwidth_overlap": 1.5})
+    with pytest.raises(ValueError, match=r"gemm_flops must be a finite number >= 0"):
+        Machine(**{**STEPPED, "gemm_flops": -1.0})
+    with pytest.raises(ValueError, match=r"intra_node_latency has the key \(4, 2\)"):
+        Machine(**{**STEPPED, "intra_node_latency": {(4, 2): 1e-5}})
+    with pytest.raises(ValueError, match=r"intra_node_latency\[\(1, 2\)\] must be a finite"):
+        Machine(**{**STEPPED, "intra_node_latency": {(1, 2): math.nan}})
+    d = json.loads(Machine(**STEPPED).to_json())
+    d["latency_overlap"] = 2
+    with pytest.raises(ValueError, match=r"m.json.*latency_overlap must be in \[0, 1\]"):
+        Machine.load(_write(tmp_path, d))
+    d = json.loads(Machine(**STEPPED).to_json())
+    d["intra_node_latency"][0] = {"inner": 1, "size": 2}
+    with pytest.raises(ValueError, match=r"'intra_node_latency\[0\]' must be an object"):
+        Machine.load(_write(tmp_path, d))
+    d["intra_node_latency"][0] = {"inner": 4, "size": 2, "seconds": 1e-5}
+    with pytest.raises(ValueError, match=r"'intra_node_latency\[0\]' has no row"):
+        Machine.load(_write(tmp_path, d))
+    d["intra_node_latency"] = [{"inner": 1, "size": 2, "seconds": -1}]
+    with pytest.raises(ValueError, match=r"'intra_node_latency\[0\]' needs a finite number"):
+        Machine.load(_write(tmp_path, d))
+
+
+def test_axis_latency_follows_the_bandwidth_table() -> None:
+    m = Machine(**STEPPED)
+    assert m.axis_latency(Mesh(x=2, y=2), "x") == 1e-5  # (1, 2)
+    assert m.axis_latency(Mesh(x=2, y=2), "y") == 2e-5  # (2, 2)
+    assert m.axis_latency(Mesh(x=4), "x") == 3e-5  # (1, 4)
+    assert m.axis_latency(Mesh(x=4, y=2), "y") == 7e-5  # spans nodes
+    assert m.axis_latency(Mesh(x=4), "y") == 0.0  # size 1: no call
+    with pytest.raises(ValueError, match=r"no intra-node latency for axis 'y'.*\(1, 2\)"):
+        Machine(**{**STEPPED, "intra_node_latency": {(2, 2): 1e-5}}).axis_latency(Mesh(y=2), "y")
+    # no table: latency is not modelled inside a node
+    assert Machine(**{**STEPPED, "intra_node_latency": {}}).axis_latency(Mesh(x=2), "x") == 0.0
