@@ -1,10 +1,15 @@
-"""``shardc.plan``: rank every 4D mesh of a world size by predicted communication time.
+"""``shardc.plan``: rank every 4D mesh of a world size by predicted step time.
 
 The model is the paper's (section V-B): each collective's bytes (equations 1-5 for a
 GEMM, and whatever else the compiled program moves: norm statistics, embeddings, the
 loss) divided by the bandwidth of the group that carries it (a measured intra-node
 table, or equation 7 across nodes), summed. The bytes come from the compiled program's
-own comm report, so the plan and the program never disagree.
+own comm report, so the plan and the program never disagree. On a machine that also
+states a latency per collective call, a GEMM rate, a memory bandwidth, a per-op cost and
+how much communication hides behind compute (what ``profile_machine`` measures; the
+presets state none of them), the prediction is the whole step's (``shardc.cost``): the
+calls each axis makes after the passes packed them, the compute, and the communication
+the schedule overlaps credited as far as the machine lets it.
 
 Compiling for each of a large world size's hundreds of meshes would be slow, so the
 planner compiles once per *pattern* (which axes have size > 1) on the smallest mesh of
@@ -26,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from shardc.context import GLOBAL_VAL, KIND, PLACEMENT, SOURCE
+from shardc.cost import StepShape, StepTime, predict, step_shape
 from shardc.errors import ShardcError
 from shardc.machine import Machine
 from shardc.mesh import AXES, Mesh
@@ -40,6 +46,13 @@ BYTES_PER_PARAMETER = 16
 
 @dataclass
 class Candidate:
+    """One mesh's prediction. ``per_axis_s``: each axis's communication (bytes over
+    bandwidth, plus calls times latency where the machine has a latency table);
+    ``predicted_comm_s`` their sum; ``predicted_step_s`` the step time candidates are
+    ranked by: communication plus ``compute_s`` less ``hidden_s`` (what the passes
+    overlap), equal to ``predicted_comm_s`` on a machine of bandwidth alone (the presets:
+    the paper's model). ``step`` has the terms one by one (``shardc.cost.StepTime``)."""
+
     mesh: Mesh
     predicted_comm_s: float
     per_axis_s: dict[str, float]
@@ -48,9 +61,22 @@ class Candidate:
     activation_bytes_per_rank: float
     bytes_per_axis: dict[str, float] = field(default_factory=dict)
     exact: bool = True  # False: a first estimate from another pattern's program
+    step: StepTime | None = None
+
+    @property
+    def predicted_step_s(self) -> float:
+        return self.step.total if self.step is not None else self.predicted_comm_s
+
+    @property
+    def compute_s(self) -> float:
+        return self.step.compute if self.step is not None else 0.0
+
+    @property
+    def hidden_s(self) -> float:
+        return self.step.hidden if self.step is not None else 0.0
 
     def __repr__(self) -> str:
-        return (f"Candidate({self.mesh.spec()}, {self.predicted_comm_s:.4g} s, "
+        return (f"Candidate({self.mesh.spec()}, {self.predicted_step_s:.4g} s, "
                 f"{self.memory_bytes_per_rank / 2**30:.2f} GiB/rank)")
 
 
@@ -97,6 +123,7 @@ class _Pattern:
     params: list[tuple[int, tuple[str, ...]]]
     activations: list[tuple[int, tuple[str, ...]]]
     constraints: list[tuple[int, tuple[str, ...], str]]  # (dim size, axes, what)
+    step: StepShape | None = None  # calls, ops, overlaps, FLOPs: machines that model them
 
     def bytes_per_axis(self, sizes: dict[str, int]) -> dict[str, float]:
         out = {a: 0.0 for a in AXES}
@@ -161,7 +188,7 @@ def _activation_terms(gm: fx.GraphModule, checkpointing: bool) -> list[tuple[int
     return outside + inputs + biggest
 
 
-def _analyse(sm: Any, checkpointing: bool) -> _Pattern:
+def _analyse(sm: Any, checkpointing: bool, machine: Machine) -> _Pattern:
     rep = comm_report(sm)
     comm = [(r.collective, r.axis, r.numerator, r.divs, r.times_axis) for r in rep.rows]
     params = []
@@ -181,7 +208,7 @@ def _analyse(sm: Any, checkpointing: bool) -> _Pattern:
                     seen.add(key)
                     constraints.append((key[0], axes, f"{n.name} dim {d}"))
     return _Pattern(_merge5(comm), _merge2(params), _merge2(_activation_terms(sm.graph_module, checkpointing)),
-                    constraints)
+                    constraints, step_shape(sm) if machine.models_step() else None)
 
 
 def _merge2(terms: list[tuple[int, tuple[str, ...]]]) -> list[tuple[int, tuple[str, ...]]]:
@@ -254,7 +281,8 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
          example_inputs: tuple, *, checkpointing: bool = False, exact_top: int = 10,
          verify: bool = True, memory: str = "formula", optimizer: str | int = "adamw",
          **compile_kw: Any) -> Plan:
-    """Every mesh of ``world_size`` ranks, ranked by predicted communication time; the
+    """Every mesh of ``world_size`` ranks, ranked by predicted step time (communication
+    time on a machine of bandwidth alone: ``Candidate`` has the terms); the
     ones the model or batch does not divide, or that do not fit in device memory, are in
     ``.dropped`` with their reason. Works offline: no process group, meta tensors welcome.
 
@@ -313,7 +341,7 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
             for m in [t for t in tries if t is not None]:
                 try:
                     analyses[pattern] = _analyse(compile_offline(model, inputs, m, **compile_kw),
-                                                 checkpointing)
+                                                 checkpointing, machine)
                     break
                 except ShardcError as e:
                     reason = str(e).split(". ")[0]
@@ -362,7 +390,7 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
 
 
 def _key(c: Candidate) -> tuple:
-    return (c.predicted_comm_s, c.memory_bytes_per_rank, c.mesh.spec())
+    return (c.predicted_step_s, c.memory_bytes_per_rank, c.mesh.spec())
 
 
 def _evaluate(m: Mesh, a: _Pattern, machine: Machine, exact: bool) -> Candidate | Dropped:
@@ -381,11 +409,12 @@ def _evaluate(m: Mesh, a: _Pattern, machine: Machine, exact: bool) -> Candidate 
                           f"{machine.memory_bytes / 2**30:.1f} GiB")
     per_axis_bytes = a.bytes_per_axis(sizes)
     try:
-        per_axis = {x: (per_axis_bytes[x] / machine.axis_bandwidth(m, x) if per_axis_bytes[x] else 0.0)
-                    for x in AXES}
+        step = predict(a.step, per_axis_bytes, m, machine)
     except ValueError as e:
         return Dropped(m, f"machine: {e}")
-    return Candidate(m, sum(per_axis.values()), per_axis, mem, pbytes, abytes, per_axis_bytes, exact)
+    per_axis = {x: step.bandwidth[x] + step.latency[x] for x in AXES}
+    return Candidate(m, step.comm, per_axis, mem, pbytes, abytes, per_axis_bytes, exact,
+                     step if a.step is not None else None)
 
 
 def _nothing_fits(world_size: int, machine: Machine, dropped: list[Dropped]) -> None:
@@ -448,12 +477,15 @@ def print_plan(model: torch.nn.Module, inputs: tuple, world_size: int, machine: 
     took = time.perf_counter() - t0
     t = Table(title=f"top {min(top, len(p))} of {len(p)} meshes for {world_size} ranks on "
                     f"{p.machine.name} (planned in {took:.1f} s)")
-    for col in ("rank", "mesh", "t_x (s)", "t_y (s)", "t_z (s)", "t_data (s)", "total (s)",
-                "memory/rank"):
+    step = p.machine.models_step()
+    cols = ["rank", "mesh", "t_x (s)", "t_y (s)", "t_z (s)", "t_data (s)", "comm (s)"]
+    cols += ["compute (s)", "hidden (s)", "step (s)"] if step else []
+    for col in cols + ["memory/rank"]:
         t.add_column(col, justify="right" if col not in ("mesh",) else "left")
     for i, c in enumerate(p[:top]):
+        extra = [f"{c.compute_s:.4g}", f"{c.hidden_s:.4g}", f"{c.predicted_step_s:.4g}"] if step else []
         t.add_row(str(i + 1), c.mesh.spec(), *(f"{c.per_axis_s[a]:.4g}" for a in AXES),
-                  f"{c.predicted_comm_s:.4g}", f"{c.memory_bytes_per_rank / 2**30:.2f} GiB")
+                  f"{c.predicted_comm_s:.4g}", *extra, f"{c.memory_bytes_per_rank / 2**30:.2f} GiB")
     console = Console(width=max(Console().width, 110))
     console.print(t)
     if p.dropped:

@@ -15,8 +15,9 @@ pass settings, and trained two SGD steps on the same batches:
   it is one more summation order, judged against a float64 single-device gradient like
   every other order (as tests/test_train_gloo.py does, the same factor and floor);
 * the bytes the runtime hands to torch.distributed equal the comm report's, exactly, in
-  every setting, and so do the collectives issued per step; buckets issue fewer calls
-  for the same bytes;
+  every setting, and so do the collectives issued per step (and the calls per axis the
+  planner's step-time model counts on the step program traced offline); buckets issue
+  fewer calls for the same bytes;
 * the schedule overlaps: on a mesh with x > 1, some dI all-reduce of backward has a
   weight-gradient GEMM between its issue and its wait (the paper's OAR), and with
   ``overlap=False`` none does;
@@ -34,6 +35,7 @@ import torch
 
 import shardc
 from harness import run_on_ranks
+from shardc.cost import step_shape
 from models import GPT, MLPChain, gpt2, litgpt_llama
 
 pytestmark = pytest.mark.distributed
@@ -116,6 +118,13 @@ def _one(name: str, spec: str) -> list[str]:
         calls = shardc.comm_report(sm).calls
         if calls != comm[-1][1]:
             out.append(f"{label}: report's collectives per step {calls} != issued {comm[-1][1]}")
+        # the planner's step-time model counts calls on the offline step program
+        per_axis: dict[str, int] = {}
+        for (_, axis, _), n in comm[-1][1].items():
+            per_axis[axis] = per_axis.get(axis, 0) + n
+        if step_shape(sm).calls != per_axis:
+            out.append(f"{label}: offline step program's calls {step_shape(sm).calls} != "
+                       f"issued {per_axis}")
         if report != sm.report_before_step:
             out.append(f"{label}: report before the first step {sm.report_before_step} != "
                        f"after {report}")
