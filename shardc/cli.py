@@ -186,7 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="measure step times of meshes and compare with the plan")
     b.add_argument("--ranks", type=int, default=8)
-    b.add_argument("--steps", type=int, default=6)
+    b.add_argument("--steps", type=int, default=3, help="measured steps per mesh per round")
+    b.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the meshes")
     b.add_argument("--machine", default="local")
     b.add_argument("--out", default="bench")
     b.add_argument("--meshes", default="", help="comma-separated specs (default: all)")
