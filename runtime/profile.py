@@ -109,6 +109,11 @@ def _worker(
             f"profiling {len(shapes)} group shapes on {ranks} {backend} ranks",
             total=len(shapes) * (warmup + iters),
         )
+    def after_each() -> None:
+        if progress is not None:
+            progress.advance(task)
+        buf.fill_(1.0)  # keep values bounded across iterations
+
     try:
         for inner, size in shapes:
             groups = shape_groups(ranks, inner, size)
@@ -117,34 +122,14 @@ def _worker(
             else:
                 new = dist.new_subgroups_by_enumeration
                 group, _ = new(groups)  # type: ignore[no-untyped-call]
-            times: list[float] = []
-            for it in range(warmup + iters):
-                # Start every group together: the table is about simultaneous collectives.
-                dist.barrier()
-                sync()
-                t0 = time.perf_counter()
-                dist.all_reduce(buf, group=group)
-                sync()
-                dt = time.perf_counter() - t0
-                if it >= warmup:
-                    times.append(dt)
-                if progress is not None:
-                    progress.advance(task)
-                buf.fill_(1.0)  # keep values bounded across iterations
-            median = _slowest_median(times, device)
+            # every group starts together: the table is about simultaneous collectives
+            median = _timed(lambda: dist.all_reduce(buf, group=group), warmup, iters, device,
+                            sync, after_each)
             # latency: a message small enough that its bytes cost nothing; a step program
             # issues dozens of such calls (norm statistics, the loss, small buckets)
             small = torch.ones(_SMALL_NUMEL, dtype=torch.float32, device=device)
-            lat: list[float] = []
-            for it in range(warmup + _LATENCY_ITERS):
-                dist.barrier()
-                sync()
-                t0 = time.perf_counter()
-                dist.all_reduce(small, group=group)
-                sync()
-                if it >= warmup:
-                    lat.append(time.perf_counter() - t0)
-            latency = _slowest_median(lat, device)
+            latency = _timed(lambda: dist.all_reduce(small, group=group), warmup,
+                             _LATENCY_ITERS, device, sync)
             sent = 2 * (size - 1) / size * nbytes  # ring all-reduce, bytes per rank
             results.append(
                 {"inner": inner, "size": size, "seconds": median, "latency_s": latency,
@@ -178,9 +163,22 @@ _LATENCY_ITERS = 20
 _OPS = 200  # small ops timed back to back for the per-op overhead
 
 
-def _slowest_median(times: list[float], device: torch.device) -> float:
-    """An iteration lasts as long as its slowest rank: the max over ranks, then the
-    median over iterations."""
+def _timed(fn: Any, warmup: int, iters: int, device: torch.device, sync: Any,
+           after_each: Any = None) -> float:
+    """``fn`` run ``warmup`` + ``iters`` times, every rank starting together (a barrier);
+    an iteration lasts as long as its slowest rank: the max over ranks, then the median
+    over the timed iterations. ``after_each`` runs untimed after every iteration."""
+    times = []
+    for it in range(warmup + iters):
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        if it >= warmup:
+            times.append(time.perf_counter() - t0)
+        if after_each is not None:
+            after_each()
     t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(statistics.median(t.tolist()))
@@ -197,16 +195,7 @@ def _compute_terms(buf: torch.Tensor, device: torch.device, sync: Any, warmup: i
     x = torch.ones(256, device=device)
 
     def timed(fn: Any) -> float:
-        times = []
-        for it in range(warmup + iters):
-            dist.barrier()
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            if it >= warmup:
-                times.append(time.perf_counter() - t0)
-        return _slowest_median(times, device)
+        return _timed(fn, warmup, iters, device, sync)
 
     def ops() -> None:
         y = x

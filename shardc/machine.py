@@ -324,17 +324,8 @@ class Machine:
         if not _is_number(inter) or not (0 < inter < math.inf):
             raise bad("inter_node_bandwidth",
                       f"must be a positive number of bytes/s, got {inter!r}")
-        rows = data.get("intra_node_bandwidth", [])
-        if not isinstance(rows, list):
-            raise bad("intra_node_bandwidth",
-                      "must be a list of {\"inner\": int, \"size\": int, \"bytes_per_s\": number}")
         table: dict[tuple[int, int], float] = {}
-        for idx, row in enumerate(rows):
-            fld = f"intra_node_bandwidth[{idx}]"
-            if not isinstance(row, dict) or set(row) != {"inner", "size", "bytes_per_s"}:
-                raise bad(
-                    fld, f"must be an object with exactly inner, size, bytes_per_s; got {row!r}"
-                )
+        for fld, row in _table_rows(data, "intra_node_bandwidth", "bytes_per_s", bad):
             inner, size, bw = row["inner"], row["size"], row["bytes_per_s"]
             if not _is_int(inner) or not _is_int(size) or inner < 1 or size < 2:
                 raise bad(fld, f"needs integers inner >= 1 and size >= 2, got {row!r}")
@@ -352,17 +343,10 @@ class Machine:
             if not _is_number(v) or not (0 <= v < math.inf):
                 raise bad(fld, f"must be a finite number >= 0, got {v!r}")
             steps[fld] = float(v)
-        lat_rows = data.get("intra_node_latency", [])
-        if not isinstance(lat_rows, list):
-            raise bad("intra_node_latency",
-                      "must be a list of {\"inner\": int, \"size\": int, \"seconds\": number}")
         latency: dict[tuple[int, int], float] = {}
-        for idx, row in enumerate(lat_rows):
-            fld = f"intra_node_latency[{idx}]"
-            if not isinstance(row, dict) or set(row) != {"inner", "size", "seconds"}:
-                raise bad(fld, f"must be an object with exactly inner, size, seconds; got {row!r}")
+        for fld, row in _table_rows(data, "intra_node_latency", "seconds", bad):
             if (row["inner"], row["size"]) not in table:
-                raise bad(fld, f"has no row of the same inner and size in intra_node_bandwidth")
+                raise bad(fld, "has no row of the same inner and size in intra_node_bandwidth")
             if not _is_number(row["seconds"]) or not (0 <= row["seconds"] < math.inf):
                 raise bad(fld, f"needs a finite number seconds >= 0, got {row!r}")
             latency[(row["inner"], row["size"])] = float(row["seconds"])
@@ -397,6 +381,22 @@ class Machine:
                 "a file written by Machine.save, or use Machine.preset(name)."
             ) from None
         return cls.from_json(text, source=repr(str(p)))
+
+
+def _table_rows(data: dict, name: str, value: str,
+                bad: Callable[[str, str], ValueError]) -> list[tuple[str, dict]]:
+    """The rows of a JSON table field (a list of {inner, size, <value>}), each with the
+    name errors give it; the values are the caller's to check."""
+    rows = data.get(name, [])
+    if not isinstance(rows, list):
+        raise bad(name, f"must be a list of {{\"inner\": int, \"size\": int, \"{value}\": number}}")
+    out = []
+    for idx, row in enumerate(rows):
+        fld = f"{name}[{idx}]"
+        if not isinstance(row, dict) or set(row) != {"inner", "size", value}:
+            raise bad(fld, f"must be an object with exactly inner, size, {value}; got {row!r}")
+        out.append((fld, row))
+    return out
 
 
 # ---------------------------------------------------------------------- presets
