@@ -57,7 +57,7 @@ _ids = itertools.count()
 class Runtime:
     """What one compiled program needs at run time on this rank."""
 
-    def __init__(self, mesh: Mesh, rank: int | None = None) -> None:
+    def __init__(self, mesh: Mesh, rank: int) -> None:
         self.mesh = mesh
         # the rank compiled for: what an offline trace (no process group) reads
         self.compiled_rank = rank
@@ -82,9 +82,7 @@ class Runtime:
     def rank(self) -> int:
         # offline (shardc.offline, the planner) there is no process group; the program
         # is the compiled rank's
-        if not dist.is_initialized() and self.compiled_rank is not None:
-            return self.compiled_rank
-        return dist.get_rank()
+        return dist.get_rank() if dist.is_initialized() else self.compiled_rank
 
     def coord(self, axis: str) -> int:
         return self.mesh.coords(self.rank)[axis]

@@ -187,8 +187,9 @@ def _timed(fn: Any, warmup: int, iters: int, device: torch.device, sync: Any,
 def _compute_terms(buf: torch.Tensor, device: torch.device, sync: Any, warmup: int,
                    iters: int) -> dict[str, float]:
     """Every rank at once (as in training, ranks sharing cores see their share): the
-    GEMM rate, the cost of one small op, and how much of an all-reduce of ``buf`` over
-    every rank hides behind a GEMM issued while it is in flight."""
+    GEMM rate, the memory bandwidth, the cost of one small op, and how much of an
+    all-reduce of ``buf`` over every rank (and of five small ones) hides behind GEMMs
+    issued while it is in flight."""
     n = 4096 if device.type == "cuda" else 512
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)

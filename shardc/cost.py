@@ -27,7 +27,7 @@ import math
 import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
@@ -60,13 +60,14 @@ class StepShape:
     traffic: list[tuple[float, tuple[str, ...]]] = field(default_factory=list)  # bytes, divs
 
     def flops_for(self, sizes: dict[str, int]) -> float:
-        return _per_rank(self.flops, sizes)
+        return per_rank(self.flops, sizes)
 
     def traffic_for(self, sizes: dict[str, int]) -> float:
-        return _per_rank(self.traffic, sizes)
+        return per_rank(self.traffic, sizes)
 
 
-def _per_rank(terms: list[tuple[float, tuple[str, ...]]], sizes: dict[str, int]) -> float:
+def per_rank(terms: Sequence[tuple[float, tuple[str, ...]]], sizes: dict[str, int]) -> float:
+    """One rank's share of (global count, axes dividing it) terms on a mesh of ``sizes``."""
     return sum(f / math.prod(sizes[d] for d in divs) for f, divs in terms)
 
 

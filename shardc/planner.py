@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from shardc.context import GLOBAL_VAL, KIND, PLACEMENT, SOURCE
-from shardc.cost import StepShape, StepTime, predict, step_shape
+from shardc.cost import StepShape, StepTime, per_rank, predict, step_shape
 from shardc.errors import ShardcError
 from shardc.machine import Machine
 from shardc.mesh import AXES, Mesh
@@ -133,10 +133,6 @@ class _Pattern:
             out[axis] += float(ring_factor(coll, g)) * v
         return out
 
-    @staticmethod
-    def _sum(terms: list[tuple[int, tuple[str, ...]]], sizes: dict[str, int]) -> float:
-        return sum(n / math.prod(sizes[d] for d in divs) for n, divs in terms)
-
 
 def _pattern_of(mesh: Mesh) -> tuple[bool, ...]:
     return tuple(mesh.size(a) > 1 for a in AXES)
@@ -184,7 +180,7 @@ def _activation_terms(gm: fx.GraphModule, checkpointing: bool) -> list[tuple[int
     if not checkpointing or not per_block:
         return everything
     two = {a: 2 for a in AXES}
-    biggest = max(per_block.values(), key=lambda ts: _Pattern._sum(ts, two))
+    biggest = max(per_block.values(), key=lambda ts: per_rank(ts, two))
     return outside + inputs + biggest
 
 
@@ -401,8 +397,8 @@ def _evaluate(m: Mesh, a: _Pattern, machine: Machine, exact: bool) -> Candidate 
         n, axes, what = bad
         return Dropped(m, f"divisibility: {what} of size {n} is cut over {'x'.join(axes)} = "
                           f"{math.prod(sizes[x] for x in axes)}")
-    pbytes = _Pattern._sum(a.params, sizes) * BYTES_PER_PARAMETER
-    abytes = _Pattern._sum(a.activations, sizes)
+    pbytes = per_rank(a.params, sizes) * BYTES_PER_PARAMETER
+    abytes = per_rank(a.activations, sizes)
     mem = pbytes + abytes
     if mem > machine.memory_bytes:
         return Dropped(m, f"memory: {mem / 2**30:.1f} GiB per rank > "
