@@ -82,6 +82,30 @@ def _param_gather(n: fx.Node) -> bool:
     return True
 
 
+def _urgency(g: fx.Graph, blocking: list[fx.Node]) -> dict[fx.Node, int]:
+    """For each node on the way to a blocking collective (not through a wait): the rank
+    of the soonest such collective it leads to. Soonest = the shortest longest path from
+    the program's inputs (ties: the traced order), so the collective that can leave
+    first does: the loss's token count (a few ops on the targets) before the whole
+    forward that the loss itself waits on, in whatever order the tracer met them."""
+    depth: dict[fx.Node, int] = {}
+    for n in g.nodes:
+        depth[n] = 1 + max((depth[a] for a in n.all_input_nodes), default=-1)
+    rank = {c: i for i, c in enumerate(sorted(blocking, key=lambda c: depth[c]))}
+    urgency: dict[fx.Node, int] = {}
+    for n in reversed(list(g.nodes)):
+        if n.op == "placeholder" or n.target is F.WAIT:
+            continue
+        best = min((urgency[u] for u in n.users if u in urgency), default=None)
+        if n in rank:  # the collective's own rank goes to its inputs, not to its key
+            best = rank[n] if best is None else min(best, rank[n])
+        if best is not None:
+            urgency[n] = best
+    for c in blocking:  # an issue is keyed as an issue
+        urgency.pop(c, None)
+    return urgency
+
+
 def schedule_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     g = gm.graph
     if not ctx.options.overlap:
@@ -94,14 +118,7 @@ def schedule_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     pinned = {n for n in issues if n.target is F.run_all_gather and _param_gather(n)}
     seen: dict[fx.Node, bool] = {}
     blocking = [n for n in issues if n not in pinned and not _feeds_only_outputs(n, issue_set, seen)]
-    urgent: set[fx.Node] = set()
-    stack = [a for n in blocking for a in n.all_input_nodes]
-    while stack:
-        a = stack.pop()
-        if a in urgent or a.op == "placeholder" or a.target is F.WAIT:
-            continue
-        urgent.add(a)
-        stack.extend(a.all_input_nodes)
+    urgency = _urgency(g, blocking)
 
     dag = nx.DiGraph()
     dag.add_nodes_from(body)
@@ -115,12 +132,14 @@ def schedule_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             dag.add_edge(prev, n)
         prev = n
 
-    def key(n: fx.Node) -> tuple[int, int]:
+    def key(n: fx.Node) -> tuple[int, int, int]:
         if n.target is F.WAIT:
-            return (2, order[n])
-        if (n in issue_set and n not in pinned) or n in urgent:
-            return (0, order[n])
-        return (1, order[n])
+            return (2, 0, order[n])
+        if n in issue_set and n not in pinned:
+            return (0, 0, order[n])
+        if n in urgency:
+            return (0, 1 + urgency[n], order[n])
+        return (1, 0, order[n])
 
     new = list(nx.lexicographical_topological_sort(dag, key=key))
     out = next(n for n in g.nodes if n.op == "output")

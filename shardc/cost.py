@@ -101,7 +101,7 @@ def work(gm: fx.GraphModule, recompute: bool
     allocates its output (views move nothing), ``READ_WRITE`` times its output's bytes,
     divided by the axes cutting the output. Backward counts ``BACKWARD_FLOPS`` times
     forward for both; recompute once more."""
-    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
     from shardc.memory import _alias_of
 
@@ -119,22 +119,34 @@ def work(gm: fx.GraphModule, recompute: bool
                 or not val.dtype.is_floating_point or _alias_of(n) is not None):
             continue
         divs = tuple(a for axes in lay.dims for a in axes)
-        args = torch.utils._pytree.tree_map(glob, n.args)
-        kwargs = torch.utils._pytree.tree_map(glob, n.kwargs)
-        counter = FlopCounterMode(display=False)
-        try:
-            with counter:
-                n.target(*args, **kwargs)
+        flops = 0
+        # run on global values: the ops with a FLOP formula, and composites that may
+        # decompose into them (linear, matmul). Other ops do no arithmetic the counter
+        # knows, and their arguments may be local sizes the lowering baked in (a
+        # reshape's), wrong for global values. A composite failing on such sizes is a
+        # reshape-like op (no arithmetic); an op with a formula failing is a bug: raise
+        direct = n.target.overloadpacket in flop_registry
+        if direct or _composite(n.target):
+            counter = FlopCounterMode(display=False)
+            try:
+                with counter:
+                    n.target(*torch.utils._pytree.tree_map(glob, n.args),
+                             **torch.utils._pytree.tree_map(glob, n.kwargs))
+            except RuntimeError:
+                if direct:
+                    raise
             flops = counter.get_total_flops()
-        except RuntimeError:
-            # arguments that are local sizes the lowering baked in (a reshape's): wrong
-            # for global values; such ops move bytes but do no arithmetic
-            flops = 0
         if flops:
             flops_out.append((factor * flops, divs + tuple(a for a, _ in lay.partial)))
         else:
             traffic.append((factor * READ_WRITE * val.numel() * val.element_size(), divs))
     return flops_out, traffic
+
+
+def _composite(op: torch._ops.OpOverload) -> bool:
+    """Whether ``op`` decomposes at dispatch (CompositeImplicitAutograd), so that its
+    FLOPs are those of the ops it becomes."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
 
 
 def step_shape(sm: Any) -> StepShape:

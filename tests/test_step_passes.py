@@ -51,8 +51,8 @@ class G:
                 "all_gather": (x, 2, "g")}[kind]
         issue = self.g.call_function(runner, (*args, "rt-test", axis, phase))
         v = x.meta["val"]
-        issue.meta["val"] = {"all_reduce": v, "reduce_scatter": v[: v.shape[0] // 2],
-                             "all_gather": torch.cat([v, v])}[kind]
+        issue.meta["val"] = {"all_reduce": lambda: v, "reduce_scatter": lambda: v[: v.shape[0] // 2],
+                             "all_gather": lambda: torch.cat([v, v])}[kind]()
         issue.meta[COMM] = {"collective": kind, "axis": axis, "phase": phase}
         wait = self.g.call_function(F.WAIT, (issue,))
         wait.meta["val"] = issue.meta["val"]
@@ -90,6 +90,35 @@ def test_schedule_overlaps_dI_all_reduce_with_dW_and_waits_reduce_scatter_last()
     info = {i["node"]: i for i in gm.meta[SCHEDULE]}
     assert dw0.name in info[ar0.name]["gemms"]
     # the graph still computes the same: every node after its inputs
+    gm.graph.lint()
+
+
+def test_schedule_issues_the_collective_with_the_shortest_way_first() -> None:
+    # a mean loss over data as the tracer emits it: the whole forward (a chain of GEMMs)
+    # makes the local sum; only then come the few ops that count the targets, whose
+    # all-reduce the loss's division waits on. Both all-reduces block (later compute
+    # reads them), so "blocking paths first" alone keeps the traced order and the count
+    # goes out at the very end; it must go out before the forward's first GEMM.
+    b = G()
+    x, t = b.input("x", 8, 16), b.input("t", 8)
+    ws = [b.input(f"w{i}", 16, 16) for i in range(3)]
+    h = x
+    for w in ws:
+        h = b.op(aten.mm.default, h, w)
+    local = b.op(aten.sum.default, h)
+    count = b.op(aten.sum.default, b.op(aten.ne.Scalar, t, -100))
+    count_ar, count_wait = b.collective("all_reduce", count, "data", "forward")
+    part = b.op(aten.mul.Tensor, local, b.op(aten.reciprocal.default, count_wait))
+    loss_ar, loss_wait = b.collective("all_reduce", part, "data", "forward")
+    # the global mean's last scaling reads the reduced loss, so that all-reduce blocks too
+    gm = schedule_pass(b.module(b.op(aten.mul.Tensor, loss_wait, 0.25)), _ctx())
+    order = [n.name for n in gm.graph.nodes]
+    first_mm = min(i for i, n in enumerate(gm.graph.nodes) if n.target is aten.mm.default)
+    assert order.index(count_ar.name) < first_mm, order
+    # ...and is waited on only where the division needs it, after the GEMMs
+    assert order.index(count_wait.name) > max(
+        i for i, n in enumerate(gm.graph.nodes) if n.target is aten.mm.default), order
+    assert order.index(loss_ar.name) < order.index(loss_wait.name)
     gm.graph.lint()
 
 
