@@ -15,6 +15,7 @@ from .grad_sync import grad_sync_pass
 from .lower import lower_pass
 from .bucket import bucket_pass
 from .coalesce import coalesce_pass
+from .defer import defer_pass
 from .gemm_modes import gemm_modes_pass
 from .inplace import inplace_pass
 from .prefetch import prefetch_pass
@@ -44,8 +45,11 @@ STEP_PIPELINE: list[Pass] = [
     gemm_modes_pass,
     # after the packing passes made their buffers: reduces fresh buffers in place
     inplace_pass,
-    # only reorders, last: issues early, waits late, blocking paths first
+    # only reorders: issues early, waits late, blocking paths first
     schedule_pass,
+    # after the order is final: an output whose last step is a wait (the loss's data
+    # all-reduce) is returned unwaited and waited on first read
+    defer_pass,
 ]
 
 

@@ -49,8 +49,8 @@ SWAP = {
     C.grad_all_reduce: F.grad_all_reduce,
 }
 
-PART = "shardc_part"
-N_OUTPUTS = "shardc_n_outputs"  # gm.meta of the unsplit joint graph
+PART = "shardc_part"  # node.meta (and a part's gm.meta): "forward" or "backward"
+N_OUTPUTS = "shardc_n_outputs"  # gm.meta of the unsplit joint graph and of the forward
 _TRACE_LOCK = threading.Lock()  # node.meta: "forward" or "backward"
 
 
@@ -347,6 +347,10 @@ def _split(gm: fx.GraphModule, n_primals: int, n_outputs: int, n_tangents: int
     bg.output(tuple(_arg(o, benv) for o in grads))
     fwd_gm = _graph_module(gm, fg)
     bwd_gm = _graph_module(gm, bg)
+    # what a step pass needs to know of a part: which it is, and (forward) which of its
+    # outputs are the user's and which are saved for backward
+    fwd_gm.meta.update({PART: "forward", N_OUTPUTS: (n_outputs, n_primals)})
+    bwd_gm.meta[PART] = "backward"
     return fwd_gm, bwd_gm
 
 

@@ -3,7 +3,8 @@
 Reads:  a part (forward or backward) of the whole-step program (``joint.py``): its
         collective issues (``run_*`` nodes) and their ``wait_tensor`` nodes
 Writes: nothing new; a new order of the nodes; ``gm.meta[SCHEDULE]``: per collective,
-        the compute it now overlaps (nodes between its issue and its wait)
+        the compute it now overlaps (nodes between its issue and its wait), and whether
+        its wait is deferred past the part (``passes/defer.py``)
 Keeps:  every data dependence; the order of the weight all-gathers of forward (the
         prefetch pass chose it); every rank computes the same order (the same graph and
         the same rule), so every group still sees its collectives in the same order
@@ -158,12 +159,15 @@ def _overlaps(g: fx.Graph) -> list[dict[str, Any]]:
     res = []
     for n in collective_nodes(g):
         waits = [u for u in n.users if u.target is F.WAIT]
-        end = pos[waits[0]] if waits else pos[n]
+        # no wait in the part: the output is waited on first read (passes/defer.py), so
+        # everything after the issue, and what runs after the part, overlaps it
+        deferred = not waits and any(u.op == "output" for u in n.users)
+        end = pos[waits[0]] if waits else len(pos) if deferred else pos[n]
         between = [m for m in g.nodes if pos[n] < pos[m] < end and m.op == "call_function"
                    and m.target is not F.WAIT and m.target not in _RUN]
         gemms = [m.name for m in between if "mm" in str(m.target)]
         info = dict(n.meta.get(COMM, {}))
-        info.update(node=n.name, overlapped=len(between), gemms=gemms)
+        info.update(node=n.name, overlapped=len(between), gemms=gemms, deferred=deferred)
         res.append(info)
     return res
 

@@ -13,14 +13,25 @@ from typing import Any
 
 import torch
 
+from shardc.passes.defer import DEFERRED, Deferred
 from shardc.passes.joint import JointProgram
+from shardc.runtime import functional as F
+from shardc.runtime.pending import Cell, PendingOutput
 
 
 class JointStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, jp: JointProgram, *primals: Any) -> Any:
-        res = jp.runners()[0](*primals)
-        outs, saved = res[:jp.n_outputs], res[jp.n_outputs:]
+        res = list(jp.runners()[0](*primals))
+        deferred: list[Deferred] = jp.forward.meta.get(DEFERRED, [])
+        extra = sum(d.n_inputs for d in deferred)
+        outs, saved = res[:jp.n_outputs], res[jp.n_outputs:len(res) - extra]
+        ctx.pending = []
+        at = len(res) - extra
+        for d in deferred:
+            outs[d.index] = _pending(d, res[at:at + d.n_inputs])
+            ctx.pending.append(outs[d.index].cell)
+            at += d.n_inputs
         ctx.jp = jp
         # saved values (activations, gathered weights) go through save_for_backward, so
         # autograd frees them after backward and refuses a second backward without
@@ -41,4 +52,23 @@ class JointStep(torch.autograd.Function):
         out: list[Any] = [None] * ctx.n_primals
         for i, g in zip(jp.grad_of, grads):
             out[i] = g
+        # the step's deferred outputs overlapped backward; settle them before it returns
+        # (a no-op for those the loop already read)
+        for cell in ctx.pending:
+            cell.get()
         return (None, *out)
+
+
+def _pending(d: Deferred, inputs: list[Any]) -> PendingOutput:
+    """The deferred output ``d`` as a tensor that runs its tail on first read. The tail
+    waits on collectives this thread issued; the read may come on another thread (CUDA
+    runs backward on a device thread), so their records go with the tail."""
+    flights = {id(t): F.STATE.flight.pop(id(t)) for t in inputs
+               if isinstance(t, torch.Tensor) and id(t) in F.STATE.flight}
+
+    def compute() -> torch.Tensor:
+        F.STATE.flight.update(flights)
+        return d.tail(*inputs)
+
+    device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
+    return PendingOutput(d.like, device, Cell(compute))

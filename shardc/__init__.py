@@ -16,11 +16,13 @@ from shardc.planner import Candidate, plan
 from shardc.precision import CastAtUse, Precision
 from shardc.passes.recompute import Selective
 from shardc.report import CommReport, CommRow, comm_report
+from shardc.runtime.pending import PendingOutput
 
 __all__ = ["Mesh", "compile", "shard_batch", "global_mean", "ShardedModule", "ShardcError",
            "TraceError", "CollectiveError", "Layout", "Shard", "Replicate", "Partial", "explain", "comm_report",
            "CommReport", "CommRow", "Machine", "plan", "Candidate", "checkpoint", "StepGuard",
-           "NonFiniteError", "clip_grad_norm_", "ShardcWarning", "Precision", "CastAtUse", "Selective"]
+           "NonFiniteError", "clip_grad_norm_", "ShardcWarning", "Precision", "CastAtUse", "Selective",
+           "PendingOutput"]
 
 
 def __getattr__(name: str) -> Any:

@@ -85,8 +85,11 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
 
     ``step_graph`` (default True) runs forward and backward as one traced program whose
     passes move and pack the backward collectives: ``overlap`` schedules them against
-    compute (OAR, ORS, early buckets), ``bucket_mb`` packs the post-backward gradient
-    reductions into buckets of that many MiB (0: one per gradient). ``step_graph=False``
+    compute (OAR, ORS, early buckets) and returns an output whose last step is a
+    collective (a loss averaged over data) before that collective is waited, as a
+    ``shardc.PendingOutput`` that waits on its first read (``loss.backward()`` does not
+    read it); ``bucket_mb`` packs the post-backward gradient reductions into buckets of
+    that many MiB (0: one per gradient). ``step_graph=False``
     runs autograd's own backward over the forward program (bitwise the same gradients as
     the step program with ``bucket_mb=0``). ``reshard_after_forward`` frees each gathered
     weight after forward and gathers it again in backward (FSDP2's default): less memory,

@@ -172,7 +172,8 @@ def step_shape(sm: Any) -> StepShape:
     if opts.step_graph and not opts.recompute:
         jp = sm.offline_step()
         for part in (jp.forward, jp.backward):
-            overlapped = {s["node"]: s["overlapped"] > 0 for s in part.meta.get(SCHEDULE, [])}
+            overlapped = {s["node"]: s["overlapped"] > 0 or s.get("deferred", False)
+                          for s in part.meta.get(SCHEDULE, [])}
             for n in collective_nodes(part.graph):
                 c = n.meta["shardc_comm"]
                 axis = c["axis"]

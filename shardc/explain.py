@@ -195,7 +195,10 @@ def _step_section(sm: Any) -> list[str]:
                 text += f"  {cz['members']} tensors of {block_of(c.get('module', '')) or 'the root'}"
             info = overlap.get(n.name)
             if info is not None:
-                text += f"  overlaps {info['overlapped']} ops"
+                if info.get("deferred"):
+                    text += "  overlaps backward: waited when the output is first read"
+                else:
+                    text += f"  overlaps {info['overlapped']} ops"
                 if info["gemms"]:
                     text += f" incl. {len(info['gemms'])} GEMM(s)"
             lines.append(text)

@@ -20,6 +20,7 @@ from shardc.placement import Layout, local_slice, shard_offsets
 from shardc.runtime import collectives as C
 from shardc.runtime import zero
 from shardc.runtime.groups import axis_groups
+from shardc.runtime.pending import settle_all
 
 
 def _set_param(root: nn.Module, name: str, p: nn.Parameter) -> None:
@@ -210,6 +211,7 @@ class ShardedModule(nn.Module):
         flat, _ = pytree.tree_flatten((inputs, kwargs))
         validate.check_inputs(self, inputs, kwargs, flat)  # before anything is communicated
         axis_groups(self.mesh)  # collective on first use: every rank creates every group
+        settle_all()  # a loss from a step with no backward, still unread: wait for it now
         for zp in self._zero.values():  # slices the optimizer stepped: gather them
             zero.refresh(self.runtime.key, zp)
         it = iter(flat)

@@ -18,6 +18,8 @@ pass settings, and trained two SGD steps on the same batches:
   every setting, and so do the collectives issued per step (and the calls per axis the
   planner's step-time model counts on the step program traced offline); buckets issue
   fewer calls for the same bytes;
+* with ``overlap``, a loss averaged over the data axis is returned before its all-reduce
+  is waited (``PendingOutput``, waited on first read), and reads the same as autograd's;
 * the schedule overlaps: on a mesh with x > 1, some dI all-reduce of backward has a
   weight-gradient GEMM between its issue and its wait (the paper's OAR), and with
   ``overlap=False`` none does;
@@ -36,6 +38,8 @@ import torch
 import shardc
 from harness import run_on_ranks
 from shardc.cost import step_shape
+from shardc.passes.defer import DEFERRED
+from shardc.runtime.pending import PendingOutput
 from models import GPT, MLPChain, gpt2, litgpt_llama
 
 pytestmark = pytest.mark.distributed
@@ -82,6 +86,7 @@ def _train(model, mesh, batches, **kw):
     for b in batches:
         sm.reset_measured_comm()
         loss = sm(*[shardc.shard_batch(x, mesh) for x in b])
+        sm.loss_type = type(loss)
         loss.backward()
         losses.append(loss.detach().clone())
         grads.append({k: p.grad.clone() for k, p in sm.named_parameters() if p.grad is not None})
@@ -130,6 +135,14 @@ def _one(name: str, spec: str) -> list[str]:
                        f"after {report}")
         if kw.get("reshard_after_forward"):
             out += _reshard_checks(label, sm, mesh)
+        # a loss averaged over the data axis ends in an all-reduce: with overlap, the
+        # step returns it unwaited (the bitwise checks below read it after backward)
+        (jp,) = sm._joint.values()
+        deferred = any(d.index == 0 for d in jp.forward.meta[DEFERRED])
+        if deferred != (kw.get("overlap", True) and (deferred or mesh.size("data") > 1)):
+            out.append(f"{label}: the loss's wait deferred: {deferred}")
+        if sm.loss_type is not (PendingOutput if deferred else torch.Tensor):
+            out.append(f"{label}: the loss is a {sm.loss_type.__name__}, deferred: {deferred}")
         for step, (m, _) in enumerate(comm):
             if m != report:
                 out.append(f"{label}: step {step} measured {m} != reported {report}")
@@ -160,7 +173,9 @@ def _one(name: str, spec: str) -> list[str]:
 def _saved_bytes(jp) -> int:
     """Bytes forward keeps for backward (the forward graph's extra outputs)."""
     out = next(n for n in jp.forward.graph.nodes if n.op == "output")
-    saved = list(out.args[0])[jp.n_outputs:]
+    # after the saved values come the inputs of deferred outputs' tails (passes/defer.py)
+    extra = sum(d.n_inputs for d in jp.forward.meta.get(DEFERRED, []))
+    saved = list(out.args[0])[jp.n_outputs:len(out.args[0]) - extra]
     return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in saved)
 
 

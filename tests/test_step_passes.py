@@ -383,3 +383,46 @@ def test_inplace_reduces_only_fresh_buffers_nothing_else_reads() -> None:
     gm = inplace_pass(bucket_pass(b2.module(*grads), _ctx()), _ctx())
     (issue,) = [n for n in gm.graph.nodes if n.target is F.run_all_reduce]
     assert issue.kwargs.get("inplace") is True and issue.args[0].target is aten.cat.default
+
+
+def _forward_with_loss(overlap: bool = True, save_loss: bool = False):
+    """A forward part: a local loss, all-reduced over data, scaled; returns the loss
+    and, as saved for backward, an activation (and the loss itself if ``save_loss``)."""
+    from shardc.passes.joint import N_OUTPUTS, PART
+
+    b = G()
+    x, w = b.input("x", 8, 16), b.input("w", 16, 16)
+    h = b.op(aten.mm.default, x, w)
+    ar, wait = b.collective("all_reduce", b.op(aten.sum.default, h), "data", "forward")
+    loss = b.op(aten.mul.Tensor, wait, 0.25)
+    gm = b.module(loss, h, *([loss] if save_loss else []))
+    gm.meta.update({PART: "forward", N_OUTPUTS: (1, 2)})
+    return gm, ar, _ctx(overlap=overlap)
+
+
+def test_defer_returns_the_loss_unwaited_with_its_tail() -> None:
+    from shardc.passes.defer import DEFERRED, defer_pass
+
+    gm, ar, ctx = _forward_with_loss()
+    gm = defer_pass(gm, ctx)
+    (d,) = gm.meta[DEFERRED]
+    # the forward no longer waits; it returns None in the loss's place, the saved
+    # activation, then the tail's input: the all-reduce's buffer, still in flight
+    assert not [n for n in gm.graph.nodes if n.target is F.WAIT]
+    outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert outs[0] is None and outs[1].target is aten.mm.default and outs[2] is ar
+    assert d.index == 0 and d.n_inputs == 1 and d.like.shape == ()
+    assert [n.target for n in d.tail.graph.nodes if n.op == "call_function"] == \
+        [F.WAIT, aten.mul.Tensor]
+    # the issue stays where it was; the schedule knows its wait comes after the part
+    assert ar in gm.graph.nodes
+    gm.graph.lint()
+
+
+def test_defer_leaves_a_value_backward_reads_and_overlap_off() -> None:
+    from shardc.passes.defer import DEFERRED, defer_pass
+
+    for gm, _, ctx in (_forward_with_loss(save_loss=True), _forward_with_loss(overlap=False)):
+        before = [n.name for n in gm.graph.nodes]
+        gm = defer_pass(gm, ctx)
+        assert gm.meta[DEFERRED] == [] and [n.name for n in gm.graph.nodes] == before
