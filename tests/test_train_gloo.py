@@ -10,9 +10,9 @@ bytes the runtime hands to torch.distributed equal to the comm report's, byte fo
 Ranks are spawned once per world size; all meshes and models run inside. A failing case
 is recorded (model, mesh, step or tensor, errors) and the sweep goes on; the test fails at
 the end listing every failing case. ``python tests/test_train_gloo.py MODEL@MESH ...``
-re-runs chosen cases (``--list`` names them all). The 8-rank sweep runs every mesh with
-the MLP and three language models in turn (``cases_of_8_ranks``); SHARDC_FULL_SWEEP=1
-runs every model on every mesh of 8 ranks.
+re-runs chosen cases (``--list`` names them all). The 4- and 8-rank sweeps run every mesh
+with the MLP and three or two language models in turn (``sweep_cases``);
+SHARDC_FULL_SWEEP=1 runs every model on every mesh.
 """
 from __future__ import annotations
 
@@ -200,10 +200,6 @@ def _cases(rank: int, world_size: int, cases: list[tuple[str, str]]) -> None:
                              + "\n".join(failures))
 
 
-def _sweep(rank: int, world_size: int, meshes: list[str]) -> None:
-    _cases(rank, world_size, [(name, spec) for name in MODELS for spec in meshes])
-
-
 def _bad_input(rank: int, world_size: int) -> None:
     """Every rank gets the same clear error, and nobody hangs waiting for another."""
     make, batches = _mlp()
@@ -300,49 +296,60 @@ def test_full_grads_state_dict_roundtrip_and_dropout() -> None:
     run_on_ranks(_grads_state_dropout, 4)
 
 
-def cases_of_8_ranks(full: bool = False) -> list[tuple[str, str]]:
-    """The (model, mesh) cases of the 8-rank sweep: every mesh of 8 ranks trains the MLP
-    chain and two of the nine language models, no two meshes the same pair (the pairs
-    of models one, then two, then three apart in MODELS' order, in turn), so that each
-    language model trains on four or five meshes of 8 ranks beside a different model
-    each time; every model also trains on every mesh of 1, 2 and 4 ranks. Two, not
-    three: the third model per mesh took the suite past its 30 minutes. ``full``: all
-    200 cases (one step program traced per case and rank: ~15 minutes on two cores,
-    over CI's budget; SHARDC_FULL_SWEEP=1)."""
-    meshes = [m.spec() for m in shardc.Mesh.all(8)]
+def sweep_cases(world: int, full: bool = False) -> list[tuple[str, str]]:
+    """The (model, mesh) cases of the sweep on ``world`` ranks. On 1 and 2 ranks every
+    model trains on every mesh. On 4 and 8 every mesh trains the MLP chain and three (4
+    ranks) or two (8 ranks) of the nine language models, a different set on each mesh
+    (on 8 ranks the pairs of models one, then two, three, four apart in MODELS' order; on
+    4, the triples of neighbours, then one of models two apart), so that each language
+    model trains on three or four meshes of 4 and four or five of 8, beside different
+    models each time. The rotation keeps the suite inside CI's 30 minutes: every model
+    on every mesh of 4 took 7 minutes, of 8 about 15. ``full``: every model on every
+    mesh (SHARDC_FULL_SWEEP=1)."""
+    meshes = [m.spec() for m in shardc.Mesh.all(world)]
     lms = [n for n in MODELS if n != "mlp"]
-    if full:
+    if full or world < 4:
         return [(n, s) for n in MODELS for s in meshes]
-    pairs = [(i, (i + d) % len(lms)) for d in (1, 2, 3, 4) for i in range(len(lms))]
+    n = len(lms)
+    if world == 4:
+        groups = [(i, (i + d) % n, (i + 2 * d) % n) for d in (1, 2) for i in range(n)]
+    else:
+        groups = [(i, (i + d) % n) for d in (1, 2, 3, 4) for i in range(n)]
     picked = [("mlp", s) for s in meshes]
-    for s, (i, j) in zip(meshes, pairs):
-        picked += [(lms[i], s), (lms[j], s)]
+    for s, group in zip(meshes, groups):
+        picked += [(lms[i], s) for i in group]
     # model by model: compile reuses a model's torch.export trace for all its meshes
     order = list(MODELS)
     return sorted(picked, key=lambda c: (order.index(c[0]), meshes.index(c[1])))
 
 
+def _full() -> bool:
+    return os.environ.get("SHARDC_FULL_SWEEP") == "1"
+
+
 def test_all_20_meshes_of_8_ranks() -> None:
-    run_on_ranks(_cases, 8, cases_of_8_ranks(full=os.environ.get("SHARDC_FULL_SWEEP") == "1"))
-
-
-def test_the_8_rank_sweep_covers_every_mesh_and_model() -> None:
-    """The rotation above leaves no mesh and no model out, and mixes the families."""
-    cases = cases_of_8_ranks()
-    meshes = {m.spec() for m in shardc.Mesh.all(8)}
-    assert {s for _, s in cases} == meshes
-    per_model = {n: {s for m, s in cases if m == n} for n in MODELS}
-    assert per_model["mlp"] == meshes
-    assert all(len(v) >= 4 for v in per_model.values()), per_model
-    # two language models per mesh, and no two meshes get the same pair
-    pairs = [frozenset(m for m, s2 in cases if s2 == s and m != "mlp") for s in sorted(meshes)]
-    assert all(len(p) == 2 for p in pairs) and len(set(pairs)) == len(meshes), pairs
-    assert len(cases_of_8_ranks(full=True)) == len(MODELS) * len(meshes)
+    run_on_ranks(_cases, 8, sweep_cases(8, _full()))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_meshes_of_1_2_4_ranks(world_size: int) -> None:
-    run_on_ranks(_sweep, world_size, [m.spec() for m in shardc.Mesh.all(world_size)])
+    run_on_ranks(_cases, world_size, sweep_cases(world_size, _full()))
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_the_rotation_covers_every_mesh_and_model(world_size: int) -> None:
+    """The rotation leaves no mesh and no model out, and mixes the families."""
+    cases = sweep_cases(world_size)
+    meshes = {m.spec() for m in shardc.Mesh.all(world_size)}
+    per_mesh = 3 if world_size == 4 else 2
+    assert {s for _, s in cases} == meshes
+    per_model = {n: {s for m, s in cases if m == n} for n in MODELS}
+    assert per_model["mlp"] == meshes
+    assert all(len(v) >= (3 if world_size == 4 else 4) for v in per_model.values()), per_model
+    # the same number of language models on every mesh, and no two meshes the same set
+    sets = [frozenset(m for m, s2 in cases if s2 == s and m != "mlp") for s in sorted(meshes)]
+    assert all(len(p) == per_mesh for p in sets) and len(set(sets)) == len(meshes), sets
+    assert len(sweep_cases(world_size, full=True)) == len(MODELS) * len(meshes)
 
 
 def test_bad_input_fails_on_every_rank_without_hanging() -> None:
