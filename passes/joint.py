@@ -51,7 +51,7 @@ SWAP = {
 
 PART = "shardc_part"  # node.meta (and a part's gm.meta): "forward" or "backward"
 N_OUTPUTS = "shardc_n_outputs"  # gm.meta of the unsplit joint graph and of the forward
-_TRACE_LOCK = threading.Lock()  # node.meta: "forward" or "backward"
+_TRACE_LOCK = threading.Lock()
 
 
 @dataclass

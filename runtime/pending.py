@@ -36,22 +36,26 @@ class Cell:
     def __init__(self, compute: Callable[[], torch.Tensor]) -> None:
         self._compute: Callable[[], torch.Tensor] | None = compute
         self._value: torch.Tensor | None = None
+        self._error: BaseException | None = None
         self._lock = threading.Lock()
         _OUTSTANDING.add(self)
 
     def get(self) -> torch.Tensor:
         with self._lock:
-            if self._value is None:
-                assert self._compute is not None
+            if self._compute is not None:
                 compute, self._compute = self._compute, None
-                with torch.no_grad():
-                    self._value = compute()
                 _OUTSTANDING.discard(self)
+                try:
+                    with torch.no_grad():
+                        self._value = compute()
+                except BaseException as e:
+                    # the wait failed (a dead peer: CollectiveError): every later read
+                    # of this output raises the same error, not a value
+                    self._error = e
+            if self._error is not None:
+                raise self._error
+            assert self._value is not None
             return self._value
-
-    @property
-    def done(self) -> bool:
-        return self._value is not None
 
 
 _OUTSTANDING: weakref.WeakSet[Cell] = weakref.WeakSet()

@@ -104,3 +104,20 @@ def test_settle_all_computes_what_nobody_read() -> None:
     settle_all()
     assert f.calls == 1
     assert p.item() == 1.0 and f.calls == 1
+
+
+def test_a_failed_wait_raises_again_on_every_read() -> None:
+    class Dead(RuntimeError):
+        pass
+
+    def compute() -> torch.Tensor:
+        raise Dead("peer gone")
+
+    p = PendingOutput(torch.tensor(0.0), torch.device("cpu"), Cell(compute))
+    for read in (p.item, lambda: p + 1, p.detach().item):
+        try:
+            read()
+        except Dead:
+            pass
+        else:
+            raise AssertionError("a read after a failed wait returned")
