@@ -72,4 +72,6 @@ def check(rank: int, world_size: int) -> None:
 if __name__ == "__main__":
     from harness import run_on_ranks
 
-    run_on_ranks(check, 2)
+    # spawned: each rank re-runs this file's top level (the fork server would hand it a
+    # shardc imported with the names present)
+    run_on_ranks(check, 2, start_method="spawn")
