@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,13 @@ from shardc.runtime.volume import ring_factor
 # fp32 weight, gradient and AdamW's two moments; mixed precision with fp32 master weights
 # also comes to 16 (2 + 2 + 4 + 4 + 4), the ZeRO paper's figure
 BYTES_PER_PARAMETER = 16
+
+# Each pattern's analysis (its comm terms, constraints and step shape) per model object:
+# they do not depend on the machine, so planning the same model again (for another
+# machine, or by ``shardc bench`` after ``plan``) compiles nothing twice. Keyed like the
+# trace cache (``passes/trace.py``): a model object is taken to keep its structure.
+_ANALYSES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[Any, Any]]" = \
+    weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -330,7 +338,15 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
 
     analyses: dict[tuple[bool, ...], _Pattern | str] = {}
 
+    from shardc.passes.trace import _signature
+
+    cache = _ANALYSES.setdefault(model, {})
+    stem = (_signature(inputs), model.training, world_size, checkpointing, machine.models_step(),
+            repr(sorted(compile_kw.items())))
+
     def analysis_for(pattern: tuple[bool, ...], members: list[Mesh]) -> _Pattern | str:
+        if pattern not in analyses and (stem, pattern) in cache:
+            analyses[pattern] = cache[(stem, pattern)]
         if pattern not in analyses:
             reason = ""
             tries = [_smallest_of_pattern(pattern, batch)] + sorted(members, key=Mesh.spec)[:2]
@@ -343,6 +359,7 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
                     reason = str(e).split(". ")[0]
             else:
                 analyses[pattern] = reason or "no mesh of this pattern compiles"
+            cache[(stem, pattern)] = analyses[pattern]
         return analyses[pattern]
 
     by_pattern: dict[tuple[bool, ...], list[Mesh]] = defaultdict(list)

@@ -118,3 +118,28 @@ def test_compile_auto_uses_the_best_mesh(fake_world) -> None:
     fake_world(8)
     sm = shardc.compile(model, "auto", example_inputs=inputs, machine=Machine.preset("local"))
     assert sm.mesh == best
+
+
+def test_planning_again_reuses_each_pattern_s_compile(monkeypatch) -> None:
+    """A second plan of the same model (another machine, or the same) compiles no pattern
+    the first compiled: a pattern's analysis does not depend on the machine. Another
+    batch shape or another option compiles afresh. (``exact_top`` covers every mesh, so
+    that the first plan compiles every pattern another machine's ranking could need.)"""
+    import shardc.planner as P
+
+    model = MLPChain(D, L)
+    x = (torch.randn(B, D), torch.randn(B, D))
+    first = shardc.plan(model, 8, "perlmutter", x, verify=False, exact_top=10 ** 6)
+    calls: list = []
+    real = P.compile_offline
+    monkeypatch.setattr(P, "compile_offline", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    again = shardc.plan(model, 8, "frontier", x, verify=False, exact_top=10 ** 6)
+    same = shardc.plan(model, 8, "perlmutter", x, verify=False, exact_top=10 ** 6)
+    assert calls == []
+    assert [(c.mesh, c.predicted_step_s) for c in same] == [(c.mesh, c.predicted_step_s) for c in first]
+    assert {c.mesh for c in again} == {c.mesh for c in first}
+    shardc.plan(model, 8, "perlmutter", (torch.randn(2 * B, D), torch.randn(2 * B, D)), verify=False)
+    assert calls, "another batch shape compiled nothing"
+    n = len(calls)
+    shardc.plan(model, 8, "perlmutter", x, verify=False, precision="bf16")
+    assert len(calls) > n, "another option compiled nothing"
