@@ -299,13 +299,13 @@ def test_full_grads_state_dict_roundtrip_and_dropout() -> None:
 def sweep_cases(world: int, full: bool = False) -> list[tuple[str, str]]:
     """The (model, mesh) cases of the sweep on ``world`` ranks. On 1 and 2 ranks every
     model trains on every mesh. On 4 and 8 every mesh trains the MLP chain and three (4
-    ranks) or one (8 ranks) of the nine language models, a different set on each mesh
-    (on 4, the triples of neighbours in MODELS' order, then one of models two apart; on 8,
-    the models in turn along the meshes), so that each language model trains on three or
-    four meshes of 4 and two or three of 8, each of a different shape. The rotation keeps
-    the suite near CI's 30 minutes: every model on every mesh of 4 took 7 minutes, of 8
-    about 15 (two models a mesh of 8: 12 minutes). ``full``: every model on every mesh
-    (SHARDC_FULL_SWEEP=1)."""
+    ranks) or one (8 ranks) of the nine language models: on 4, a different triple on each
+    mesh (neighbours in MODELS' order, then one of models two apart), so that each model
+    trains on three or four meshes of 4; on 8, the models in turn along the meshes, so
+    that each trains on two or three meshes of 8 that split different sets of axes. The
+    rotation keeps the suite inside CI's 30 minutes: every model on every mesh of 4 took
+    7 minutes, of 8 about 15 (two models a mesh of 8: 12 minutes; one: 7). ``full``:
+    every model on every mesh (SHARDC_FULL_SWEEP=1)."""
     meshes = [m.spec() for m in shardc.Mesh.all(world)]
     lms = [n for n in MODELS if n != "mlp"]
     if full or world < 4:
