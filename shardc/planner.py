@@ -336,8 +336,6 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
     if not meshes:
         _nothing_fits(world_size, machine, dropped)
 
-    analyses: dict[tuple[bool, ...], _Pattern | str] = {}
-
     from shardc.passes.trace import _signature
 
     cache = _ANALYSES.setdefault(model, {})
@@ -345,22 +343,20 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
             repr(sorted(compile_kw.items())))
 
     def analysis_for(pattern: tuple[bool, ...], members: list[Mesh]) -> _Pattern | str:
-        if pattern not in analyses and (stem, pattern) in cache:
-            analyses[pattern] = cache[(stem, pattern)]
-        if pattern not in analyses:
+        key = (stem, pattern)
+        if key not in cache:
             reason = ""
             tries = [_smallest_of_pattern(pattern, batch)] + sorted(members, key=Mesh.spec)[:2]
             for m in [t for t in tries if t is not None]:
                 try:
-                    analyses[pattern] = _analyse(compile_offline(model, inputs, m, **compile_kw),
-                                                 checkpointing, machine)
+                    cache[key] = _analyse(compile_offline(model, inputs, m, **compile_kw),
+                                          checkpointing, machine)
                     break
                 except ShardcError as e:
                     reason = str(e).split(". ")[0]
             else:
-                analyses[pattern] = reason or "no mesh of this pattern compiles"
-            cache[(stem, pattern)] = analyses[pattern]
-        return analyses[pattern]
+                cache[key] = reason or "no mesh of this pattern compiles"
+        return cache[key]
 
     by_pattern: dict[tuple[bool, ...], list[Mesh]] = defaultdict(list)
     for m in meshes:
