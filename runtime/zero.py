@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from shardc.runtime.collectives import (all_gather_flat, get_runtime, guarded,
-                                        reduce_scatter_flat)
+from shardc.runtime.collectives import get_runtime
+from shardc.runtime.functional import run_all_gather, run_reduce_scatter, run_wait
 
 
 @dataclass
@@ -48,40 +48,143 @@ def slice_of(full: torch.Tensor, dim: int, index: int, parts: int) -> torch.Tens
     return full.narrow(dim, index * n, n)
 
 
-def reduce_grad(rt: str, zp: ZeroParam) -> None:
-    """The program copy's gradient, summed over ``data`` into the slice's ``.grad``
-    (added to what is there, as autograd accumulates)."""
-    r = get_runtime(rt)
-    g = zp.full.grad
-    if g is None:
-        return
-    own = g.dtype
-    front = g.movedim(zp.dim, 0).contiguous()
-    if zp.reduce_dtype is not None:
-        front = front.to(zp.reduce_dtype)
-    out = front.new_empty((front.shape[0] // r.mesh.size("data"), *front.shape[1:]))
-    r.count("reduce_scatter", "data", "step", front)
-    with guarded(rt, "reduce_scatter", "data", "step"):
-        reduce_scatter_flat(out, front, group=r.group("data"))
-    piece = out.to(own).movedim(0, zp.dim)
-    if zp.slice.grad is None:
-        zp.slice.grad = piece.contiguous()
-    else:
-        zp.slice.grad.add_(piece)
-    zp.full.grad = None
+class Buckets:
+    """Every parameter split over data, packed into buckets that each move as one
+    reduce-scatter after backward and one all-gather before the next forward.
 
+    One collective per parameter was latency-bound: 45 reduce-scatters and 45 all-gathers
+    a step for the TinyGPT on 8 gloo ranks took 6.4x DDP's step, which moves the same
+    bytes in one bucketed all-reduce. A bucket's flat buffer holds, for each rank of
+    ``data`` in turn, that rank's piece of every member (``[r0: p1 p2 ..][r1: p1 p2 ..]``),
+    so the reduce-scatter leaves this rank every member's slice in one contiguous run, and
+    the all-gather of the concatenated slices is the buffer again.
 
-def refresh(rt: str, zp: ZeroParam) -> None:
-    """Make the program copy from the slices of every rank of ``data`` if this rank's
-    changed since the last time (collective over ``data``)."""
-    if zp.slice._version == zp.seen:
-        return
-    r = get_runtime(rt)
-    piece = zp.slice.detach().movedim(zp.dim, 0).contiguous()
-    buf = piece.new_empty((piece.shape[0] * r.mesh.size("data"), *piece.shape[1:]))
-    r.count("all_gather", "data", "step", piece)
-    with guarded(rt, "all_gather", "data", "step"):
-        all_gather_flat(buf, piece, group=r.group("data"))
-    with torch.no_grad():
-        zp.full.copy_(buf.movedim(0, zp.dim))
-    zp.seen = zp.slice._version
+    Buckets are filled in reverse registration order (backward makes the last layers'
+    gradients first, as DDP orders its buckets), up to ``cap`` bytes of the reduce dtype;
+    a cap of 0 gives each parameter its own. Members share (dtype, reduce dtype, device).
+    A bucket is issued (asynchronously) as soon as it and every bucket before it have all
+    their gradients, so in autograd's backward it overlaps what backward still computes;
+    the end of backward issues what is left and waits for all. Every rank of ``data`` runs
+    the same program, so every rank issues the same buckets in the same order.
+    """
+
+    def __init__(self, rt: str, params: list[ZeroParam], cap: float) -> None:
+        self.rt = rt
+        self.buckets: list[list[ZeroParam]] = []
+        filling: dict[tuple, tuple[list[ZeroParam], list[int]]] = {}
+        for zp in reversed(params):
+            red = zp.reduce_dtype or zp.full.dtype
+            key = (zp.full.dtype, red, zp.full.device)
+            nbytes = zp.full.numel() * torch.empty((), dtype=red).element_size()
+            b = filling.get(key)
+            if b is None or (b[0] and b[1][0] + nbytes > cap):
+                b = ([], [0])
+                filling[key] = b
+                self.buckets.append(b[0])
+            b[0].append(zp)
+            b[1][0] += nbytes
+        self.index = {zp.name: i for i, b in enumerate(self.buckets) for zp in b}
+        self._arrived: set[str] = set()
+        self._next = 0  # the first bucket not issued in this backward
+        self._flying: list[tuple[list[ZeroParam], list[bool], torch.Tensor]] = []
+        self._queued = False
+
+    # ------------------------------------------------------------------ gradients
+    def arrived(self, zp: ZeroParam) -> None:
+        """``zp.full``'s gradient is complete for this backward (a post-accumulate hook)."""
+        self._arrived.add(zp.name)
+        if not self._queued:
+            # runs once autograd's backward is done: issue what is left, wait for all
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            self._queued = True
+        while (self._next < len(self.buckets)
+               and all(m.name in self._arrived for m in self.buckets[self._next])):
+            self._issue(self.buckets[self._next])
+            self._next += 1
+
+    def finish(self) -> None:
+        try:
+            # a bucket some of whose members got no gradient in this backward: what
+            # they hold from an earlier (no_sync) backward, or zeros
+            for b in self.buckets[self._next:]:
+                if any(m.full.grad is not None for m in b):
+                    self._issue(b)
+            for b, had, out in self._flying:
+                run_wait(out)
+                self._unpack_grads(b, had, out)
+        finally:
+            self._arrived.clear()
+            self._next = 0
+            self._flying = []
+            self._queued = False
+
+    def _issue(self, b: list[ZeroParam]) -> None:
+        r = get_runtime(self.rt)
+        g = r.mesh.size("data")
+        red = b[0].reduce_dtype or b[0].full.dtype
+        sizes = [m.full.numel() // g for m in b]
+        flat = b[0].full.new_empty((g, sum(sizes)), dtype=red)
+        had = []
+        off = 0
+        for m, n in zip(b, sizes):
+            dst = flat[:, off:off + n]
+            grad = m.full.grad
+            had.append(grad is not None)
+            if grad is None:
+                dst.zero_()
+            else:
+                front = grad.movedim(m.dim, 0)
+                # one copy, cast included: rank i's piece of the gradient into row i
+                dst.view(g, front.shape[0] // g, *front.shape[1:]).copy_(
+                    front.unflatten(0, (g, front.shape[0] // g)))
+                m.full.grad = None  # ZeRO-2: no whole gradient outlives backward
+            off += n
+        out = run_reduce_scatter(flat.view(-1), "sum", g, "", self.rt, "data", "step")
+        get_runtime(self.rt).unreduced.difference_update(f"zero:{m.name}" for m in b)
+        self._flying.append((b, had, out))
+
+    def _unpack_grads(self, b: list[ZeroParam], had: list[bool], out: torch.Tensor) -> None:
+        off = 0
+        for m, got in zip(b, had):
+            shape = list(m.slice.shape)
+            shape.insert(0, shape.pop(m.dim))
+            n = m.slice.numel()
+            if got:
+                piece = out[off:off + n].view(shape).movedim(0, m.dim).to(m.slice.dtype)
+                if m.slice.grad is None:
+                    m.slice.grad = piece.contiguous()
+                else:
+                    m.slice.grad.add_(piece)
+            off += n
+
+    # ----------------------------------------------------------------- parameters
+    def refresh(self) -> None:
+        """Make the program copies from the slices of every rank of ``data``, one
+        all-gather per bucket any of whose slices changed since the last time (an
+        optimizer step or a load). Every rank runs the same optimizer over the same
+        parameters, so every rank gathers the same buckets."""
+        todo = [b for b in self.buckets if any(m.slice._version != m.seen for m in b)]
+        if not todo:
+            return
+        g = get_runtime(self.rt).mesh.size("data")
+        flying = []
+        for b in todo:
+            piece = b[0].slice.new_empty(sum(m.slice.numel() for m in b))
+            off = 0
+            for m in b:
+                front = m.slice.detach().movedim(m.dim, 0)
+                piece[off:off + m.slice.numel()].view(front.shape).copy_(front)
+                off += m.slice.numel()
+            flying.append((b, run_all_gather(piece, g, "", self.rt, "data", "step")))
+        for b, out in flying:
+            run_wait(out)
+            rows = out.view(g, -1)
+            off = 0
+            with torch.no_grad():
+                for m in b:
+                    n = m.slice.numel()
+                    front = m.full.movedim(m.dim, 0)
+                    front.unflatten(0, (g, front.shape[0] // g)).copy_(
+                        rows[:, off:off + n].view(g, front.shape[0] // g, *front.shape[1:]))
+                    off += n
+                    m.seen = m.slice._version

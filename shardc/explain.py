@@ -104,8 +104,14 @@ def explain(sm: Any) -> str:
             extra += (f"  optimizer slice over data (dim {zp.dim}; program copy "
                       f"{list(zp.full.shape)} {sm._program_layouts[name]}): grad "
                       "reduce-scattered over data after backward, slices all-gathered "
-                      "before the next forward")
+                      f"before the next forward, in bucket {sm._zero_buckets.index[name]}")
         lines.append(f"  {name}: {gshape} -> {lshape} {lay}{extra}")
+    zero = getattr(sm, "_zero_buckets", None)
+    if zero is not None and zero.buckets:
+        sizes = ", ".join(f"{len(b)}" for b in zero.buckets)
+        lines.append(f"  optimizer slices in {len(zero.buckets)} bucket(s) of at most "
+                     f"{sm.ctx.options.bucket_mb:g} MiB (members: {sizes}), each one "
+                     "reduce-scatter and one all-gather over data a step")
     lines.append("")
     lines.append("program (forward; backward collectives are listed on the node that issues them):")
     for n in gm.graph.nodes:

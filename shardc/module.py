@@ -146,6 +146,8 @@ class ShardedModule(nn.Module):
                 C.grad_reduce_after_accumulate(runtime.key, axes, name, dt))
         # after those (hooks run in the order registered): the sum over every other axis
         # is in the program copy's .grad when it is reduce-scattered over data
+        self._zero_buckets = zero.Buckets(runtime.key, list(self._zero.values()),
+                                          ctx.options.bucket_mb * 2 ** 20)
         for zp in self._zero.values():
             zp.full.register_post_accumulate_grad_hook(self._zero_hook(zp))
 
@@ -191,8 +193,7 @@ class ShardedModule(nn.Module):
             if not rt.sync:  # no_sync: the program copy's .grad accumulates locally
                 rt.unreduced.add(key)
                 return
-            rt.unreduced.discard(key)
-            zero.reduce_grad(rt.key, zp)
+            self._zero_buckets.arrived(zp)
         return hook
 
     def _program_param(self, name: str) -> torch.Tensor:
@@ -212,8 +213,7 @@ class ShardedModule(nn.Module):
         validate.check_inputs(self, inputs, kwargs, flat)  # before anything is communicated
         axis_groups(self.mesh)  # collective on first use: every rank creates every group
         settle_all()  # a loss from a step with no backward, still unread: wait for it now
-        for zp in self._zero.values():  # slices the optimizer stepped: gather them
-            zero.refresh(self.runtime.key, zp)
+        self._zero_buckets.refresh()  # slices the optimizer stepped: gather them
         it = iter(flat)
         args: list[Any] = []
         for role, target in self._feeds:

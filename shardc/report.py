@@ -365,7 +365,8 @@ def comm_report(sm: Any) -> CommReport:
 
 def step_calls(sm: Any) -> dict[tuple[str, str, str], int] | None:
     """Collectives per (collective, axis, phase) that the built whole-step program issues
-    in one step; None when it is not built (or off)."""
+    in one step, with shard_optimizer's buckets (one reduce-scatter and one all-gather
+    each, runtime/zero.py); None when the program is not built (or off)."""
     built = list(getattr(sm, "_joint", {}).values())
     if not built:
         return None
@@ -376,4 +377,8 @@ def step_calls(sm: Any) -> dict[tuple[str, str, str], int] | None:
         for n in collective_nodes(part.graph):
             c = n.meta["shardc_comm"]
             out[(c["collective"], c["axis"], c["phase"])] += 1
+    zero = getattr(sm, "_zero_buckets", None)
+    if zero is not None and zero.buckets:
+        for c in ("reduce_scatter", "all_gather"):
+            out[(c, "data", "step")] += len(zero.buckets)
     return dict(out)

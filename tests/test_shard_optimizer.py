@@ -68,3 +68,27 @@ def test_a_parameter_no_dim_of_which_divides_stays_whole(fake_world) -> None:
     assert sm.get_parameter("b.weight").shape == (3, 18)
     assert any("b.weight" in d and "kept whole over data" in d for d in sm.decisions)
     assert sm.grad_reductions["b.weight"] == ["data"]
+
+
+def test_slices_are_bucketed_last_layer_first(fake_world) -> None:
+    """Every slice is in exactly one bucket; buckets are filled in reverse registration
+    order (backward's order) up to the cap, and a cap of 0 gives each slice its own."""
+    fake_world(4)
+    torch.manual_seed(0)
+    model, batch = GPT(), _batch()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    quarter = total / 4 / 2 ** 20
+    for mb in (25.0, 0.0, quarter):
+        sm = shardc.compile(model, "x1y1z1d4", example_inputs=batch, shard_optimizer=True,
+                            bucket_mb=mb, step_graph=False)
+        buckets = sm._zero_buckets.buckets
+        assert [zp.name for b in buckets for zp in b] == list(reversed(list(sm._zero))), mb
+        sizes = [sum(zp.full.numel() * zp.full.element_size() for zp in b) for b in buckets]
+        if mb == 25.0:  # the GPT's gradients are ~0.1 MiB in all
+            assert len(buckets) == 1
+        elif mb == 0.0:
+            assert len(buckets) == len(sm._zero)
+        else:
+            # a bucket passes the cap only when one slice alone does
+            assert all(s <= mb * 2 ** 20 or len(b) == 1 for s, b in zip(sizes, buckets)), sizes
+            assert 4 <= len(buckets) < len(sm._zero), sizes

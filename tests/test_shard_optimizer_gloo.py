@@ -121,6 +121,47 @@ def _accumulate_clip_failures(spec: str) -> list[str]:
     return out
 
 
+def _bucket_failures(spec: str) -> list[str]:
+    """The optimizer slices move in buckets: each one reduce-scatter after backward and
+    one all-gather before the next forward. The default 25 MiB takes all of the GPT's
+    (well under 1 MiB) in one; ``bucket_mb=0`` gives each parameter its own; a cap of a
+    third of the total gives several. The runtime issues that many, the report's ``calls``
+    says that many, ``explain`` names them, and the bytes are the report's."""
+    mesh = shardc.Mesh.parse(spec)
+    batches = _batches(4, seed=3)
+    torch.manual_seed(0)
+    model = GPT()
+    out: list[str] = []
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for kw in ({}, {"bucket_mb": 0}, {"bucket_mb": total / 3 / 2 ** 20}):
+        where = f"buckets@{spec} {kw}"
+        sm = shardc.compile(model, mesh, example_inputs=batches[0], shard_optimizer=True, **kw)
+        buckets = sm._zero_buckets.buckets
+        n = {(): 1, (0,): len(sm._zero)}.get(tuple(kw.values()))
+        if n is not None and len(buckets) != n:
+            out.append(f"{where}: {len(buckets)} buckets, want {n}")
+        if kw.get("bucket_mb") and not 2 <= len(buckets) < len(sm._zero):
+            out.append(f"{where}: {len(buckets)} buckets of {len(sm._zero)} slices")
+        opt = torch.optim.AdamW(sm.parameters(), lr=LR, eps=EPS)
+        for b in batches[:3]:
+            _step(sm, opt, mesh, b)
+        sm.reset_measured_comm()
+        _step(sm, opt, mesh, batches[3])  # after a step: the gather is in it
+        issued = {c: sm.runtime.calls.get((c, "data", "step"), 0)
+                  for c in ("reduce_scatter", "all_gather")}
+        if issued != {"reduce_scatter": len(buckets), "all_gather": len(buckets)}:
+            out.append(f"{where}: issued {issued} for {len(buckets)} buckets")
+        report = shardc.comm_report(sm)
+        said = {c: (report.calls or {}).get((c, "data", "step")) for c in issued}
+        if said != issued:
+            out.append(f"{where}: the report's calls {said} != issued {issued}")
+        if sm.measured_comm() != report.by_key():
+            out.append(f"{where}: measured {sm.measured_comm()} != reported {report.by_key()}")
+        if f"optimizer slices in {len(buckets)} bucket(s)" not in shardc.explain(sm):
+            out.append(f"{where}: explain does not name the {len(buckets)} buckets")
+    return out
+
+
 def _checkpoint_failures(path: str) -> list[str]:
     """Save with the option, load without it on another mesh (and the reverse): the next
     step's loss and the state after it agree with the run that was not interrupted."""
@@ -157,6 +198,10 @@ def _all(rank: int, world_size: int, path: str) -> None:
                                step_graph=False)
     failures += _case_failures("llama", shardc.Mesh.parse("x1y1z2d2"), shard_optimizer=True,
                                reshard_after_forward=True)
+    # several buckets, issued in order as backward fills them (autograd's backward)
+    failures += _case_failures("llama", shardc.Mesh.parse("x1y1z1d4"), shard_optimizer=True,
+                               step_graph=False, bucket_mb=0.02)
+    failures += _bucket_failures("x1y1z2d2")
     failures += _state_failures("x1y1z1d4")
     failures += _accumulate_clip_failures("x1y1z2d2")
     failures += _checkpoint_failures(path)
