@@ -19,11 +19,13 @@ tp_dp              DTensor Megatron TP x data (DDP)    x{W/2}y1z1d2
 
 shardc runs each mesh twice: with the whole-step program and its passes (the default)
 and with ``step_graph=False`` (autograd's backward over the forward program: what
-shardc did before the step passes), which shows what the passes buy.
+shardc did before the step passes), which shows what the passes buy; and
+``x1y1z1d{W}`` once more with ``shard_optimizer=True`` (ZeRO over data), beside DDP.
 
 Prints, per system: median step time over rounds (each round's figure is the median of
 ``--steps`` steps after two warm-up steps), the ratio to its torch peer, and the loss
-after the last step (the same model and data: every system must agree to ~1e-5).
+after the last step (the same model and data: every system must agree to ~1e-5); then
+the fastest shardc row against the fastest torch row.
 """
 from __future__ import annotations
 
@@ -236,6 +238,10 @@ def systems(world: int) -> list[tuple[str, str | None, Callable[[dict, int], Ste
     for peer, spec in pairs:
         out.append((f"shardc {spec}", peer, shardc_mesh(spec)))
         out.append((f"shardc {spec} step_graph=False", peer, shardc_mesh(spec, step_graph=False)))
+    # ZeRO over data beside DDP: AdamW's state and step are 1/W a rank, for a reduce-
+    # scatter and an all-gather a bucket in place of DDP's all-reduce
+    out.append((f"shardc x1y1z1d{world} shard_optimizer=True", "ddp",
+                shardc_mesh(f"x1y1z1d{world}", shard_optimizer=True)))
     return out
 
 
@@ -294,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, peer, t, loss in rows:
         ratio = f"{float(t) / med[peer]:.2f}x" if peer else ""
         print(f"| {name} | {1e3 * float(t):.1f} | {ratio} | {float(loss):.5f} |")
+    best = min((r for r in rows if r[0].startswith("shardc")), key=lambda r: float(r[2]))
+    peer = min((r for r in rows if not r[0].startswith("shardc")), key=lambda r: float(r[2]))
+    print(f"\nfastest shardc ({best[0]}) / fastest torch ({peer[0]}): "
+          f"{float(best[2]) / float(peer[2]):.2f}x")
     return 0
 
 
