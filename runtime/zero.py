@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from shardc.runtime.collectives import get_runtime
-from shardc.runtime.functional import run_all_gather, run_reduce_scatter, run_wait
+from shardc.runtime.functional import STATE, run_all_gather, run_reduce_scatter, run_wait
 
 
 @dataclass
@@ -86,7 +86,8 @@ class Buckets:
         self.index = {zp.name: i for i, b in enumerate(self.buckets) for zp in b}
         self._arrived: set[str] = set()
         self._next = 0  # the first bucket not issued in this backward
-        self._flying: list[tuple[list[ZeroParam], list[bool], torch.Tensor]] = []
+        # (bucket, which members had a gradient, the reduce-scatter's output, its record)
+        self._flying: list[tuple[list[ZeroParam], list[bool], torch.Tensor, tuple]] = []
         self._queued = False
 
     # ------------------------------------------------------------------ gradients
@@ -109,14 +110,31 @@ class Buckets:
             for b in self.buckets[self._next:]:
                 if any(m.full.grad is not None for m in b):
                     self._issue(b)
-            for b, had, out in self._flying:
+            for b, had, out, record in self._flying:
+                STATE.flight[id(out)] = record
                 run_wait(out)
                 self._unpack_grads(b, had, out)
         finally:
-            self._arrived.clear()
-            self._next = 0
-            self._flying = []
-            self._queued = False
+            self._reset()
+
+    def _reset(self) -> None:
+        self._arrived.clear()
+        self._next = 0
+        self._flying = []
+        self._queued = False
+
+    def _drop_failed_backward(self) -> None:
+        """A backward that raised after a hook queued ``finish`` never runs it (autograd
+        runs a graph task's callbacks only when it succeeds). Its half-reduced gradients
+        are lost with it, as autograd's are; wait for what it issued (every rank of data
+        issued the same, so the group stays in step) and start clean, or the next
+        backward would queue no ``finish`` and reduce nothing."""
+        try:
+            for _, _, out, record in self._flying:
+                STATE.flight[id(out)] = record
+                run_wait(out)
+        finally:
+            self._reset()
 
     def _issue(self, b: list[ZeroParam]) -> None:
         r = get_runtime(self.rt)
@@ -141,7 +159,10 @@ class Buckets:
             off += n
         out = run_reduce_scatter(flat.view(-1), "sum", g, "", self.rt, "data", "step")
         get_runtime(self.rt).unreduced.difference_update(f"zero:{m.name}" for m in b)
-        self._flying.append((b, had, out))
+        # the wait may come on another thread (CUDA runs backward's hooks on a device
+        # thread; the end-of-backward callback runs where the graph task ends), and the
+        # runtime's records of collectives in flight are per thread: keep this one here
+        self._flying.append((b, had, out, STATE.flight.pop(id(out))))
 
     def _unpack_grads(self, b: list[ZeroParam], had: list[bool], out: torch.Tensor) -> None:
         off = 0
@@ -163,6 +184,8 @@ class Buckets:
         all-gather per bucket any of whose slices changed since the last time (an
         optimizer step or a load). Every rank runs the same optimizer over the same
         parameters, so every rank gathers the same buckets."""
+        if self._queued:
+            self._drop_failed_backward()
         todo = [b for b in self.buckets if any(m.slice._version != m.seen for m in b)]
         if not todo:
             return

@@ -92,3 +92,33 @@ def test_slices_are_bucketed_last_layer_first(fake_world) -> None:
             # a bucket passes the cap only when one slice alone does
             assert all(s <= mb * 2 ** 20 or len(b) == 1 for s, b in zip(sizes, buckets)), sizes
             assert 4 <= len(buckets) < len(sm._zero), sizes
+
+
+def test_a_backward_that_raises_leaves_the_next_one_whole(fake_world) -> None:
+    """A backward that raises after some buckets went out never runs the end-of-backward
+    callback; the next forward must wait for those and start clean, or the next backward
+    would reduce nothing (its slices left without gradients, silently)."""
+    fake_world(4)
+    torch.manual_seed(0)
+    model, batch = GPT(), _batch()
+    mesh = shardc.Mesh.parse("x1y1z1d4")
+    sm = shardc.compile(model, mesh, example_inputs=batch, shard_optimizer=True,
+                        bucket_mb=0, step_graph=False)
+    first = next(iter(sm._zero.values()))  # the embedding: its gradient comes last
+
+    def fail(_: torch.Tensor) -> None:
+        raise RuntimeError("a hook failed")
+    handle = first.full.register_hook(fail)
+    loss = sm(*[shardc.shard_batch(t, mesh) for t in batch])
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        assert "a hook failed" in str(e)
+    else:
+        raise AssertionError("the backward did not raise")
+    handle.remove()
+    sm.zero_grad()
+    sm.reset_measured_comm()
+    sm(*[shardc.shard_batch(t, mesh) for t in batch]).backward()
+    assert all(p.grad is not None for p in sm.parameters())
+    assert sm.runtime.calls[("reduce_scatter", "data", "step")] == len(sm._zero_buckets.buckets)
