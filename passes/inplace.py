@@ -32,6 +32,13 @@ _UNDECLARED_VIEWS = (torch.ops.aten._unsafe_view.default,)
 def _fresh(n: fx.Node) -> bool:
     """Does ``n`` produce a tensor in memory of its own (or a view of one that nothing
     but this view reads)?"""
+    while n.op == "call_function" and n.target in F.ALIASES:
+        # a bucket packed by copies (F.pack_into): fresh when the buffer it fills is, and
+        # each link of the chain has the next as its only reader
+        base = n.args[F.ALIASES[n.target]]
+        if not isinstance(base, fx.Node) or len(base.users) != 1:
+            return False
+        n = base
     t = n.target
     if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
         return False  # a program input, a tuple's element, a runtime call

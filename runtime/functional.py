@@ -360,6 +360,21 @@ def run_wait(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def pack_into(buf: torch.Tensor, x: torch.Tensor, offset: int) -> torch.Tensor:
+    """Copy ``x`` into ``buf[offset:offset + x.numel()]`` and return ``buf``: one member of
+    a gradient bucket (``passes/bucket.py``), copied right after backward makes it, while it
+    is still in cache, as DDP copies each gradient into its bucket. Returning ``buf`` chains
+    the copies, so the graph's data dependences keep each one before the bucket's
+    all-reduce (the passes see the chain; a bare in-place copy would be invisible to them)."""
+    buf[offset:offset + x.numel()].view(x.shape).copy_(x)
+    return buf
+
+
+# What returns an alias of one of its arguments without an op schema to say so: the
+# argument's index (shardc.memory's liveness and passes/inplace.py read it).
+ALIASES = {pack_into: 0}
+
+
 def _count(rt: str, collective: str, axis: str, ph: str, t: torch.Tensor) -> int:
     r = get_runtime(rt)
     nbytes = t.numel() * t.element_size()

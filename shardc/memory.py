@@ -38,6 +38,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from shardc.runtime.functional import ALIASES
+
 # optimizer name -> state tensors it keeps per parameter, each the parameter's size
 STATE_PER_PARAMETER = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1, "adagrad": 1,
                        "rmsprop": 1}
@@ -240,6 +242,9 @@ def _alias_of(n: fx.Node) -> fx.Node | None:
     result), or None when the op allocates."""
     if n.op != "call_function" or n.target is operator.getitem:
         return None  # each output of a multi-output op is its own tensor
+    if n.target in ALIASES:  # a runtime function that returns one of its arguments
+        arg = n.args[ALIASES[n.target]]
+        return arg if isinstance(arg, fx.Node) else None
     schema = getattr(n.target, "_schema", None)
     if schema is None or not schema.returns or schema.returns[0].alias_info is None:
         return None

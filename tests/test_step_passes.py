@@ -380,9 +380,46 @@ def test_inplace_reduces_only_fresh_buffers_nothing_else_reads() -> None:
         g = b2.op(aten.mul.Tensor, b2.input(f"g{i}", 4, 4), 2.0)
         _, wt = b2.collective("all_reduce", g, "data", "step")
         grads.append(wt)
-    gm = inplace_pass(bucket_pass(b2.module(*grads), _ctx()), _ctx())
+    gm = inplace_pass(bucket_pass(b2.module(*grads), _ctx(backend="inductor")), _ctx())
     (issue,) = [n for n in gm.graph.nodes if n.target is F.run_all_reduce]
     assert issue.kwargs.get("inplace") is True and issue.args[0].target is aten.cat.default
+
+
+def test_bucket_copies_each_gradient_as_it_is_made() -> None:
+    """Under the eager backend a bucket is an empty buffer filled by a chain of copies
+    (F.pack_into), each right after the gradient it copies; the chain ends in the
+    bucket's all-reduce, which reduces it in place (nothing else reads it), and the
+    memory model sees every link as the one buffer."""
+    from shardc.memory import _alias_of
+    from shardc.passes.bucket import bucket_pass
+    from shardc.passes.inplace import inplace_pass
+
+    b = G()
+    grads, outs = [], []
+    for i in range(3):
+        g = b.op(aten.mul.Tensor, b.input(f"g{i}", 4, 4), 2.0)
+        grads.append(g)
+        _, wt = b.collective("all_reduce", g, "data", "step")
+        outs.append(wt)
+    gm = inplace_pass(bucket_pass(b.module(*outs), _ctx()), _ctx())
+    nodes = list(gm.graph.nodes)
+    (issue,) = [n for n in nodes if n.target is F.run_all_reduce]
+    assert issue.kwargs.get("inplace") is True
+    chain = []
+    n = issue.args[0]
+    while n.target is F.pack_into:
+        chain.append(n)
+        assert _alias_of(n) is n.args[0]
+        n = n.args[0]
+    assert n.target is aten.empty.memory_format and len(chain) == 3
+    chain.reverse()
+    # each copy follows its gradient (the first after the buffer made after it)
+    for link, g in zip(chain, grads):
+        assert link.args[1] is g
+        before = nodes[nodes.index(link) - 1]
+        assert before is g or (link is chain[0] and before is n), (link, before)
+    # the bucket's layout is the members' order: offsets 0, 16, 32
+    assert [link.args[2] for link in chain] == [0, 16, 32]
 
 
 def _forward_with_loss(overlap: bool = True, save_loss: bool = False):
