@@ -144,10 +144,10 @@ class ShardedModule(nn.Module):
             # acts only after no_sync, which the forward program runs (never the step's)
             t.register_post_accumulate_grad_hook(
                 C.grad_reduce_after_accumulate(runtime.key, axes, name, dt))
-        # after those (hooks run in the order registered): the sum over every other axis
-        # is in the program copy's .grad when it is reduce-scattered over data
         self._zero_buckets = zero.Buckets(runtime.key, list(self._zero.values()),
                                           ctx.options.bucket_mb * 2 ** 20)
+        # after those (hooks run in the order registered): the sum over every other axis
+        # is in the program copy's .grad when it is reduce-scattered over data
         for zp in self._zero.values():
             zp.full.register_post_accumulate_grad_hook(self._zero_hook(zp))
 
