@@ -158,7 +158,7 @@ class Buckets:
                 m.full.grad = None  # ZeRO-2: no whole gradient outlives backward
             off += n
         out = run_reduce_scatter(flat.view(-1), "sum", g, "", self.rt, "data", "step")
-        get_runtime(self.rt).unreduced.difference_update(f"zero:{m.name}" for m in b)
+        r.unreduced.difference_update(f"zero:{m.name}" for m in b)
         # the wait may come on another thread (CUDA runs backward's hooks on a device
         # thread; the end-of-backward callback runs where the graph task ends), and the
         # runtime's records of collectives in flight are per thread: keep this one here
