@@ -17,7 +17,9 @@ fsdp2              fully_shard per block, reshard      x1y1z{W}d1
 tp_dp              DTensor Megatron TP x data (DDP)    x{W/2}y1z1d2
 =================  ==================================  ===================
 
-shardc runs each mesh twice: with the whole-step program and its passes (the default)
+Gradients are packed alike: DDP with an explicit ``bucket_cap_mb=25`` (one 25 MiB bucket
+size, no 1 MiB first bucket) beside shardc with an explicit ``bucket_mb=25``, which means
+the same. shardc runs each mesh twice: with the whole-step program and its passes (the default)
 and with ``step_graph=False`` (autograd's backward over the forward program: what
 shardc did before the step passes), which shows what the passes buy; and
 ``x1y1z1d{W}`` once more with ``shard_optimizer=True`` (ZeRO over data), beside DDP.
@@ -235,13 +237,17 @@ def systems(world: int) -> list[tuple[str, str | None, Callable[[dict, int], Ste
     pairs = [("ddp", f"x1y1z1d{world}"), ("fsdp2", f"x1y1z{world}d1")]
     if world >= 4 and world % 2 == 0:
         pairs.append(("tp_dp", f"x{world // 2}y1z1d2"))
+    # every system packs gradients alike: DDP above is given bucket_cap_mb=25, which (an
+    # explicit cap) drops its 1 MiB first bucket, tp_dp reduces one flat buffer, and an
+    # explicit bucket_mb=25 is shardc's same configuration (README, "Buckets")
     for peer, spec in pairs:
-        out.append((f"shardc {spec}", peer, shardc_mesh(spec)))
-        out.append((f"shardc {spec} step_graph=False", peer, shardc_mesh(spec, step_graph=False)))
+        out.append((f"shardc {spec}", peer, shardc_mesh(spec, bucket_mb=25)))
+        out.append((f"shardc {spec} step_graph=False", peer,
+                    shardc_mesh(spec, step_graph=False, bucket_mb=25)))
     # ZeRO over data beside DDP: AdamW's state and step are 1/W a rank, for a reduce-
     # scatter and an all-gather a bucket in place of DDP's all-reduce
     out.append((f"shardc x1y1z1d{world} shard_optimizer=True", "ddp",
-                shardc_mesh(f"x1y1z1d{world}", shard_optimizer=True)))
+                shardc_mesh(f"x1y1z1d{world}", shard_optimizer=True, bucket_mb=25)))
     return out
 
 

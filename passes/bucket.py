@@ -2,7 +2,7 @@
 
 Reads:  a part of the whole-step program (``joint.py``); its step-phase all-reduces
         (``meta[COMM]["phase"] == "step"``: a parameter's gradient summed over data, or
-        over any axis whose ranks saw different tokens) and ``ctx.options.bucket_mb``
+        over any axis whose ranks saw different tokens) and ``ctx.options``' bucket caps
 Writes: one all-reduce per bucket: the gradients packed into one buffer (under the
         eager backend each copied in by ``F.pack_into`` right after it is made; under
         inductor one ``cat``), reduced once, and each gradient read back as a view of the
@@ -16,10 +16,12 @@ latency steps, a gloo or NCCL launch) once per parameter; DDP packs gradients in
 25 MiB buckets for that reason. Buckets fill in the order backward produces the
 gradients (the graph's order), one axis and dtype per bucket, and close when the next
 gradient would make them larger than ``bucket_mb`` (a gradient larger than that alone
-gets a bucket of its own); the first bucket closes at 1 MiB already, as DDP's does, so
-that some reduction overlaps backward even when every gradient would fit in one bucket. The scheduling pass then issues each bucket as soon as its
-last gradient exists, so the reduction of the last layers overlaps the backward of the
-first.
+gets a bucket of its own). With ``bucket_mb`` left unset the first bucket closes at 1 MiB
+already, as DDP's default does, so that some reduction overlaps backward even when every
+gradient would fit in one bucket; a size the user gives caps the first bucket too, as
+DDP's ``bucket_cap_mb`` does (``Options.first_bucket_bytes``). The scheduling pass then
+issues each bucket as soon as its last gradient exists, so the reduction of the last
+layers overlaps the backward of the first.
 
 Numerics: the sum of each element over the ranks is the same, but a reduction algorithm
 may add the ranks' values in an order that depends on the element's offset in the
@@ -40,7 +42,6 @@ from shardc.runtime import functional as F
 
 aten = torch.ops.aten
 BUCKET = "shardc_bucket"  # node.meta of a bucket's collective: {"members", "bytes"}
-FIRST_BUCKET_MB = 1.0  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
 
 
 def _step_reductions(gm: fx.GraphModule) -> list[fx.Node]:
@@ -63,7 +64,7 @@ def _nbytes(n: fx.Node) -> int:
 
 
 def bucket_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    limit = ctx.options.bucket_mb * 2 ** 20
+    limit, first = ctx.options.bucket_bytes, ctx.options.first_bucket_bytes
     if limit <= 0:
         return gm
     groups: dict[tuple, list[list[fx.Node]]] = {}
@@ -71,10 +72,7 @@ def bucket_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         key = (n.meta[COMM]["axis"], n.meta["val"].dtype, n.args[2])
         buckets = groups.setdefault(key, [[]])
         cur = buckets[-1]
-        # the first bucket is small (DDP's 1 MiB): the last layers' gradients go out
-        # while backward still has most of the model to do, instead of everything
-        # waiting for one full bucket at the end
-        cap = min(limit, FIRST_BUCKET_MB * 2 ** 20) if len(buckets) == 1 else limit
+        cap = first if len(buckets) == 1 else limit
         if cur and sum(_nbytes(m) for m in cur) + _nbytes(n) > cap:
             buckets.append(cur := [])
         cur.append(n)

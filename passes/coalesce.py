@@ -72,7 +72,7 @@ def _wait_of(n: fx.Node) -> fx.Node | None:
 
 
 def coalesce_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    if ctx.options.bucket_mb <= 0:
+    if ctx.options.bucket_bytes <= 0:
         return gm
     g = gm.graph
     groups: dict[tuple, list[fx.Node]] = {}

@@ -68,7 +68,7 @@ def _canonical_names(model: nn.Module) -> dict[str, str]:
 
 def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | None = None, *,
             transpose_alternate: bool = True, overlap: bool = True, prefetch_depth: int = 1,
-            gemm_modes: str = "default", step_graph: bool = True, bucket_mb: float = 25.0,
+            gemm_modes: str = "default", step_graph: bool = True, bucket_mb: float | None = None,
             reshard_after_forward: bool = False, machine: Any = None,
             input_layouts: Mapping[int, Layout] | None = None,
             activation_checkpoint: Any = "none", precision: Any = "fp32",
@@ -89,7 +89,9 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
     collective (a loss averaged over data) before that collective is waited, as a
     ``shardc.PendingOutput`` that waits on its first read (``loss.backward()`` does not
     read it); ``bucket_mb`` packs the post-backward gradient reductions into buckets of
-    that many MiB (0: one per gradient). ``step_graph=False``
+    that many MiB (0: one per gradient); left unset it is DDP's default, 25 MiB buckets
+    after a first one of 1 MiB, and a size given caps every bucket, the first too, as
+    DDP's ``bucket_cap_mb`` does. ``step_graph=False``
     runs autograd's own backward over the forward program (bitwise the same gradients as
     the step program with ``bucket_mb=0``). ``reshard_after_forward`` frees each gathered
     weight after forward and gathers it again in backward (FSDP2's default): less memory,
@@ -150,7 +152,7 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
 
 def _compile_here(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | None,
                   seen: dict[str, list], *, transpose_alternate: bool, overlap: bool,
-                  prefetch_depth: int, gemm_modes: str, step_graph: bool, bucket_mb: float,
+                  prefetch_depth: int, gemm_modes: str, step_graph: bool, bucket_mb: float | None,
                   reshard_after_forward: bool, machine: Any,
                   input_layouts: Mapping[int, Layout] | None, activation_checkpoint: Any,
                   precision: Any, shard_optimizer: bool, backend: str) -> ShardedModule:

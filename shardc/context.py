@@ -24,6 +24,12 @@ CHECKPOINT_POLICIES = ("none", "blocks")
 BACKENDS = ("eager", "inductor")  # how the rank's program runs (shardc/backend.py)
 
 
+# torch DDP's defaults: bucket_cap_mb, and the first bucket when that is left unset
+# (dist._DEFAULT_FIRST_BUCKET_BYTES)
+DEFAULT_BUCKET_MB = 25.0
+FIRST_BUCKET_MB = 1.0
+
+
 @dataclass(frozen=True)
 class Options:
     transpose_alternate: bool = True
@@ -34,8 +40,8 @@ class Options:
     # passes can move and pack backward collectives; False: autograd's own backward
     step_graph: bool = True
     # size of the buckets the post-backward gradient reductions are packed into (MiB);
-    # 0 reduces each gradient on its own
-    bucket_mb: float = 25.0
+    # 0 reduces each gradient on its own; None is DDP's default (see bucket_bytes)
+    bucket_mb: float | None = None
     # gather weights again in backward instead of keeping forward's (FSDP2's default
     # memory behaviour); needs step_graph
     reshard_after_forward: bool = False
@@ -44,6 +50,22 @@ class Options:
     precision: Any = "fp32"
     shard_optimizer: bool = False
     backend: str = "eager"
+
+    @property
+    def bucket_bytes(self) -> int:
+        """The cap on a bucket, in bytes (0: no buckets)."""
+        return int((DEFAULT_BUCKET_MB if self.bucket_mb is None else self.bucket_mb) * 2 ** 20)
+
+    @property
+    def first_bucket_bytes(self) -> int:
+        """The cap on the first bucket: DDP's rule. Left at the default, the first bucket
+        closes at 1 MiB, so the last layers' gradients go out while backward still has most
+        of the model to do; a size the user gives caps every bucket, the first too (as
+        DDP's ``bucket_cap_mb`` does), which saves a collective a step where overlap buys
+        nothing: 8 gloo ranks sharing 2 cores (README, "Buckets")."""
+        if self.bucket_mb is None:
+            return min(self.bucket_bytes, int(FIRST_BUCKET_MB * 2 ** 20))
+        return self.bucket_bytes
 
     @property
     def recompute(self) -> bool:
@@ -75,7 +97,7 @@ class Options:
         if self.reshard_after_forward and not self.step_graph:
             raise ValueError("shardc.compile: reshard_after_forward=True re-gathers weights inside "
                              "the whole-step program; it needs step_graph=True.")
-        if self.bucket_mb < 0:
+        if self.bucket_mb is not None and self.bucket_mb < 0:
             raise ValueError(f"shardc.compile: bucket_mb must be >= 0, got {self.bucket_mb}.")
         _check_memory_options(self.shard_optimizer)
         # both run the forward program through something the other cannot wrap: refuse

@@ -110,7 +110,7 @@ def explain(sm: Any) -> str:
     if zero is not None and zero.buckets:
         sizes = ", ".join(f"{len(b)}" for b in zero.buckets)
         lines.append(f"  optimizer slices in {len(zero.buckets)} bucket(s) of at most "
-                     f"{sm.ctx.options.bucket_mb:g} MiB (members: {sizes}), each one "
+                     f"{sm.ctx.options.bucket_bytes / 2 ** 20:g} MiB (members: {sizes}), each one "
                      "reduce-scatter and one all-gather over data a step")
     lines.append("")
     lines.append("program (forward; backward collectives are listed on the node that issues them):")
@@ -171,8 +171,11 @@ def _step_section(sm: Any) -> list[str]:
     from shardc.passes.joint import collective_nodes
     from shardc.passes.schedule import SCHEDULE
     o = sm.ctx.options
+    buckets = f"{o.bucket_bytes / 2 ** 20:g}"
+    if o.first_bucket_bytes != o.bucket_bytes:
+        buckets += f", first {o.first_bucket_bytes / 2 ** 20:g}"
     head = (f"whole-step program (step_graph={o.step_graph}, overlap={o.overlap}, "
-            f"bucket_mb={o.bucket_mb:g}):")
+            f"bucket_mb={buckets}):")
     if not o.step_graph:
         return [head, "  off: backward is autograd's walk over the forward program", ""]
     built = list(sm._joint.values())

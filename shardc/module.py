@@ -145,7 +145,7 @@ class ShardedModule(nn.Module):
             t.register_post_accumulate_grad_hook(
                 C.grad_reduce_after_accumulate(runtime.key, axes, name, dt))
         self._zero_buckets = zero.Buckets(runtime.key, list(self._zero.values()),
-                                          ctx.options.bucket_mb * 2 ** 20)
+                                          ctx.options.bucket_bytes)
         # after those (hooks run in the order registered): the sum over every other axis
         # is in the program copy's .grad when it is reduce-scattered over data
         for zp in self._zero.values():

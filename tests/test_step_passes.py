@@ -176,6 +176,25 @@ def test_bucket_packs_in_order_up_to_the_limit() -> None:
     gm.graph.lint()
 
 
+def test_bucket_caps_follow_ddp() -> None:
+    """Left unset, ``bucket_mb`` is DDP's default: the first bucket closes at 1 MiB, the
+    rest at 25; a size the user gives caps every bucket, the first too (DDP's explicit
+    ``bucket_cap_mb``), so 3 MiB of gradients go out as one collective."""
+    mib = 2 ** 18  # float32 elements per MiB
+    sizes = [mib // 2, mib // 2, mib // 2, mib, mib // 2]
+
+    def members(**kw) -> list[int]:
+        b = G()
+        gm = bucket_pass(b.module(*_step_grads(b, sizes)), _ctx(**kw))
+        return [n.meta.get(BUCKET, {}).get("members", 1)
+                for n in gm.graph.nodes if n.target is F.run_all_reduce]
+    assert members() == [2, 3]  # 0.5 + 0.5 fill the first 1 MiB; the rest fits 25 MiB
+    assert members(bucket_mb=25) == [5]
+    assert members(bucket_mb=1) == [2, 1, 1, 1]
+    assert Options().bucket_bytes == 25 * 2 ** 20
+    assert Options(bucket_mb=0).first_bucket_bytes == 0
+
+
 def test_bucket_keeps_axes_and_dtypes_apart_and_can_be_off() -> None:
     b = G()
     outs = (_step_grads(b, [64, 64], axis="data") + _step_grads(b, [64, 64], axis="x")
