@@ -25,7 +25,10 @@ shardc did before the step passes), which shows what the passes buy; and
 ``x1y1z1d{W}`` once more with ``shard_optimizer=True`` (ZeRO over data), beside DDP.
 
 Prints, per system: median step time over rounds (each round's figure is the median of
-``--steps`` steps after two warm-up steps), the ratio to its torch peer, and the loss
+``--steps`` steps after two warm-up steps), the ratio to its torch peer, the CPU time a
+rank spends in a step (``time.process_time``, its threads included: gloo's too; the median
+over rounds, averaged over ranks; where ranks outnumber cores the step's wall time is
+about the ranks' CPU time over the cores, so this is the steadier figure), and the loss
 after the last step (the same model and data: every system must agree to ~1e-5); then
 the fastest shardc row against the fastest torch row.
 """
@@ -239,7 +242,7 @@ def systems(world: int) -> list[tuple[str, str | None, Callable[[dict, int], Ste
         pairs.append(("tp_dp", f"x{world // 2}y1z1d2"))
     # every system packs gradients alike: DDP above is given bucket_cap_mb=25, which (an
     # explicit cap) drops its 1 MiB first bucket, tp_dp reduces one flat buffer, and an
-    # explicit bucket_mb=25 is shardc's same configuration (README, "Buckets")
+    # explicit bucket_mb=25 is shardc's same configuration (shardc.context.Options)
     for peer, spec in pairs:
         out.append((f"shardc {spec}", peer, shardc_mesh(spec, bucket_mb=25)))
         out.append((f"shardc {spec} step_graph=False", peer,
@@ -257,20 +260,23 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     shape = SHAPES[args.shape]
     table: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}  # this rank's CPU seconds a step, per round
     losses: dict[str, float] = {}
     for rnd in range(args.rounds):
         for name, _, build in systems(world):
             step = build(shape, world)
             for _ in range(2):
                 step()
-            times = []
+            times, cpus = [], []
             for _ in range(args.steps):
                 dist.barrier()
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 loss = step()
+                cpus.append(time.process_time() - c)
                 dist.barrier()
                 times.append(time.perf_counter() - t)
             table.setdefault(name, []).append(statistics.median(times))
+            cpu.setdefault(name, []).append(statistics.median(cpus))
             group = getattr(step, "mean_over", None)
             if group is not None:  # the global batch's loss, as shardc returns
                 loss = loss.clone()
@@ -279,10 +285,14 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
             losses[name] = float(loss)
             if rank == 0:
                 print(f"round {rnd + 1}: {name}: {1e3 * statistics.median(times):.1f} ms", flush=True)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, {n: statistics.median(v) for n, v in cpu.items()})
     if rank == 0:
         with open(out, "w") as f:
             for name, peer, _ in systems(world):
-                f.write(f"{name}\t{peer or ''}\t{statistics.median(table[name])}\t{losses[name]}\n")
+                per_rank = statistics.mean(c[name] for c in every)
+                f.write(f"{name}\t{peer or ''}\t{statistics.median(table[name])}\t{losses[name]}"
+                        f"\t{per_rank}\n")
     dist.destroy_process_group()
 
 
@@ -301,11 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     s = SHAPES[args.shape]
     print(f"\n{args.world} gloo ranks x 1 thread, shape {args.shape} {s}, torch {torch.__version__}, "
           f"median of {args.rounds} interleaved rounds (each the median of {args.steps} steps)\n")
-    print("| system | step (ms) | vs its torch peer | loss after last step |")
-    print("| --- | --- | --- | --- |")
-    for name, peer, t, loss in rows:
+    print("| system | step (ms) | vs its torch peer | CPU a rank (ms) | loss after last step |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, peer, t, loss, c in rows:
         ratio = f"{float(t) / med[peer]:.2f}x" if peer else ""
-        print(f"| {name} | {1e3 * float(t):.1f} | {ratio} | {float(loss):.5f} |")
+        print(f"| {name} | {1e3 * float(t):.1f} | {ratio} | {1e3 * float(c):.1f} | {float(loss):.5f} |")
     best = min((r for r in rows if r[0].startswith("shardc")), key=lambda r: float(r[2]))
     peer = min((r for r in rows if not r[0].startswith("shardc")), key=lambda r: float(r[2]))
     print(f"\nfastest shardc ({best[0]}) / fastest torch ({peer[0]}): "
