@@ -187,9 +187,17 @@ def step_shape(sm: Any) -> StepShape:
             shape.ops += sum(1 for n in part.graph.nodes if n.op == "call_function"
                              and n.target is not operator.getitem and n.target is not F.WAIT)
     else:
-        # autograd's backward: waits right after each issue, nothing is credited
+        # autograd's backward: nothing is credited (its gradient buckets overlap what
+        # backward still computes, but the model does not count on it); a gradient
+        # reduction in a bucket is one call of its bucket's (runtime/grad_buckets.py)
+        gb = getattr(sm, "_grad_buckets", None)
         for r in comm_report(sm).rows:
-            calls[r.axis] += 1
+            if not (gb is not None and r.phase == "step" and r.param in gb
+                    and r.collective == "all_reduce"):
+                calls[r.axis] += 1
+        if gb is not None:
+            for axis, n in gb.calls().items():
+                calls[axis] += n
         ops = sum(1 for n in sm.graph_module.graph.nodes if n.op == "call_function")
         shape.ops = int(ops * (1 + BACKWARD_FLOPS + (1 if opts.recompute else 0)))
     shape.calls = dict(calls)

@@ -163,6 +163,20 @@ def explain(sm: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _eager_buckets(sm: Any) -> list[str]:
+    """Under autograd's backward: the gradient buckets (runtime/grad_buckets.py)."""
+    gb = getattr(sm, "_grad_buckets", None)
+    if gb is None or not gb.buckets:
+        return ["  gradient sums: one all-reduce per parameter, in its hook"]
+    out = [f"  gradient sums in {len(gb.buckets)} bucket(s), each one all-reduce issued as soon "
+           "as backward has filled it and every bucket before it, waited at the end of backward:"]
+    for i, b in enumerate(gb.buckets):
+        size = torch.empty((), dtype=b.dtype).element_size() * b.numel
+        out.append(f"    bucket {i} ({b.axis}, {str(b.dtype).replace('torch.', '')}, {size} B): "
+                   + ", ".join(m.name for m in b.members))
+    return out
+
+
 def _step_section(sm: Any) -> list[str]:
     """The whole-step program's collectives in the order they run, with what the step
     passes did: each collective's compute overlap and each bucket's members."""
@@ -177,10 +191,15 @@ def _step_section(sm: Any) -> list[str]:
     head = (f"whole-step program (step_graph={o.step_graph}, overlap={o.overlap}, "
             f"bucket_mb={buckets}):")
     if not o.step_graph:
-        return [head, "  off: backward is autograd's walk over the forward program", ""]
+        return [head, "  off: backward is autograd's walk over the forward program",
+                *_eager_buckets(sm), ""]
     built = list(sm._joint.values())
     if sm._joint_failed is not None:
-        return [head, f"  could not be built ({sm._joint_failed}); autograd's backward runs", ""]
+        return [head, f"  could not be built ({sm._joint_failed}); autograd's backward runs",
+                *_eager_buckets(sm), ""]
+    if sm._recompute is not None:
+        return [head, "  not used: block or selective recompute runs autograd's backward over "
+                "the forward program", *_eager_buckets(sm), ""]
     if not built:
         return [head, "  built on the first call that needs gradients (it needs the process "
                 "groups); call explain again after a training step", ""]

@@ -41,6 +41,9 @@ import torch.fx as fx
 from shardc.runtime.functional import ALIASES
 
 # optimizer name -> state tensors it keeps per parameter, each the parameter's size
+# the output node's meta in a traced forward program's step: the parameter (or None) of
+# each gradient the step returns, in order
+GRAD_OF = "shardc_grad_of"
 STATE_PER_PARAMETER = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1, "adagrad": 1,
                        "rmsprop": 1}
 
@@ -76,7 +79,31 @@ def estimate(sm: Any, optimizer: str | int = "adamw") -> MemoryEstimate:
     copies = sum(_nbytes(zp.full) for zp in getattr(sm, "_zero", {}).values())
     trainable = sum(_nbytes(p) for p in sm.parameters() if p.requires_grad)
     graph, saved_as = traced_step(sm)
-    return MemoryEstimate(own + copies, per * trainable, peak_bytes(graph, saved_as))
+    return MemoryEstimate(own + copies, per * trainable,
+                          peak_bytes(graph, saved_as, _grad_bucket_buffers(sm, graph)))
+
+
+def _grad_bucket_buffers(sm: Any, graph: fx.Graph) -> dict[fx.Node, int]:
+    """Under autograd's backward, each gradient bucket's buffer (runtime/grad_buckets.py)
+    is made when its first member's gradient is and held to the end of backward: bytes
+    made right after each such gradient's node. (The traced whole-step program is the
+    joint graph before bucketing: nothing to add there.)"""
+    gb = getattr(sm, "_grad_buckets", None)
+    if gb is None or not gb.buckets or (sm._recompute is None and sm.ctx.options.step_graph):
+        return {}
+    out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    outs, of = out_node.args[0], out_node.meta.get(GRAD_OF, [])
+    by_param = {name: g for name, g in zip(of, outs[len(outs) - len(of):])
+                if name is not None and isinstance(g, fx.Node)}
+    where = {n: i for i, n in enumerate(graph.nodes)}
+    extra: dict[fx.Node, int] = {}
+    for b in gb.buckets:
+        made = [by_param[m.name] for m in b.members if m.name in by_param]
+        if made:
+            first = min(made, key=lambda n: where[n])
+            size = torch.empty((), dtype=b.dtype).element_size()
+            extra[first] = extra.get(first, 0) + b.numel * size
+    return extra
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -176,12 +203,16 @@ def _trace_forward_program(sm: Any, args: list[Any], needs: list[bool]
         m.forward = fwd  # type: ignore[method-assign]
     grad_at = [i for i, w in enumerate(needs) if w]
 
+    made: list[str | None] = []  # the parameter of each gradient the step returns
+
     def step(*flat: Any) -> Any:
         outs = run(*flat)
         outs = outs if isinstance(outs, (list, tuple)) else (outs,)
         diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
         grads = torch.autograd.grad(diff, [flat[i] for i in grad_at],
                                     [torch.ones_like(o) for o in diff], allow_unused=True)
+        made[:] = [sm._feeds[i][1] if sm._feeds[i][0] == "param" else None
+                   for i, g in zip(grad_at, grads) if g is not None]
         return (*outs, *[g for g in grads if g is not None])
 
     inputs = [a.detach().requires_grad_(w) if isinstance(a, torch.Tensor) else a
@@ -194,6 +225,7 @@ def _trace_forward_program(sm: Any, args: list[Any], needs: list[bool]
         F.STATE.offline = False
         F.STATE.log.clear()
         F.STATE.shapes.clear()
+    next(n for n in reversed(gm.graph.nodes) if n.op == "output").meta[GRAD_OF] = made
     saved_as: dict[fx.Node, fx.Node] = {}
     policy = sm.ctx.options.activation_checkpoint
     if isinstance(policy, Selective):
@@ -254,12 +286,15 @@ def _alias_of(n: fx.Node) -> fx.Node | None:
     return None
 
 
-def peak_bytes(graph: fx.Graph, saved_as: dict[fx.Node, fx.Node] | None = None) -> int:
+def peak_bytes(graph: fx.Graph, saved_as: dict[fx.Node, fx.Node] | None = None,
+               held: dict[fx.Node, int] | None = None) -> int:
     """The most bytes alive at once while ``graph`` runs, beyond its inputs: each
     allocating node's output from its op to its last reader (through views), the
     outputs to the end. ``saved_as``: nodes that allocate nothing and read another's
-    output instead (selective recompute)."""
+    output instead (selective recompute). ``held``: bytes the runtime makes beside the
+    graph right after a node and holds to the end (gradient buckets)."""
     saved_as = saved_as or {}
+    held = held or {}
     nodes = list(graph.nodes)
     where = {n: i for i, n in enumerate(nodes)}
     root: dict[fx.Node, fx.Node] = {}
@@ -282,7 +317,7 @@ def peak_bytes(graph: fx.Graph, saved_as: dict[fx.Node, fx.Node] | None = None) 
         frees[last[r]] = frees.get(last[r], 0) + s
     live = peak = 0
     for i, n in enumerate(nodes):
-        live += size.get(n, 0)
+        live += size.get(n, 0) + held.get(n, 0)
         peak = max(peak, live)
         live -= frees.get(i, 0)
     return peak

@@ -19,6 +19,7 @@ from shardc.mesh import Mesh
 from shardc.placement import Layout, local_slice, shard_offsets
 from shardc.runtime import collectives as C
 from shardc.runtime import zero
+from shardc.runtime.grad_buckets import GradBuckets
 from shardc.runtime.groups import axis_groups
 from shardc.runtime.pending import settle_all
 
@@ -136,11 +137,26 @@ class ShardedModule(nn.Module):
         self._joint_failed: str | None = None
         self._offline: Any = None  # the step program traced for the report (reshard)
         self._hooks_active = True
+        # a gradient summed over one axis goes into a bucket (runtime/grad_buckets.py);
+        # one summed over several keeps a hook per axis, each sum reading the one before,
+        # and so does shard_optimizer's program copy, whose reduce-scatter over data
+        # (a post-accumulate hook) reads .grad already summed over its other axes
+        one_axis = [(name, self._program_param(name), axes[0],
+                     reduce_dtype(self._program_param(name).dtype, ctx.options.precision)
+                     or self._program_param(name).dtype)
+                    for name, axes in self.grad_reductions.items()
+                    if len(axes) == 1 and name not in self._zero]
+        self._grad_buckets = GradBuckets(runtime.key, one_axis, ctx.options.bucket_bytes,
+                                         ctx.options.first_bucket_bytes)
         for name, axes in self.grad_reductions.items():
             t = self._program_param(name)
             dt = reduce_dtype(t.dtype, ctx.options.precision)
-            for axis in axes:
-                t.register_hook(self._eager_only(C.grad_reduce_hook(runtime.key, axis, name, dt)))
+            if name in self._grad_buckets:
+                t.register_hook(self._eager_only(self._grad_buckets.grad_hook(name)))
+                t.register_post_accumulate_grad_hook(self._grad_buckets.accumulated_hook(name))
+            else:
+                for axis in axes:
+                    t.register_hook(self._eager_only(C.grad_reduce_hook(runtime.key, axis, name, dt)))
             # acts only after no_sync, which the forward program runs (never the step's)
             t.register_post_accumulate_grad_hook(
                 C.grad_reduce_after_accumulate(runtime.key, axes, name, dt))
@@ -214,6 +230,7 @@ class ShardedModule(nn.Module):
         axis_groups(self.mesh)  # collective on first use: every rank creates every group
         settle_all()  # a loss from a step with no backward, still unread: wait for it now
         self._zero_buckets.refresh()  # slices the optimizer stepped: gather them
+        self._grad_buckets.new_step()
         it = iter(flat)
         args: list[Any] = []
         for role, target in self._feeds:

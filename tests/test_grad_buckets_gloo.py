@@ -1,0 +1,155 @@
+"""Gradient sums in buckets under autograd's backward (runtime/grad_buckets.py), on real
+gloo ranks.
+
+The forward program with autograd's backward (``step_graph=False``, block recompute)
+used to sum each parameter's gradient in a hook of its own, one blocking all-reduce a
+parameter. Now the sums go in buckets, issued while backward runs. Checked here:
+
+- training against one device (test_train_gloo's checks and tolerances: each step's
+  gradients against float64, the losses, the AdamW state) with several buckets a step,
+  with ``step_graph=False`` and with block recompute;
+- on a data axis of 2 ranks, every path gives bitwise the gradients of the per-parameter
+  hooks (``bucket_mb=0``): two values add the same way in either order, so a bucket's
+  sum is the per-parameter one bit for bit. The paths: ``.grad`` empty; a second synced
+  backward into ``.grad`` that holds a sum; ``torch.autograd.grad``; ``no_sync`` then a
+  synced backward (the buckets stand aside); the backward after one that raised;
+- the runtime issues one all-reduce per bucket, the bytes are the report's, and
+  ``explain`` and the step-time model count the buckets.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import shardc
+from harness import run_on_ranks
+from models import GPT
+from shardc.cost import step_shape
+from test_train_gloo import _case_failures
+
+pytestmark = pytest.mark.distributed
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g))
+            for _ in range(n)]
+
+
+def _grads(sm: shardc.ShardedModule) -> dict[str, torch.Tensor | None]:
+    return {k: None if p.grad is None else p.grad.clone() for k, p in sm.named_parameters()}
+
+
+def _paths(sm: shardc.ShardedModule, mesh: shardc.Mesh, batches: list) -> dict[str, Any]:
+    """Every path's gradients, and the collectives the first backward issued."""
+    def loss(b: tuple) -> torch.Tensor:
+        return sm(*[shardc.shard_batch(t, mesh) for t in b])
+
+    out: dict[str, Any] = {}
+    sm.reset_measured_comm()
+    loss(batches[0]).backward()
+    out["calls"] = dict(sm.runtime.calls)
+    out["measured"] = sm.measured_comm()
+    out["fresh"] = _grads(sm)
+    loss(batches[1]).backward()  # into .grad that holds the first step's sums
+    out["accumulated"] = _grads(sm)
+    sm.zero_grad(set_to_none=True)
+    names, params = zip(*sm.named_parameters())
+    got = torch.autograd.grad(loss(batches[2]), params)
+    out["autograd.grad"] = {k: g.clone() for k, g in zip(names, got)}
+    out["left .grad alone"] = all(p.grad is None for p in params)
+    with sm.no_sync():
+        loss(batches[0]).backward()
+    loss(batches[1]).backward()
+    out["no_sync then synced"] = _grads(sm)
+    sm.zero_grad(set_to_none=True)
+    # a backward that raises after some buckets went out (the first registered parameter
+    # is the embedding: its gradient comes last, after this hook's)
+    first = next(iter(params))
+
+    def boom(g: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+    h = first.register_hook(boom)
+    try:
+        loss(batches[2]).backward()
+        raise AssertionError("the raising hook did not raise")
+    except RuntimeError as e:
+        if "boom" not in str(e):
+            raise
+    h.remove()
+    sm.zero_grad(set_to_none=True)
+    loss(batches[2]).backward()
+    out["after a raise"] = _grads(sm)
+    return out
+
+
+def _bitwise_failures(spec: str, **kw: Any) -> list[str]:
+    mesh = shardc.Mesh.parse(spec)
+    batches = _batches(3)
+    torch.manual_seed(0)
+    model = GPT()
+    runs = {}
+    for mb in (0, 0.02):
+        sm = shardc.compile(model, mesh, example_inputs=batches[0], step_graph=False,
+                            bucket_mb=mb, **kw)
+        runs[mb] = (sm, _paths(sm, mesh, batches))
+    (per_param, a), (bucketed, b) = runs[0], runs[0.02]
+    where = f"grad buckets@{spec} {kw}"
+    out: list[str] = []
+    n = len(bucketed._grad_buckets.buckets)
+    if not 2 <= n < len(bucketed._grad_buckets.members):
+        out.append(f"{where}: {n} buckets of {len(bucketed._grad_buckets.members)} gradients")
+    if per_param._grad_buckets.buckets:
+        out.append(f"{where}: bucket_mb=0 made {len(per_param._grad_buckets.buckets)} buckets")
+    for path in ("fresh", "accumulated", "autograd.grad", "no_sync then synced", "after a raise"):
+        for k, g in a[path].items():
+            h = b[path].get(k)
+            if (g is None) != (h is None) or (g is not None and not torch.equal(g, h)):
+                diff = "None" if g is None or h is None else f"{(g - h).abs().max().item():.3e}"
+                out.append(f"{where}: {path}: {k} differs from the per-parameter sum ({diff})")
+    if not b["left .grad alone"]:
+        out.append(f"{where}: torch.autograd.grad wrote .grad")
+    data = [k for k in b["calls"] if k[0] == "all_reduce" and k[2] == "step"]
+    issued = sum(b["calls"][k] for k in data)
+    if issued != n:
+        out.append(f"{where}: {issued} step all-reduces issued for {n} buckets")
+    for sm, run in ((per_param, a), (bucketed, b)):
+        reported = shardc.comm_report(sm).by_key()
+        if run["measured"] != reported:
+            out.append(f"{where}: measured {run['measured']} != reported {reported}")
+    if f"gradient sums in {n} bucket(s)" not in shardc.explain(bucketed):
+        out.append(f"{where}: explain does not name the {n} buckets")
+    # the step-time model counts a bucket as one call where it counted a row a gradient
+    calls = {mb: step_shape(sm).calls for mb, (sm, _) in runs.items()}
+    saved = {ax: calls[0].get(ax, 0) - calls[0.02].get(ax, 0) for ax in calls[0]}
+    want: dict[str, int] = {}
+    for m in bucketed._grad_buckets.members.values():
+        want[m.axis] = want.get(m.axis, 0) + 1
+    for ax, k in bucketed._grad_buckets.calls().items():
+        want[ax] -= k
+    if {a_: s for a_, s in saved.items() if s} != {a_: s for a_, s in want.items() if s}:
+        out.append(f"{where}: the step-time model saves {saved} calls, the buckets {want}")
+    return out
+
+
+def _all(rank: int, world_size: int) -> None:
+    failures: list[str] = []
+    check: Callable[..., list[str]] = _case_failures
+    # several buckets a step against one device, under autograd's backward
+    failures += check("gpt", shardc.Mesh.parse("x1y1z1d4"), step_graph=False, bucket_mb=0.02)
+    failures += check("llama", shardc.Mesh.parse("x2y1z1d2"), step_graph=False, bucket_mb=0.02)
+    failures += check("gpt", shardc.Mesh.parse("x1y1z1d4"), activation_checkpoint="blocks",
+                      bucket_mb=0.02)
+    failures += _bitwise_failures("x2y1z1d2")
+    failures += _bitwise_failures("x1y1z2d2", activation_checkpoint="blocks")
+    if failures:
+        raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures))
+
+
+def test_gradient_buckets_under_autograds_backward_on_4_ranks() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_on_ranks(_all, 4)
