@@ -2,7 +2,8 @@
 real gloo processes (4 ranks, spawned once; every case runs inside).
 
 For each model and mesh of ``CASES``, the same model is compiled with autograd's own backward
-(``step_graph=False``, the reference) and with the whole-step program under several
+(``step_graph=False, bucket_mb=0``, the reference: one sum a gradient) and with the
+whole-step program under several
 pass settings, and trained two SGD steps on the same batches:
 
 * scheduling (``overlap``) only reorders nodes, and with ``bucket_mb=0`` every
@@ -121,7 +122,10 @@ def _one(name: str, spec: str) -> list[str]:
     mesh = shardc.Mesh.parse(spec)
     where = f"{name}@{spec}"
     out: list[str] = []
-    _, ref_losses, ref_grads, ref_comm = _train(model, mesh, batches, step_graph=False)
+    # the reference sums each gradient on its own (no buckets under autograd's backward
+    # either), the collectives the step program issues with bucket_mb=0
+    _, ref_losses, ref_grads, ref_comm = _train(model, mesh, batches, step_graph=False,
+                                                bucket_mb=0)
     report = None
     settings: list[dict] = [{"bucket_mb": 0}, {"bucket_mb": 0, "overlap": False}, {}]
     if mesh.size("z") > 1:  # weights are gathered only over z
