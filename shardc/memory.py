@@ -16,7 +16,9 @@ option the program follows:
   backward where autograd runs it;
 - selective recompute: the same trace, where each recomputed op the policy saves reads
   the forward's output instead (the ops are matched in order within each block, whose
-  recompute replays its forward).
+  recompute replays its forward);
+- under autograd's backward, the gradient buckets' buffers (``runtime/grad_buckets.py``),
+  each made with its first gradient and held to the end of backward.
 
 What it leaves out: the allocator's rounding and fragmentation; the step passes
 (the trace is the joint program before bucketing, coalescing and scheduling: packed
@@ -40,10 +42,10 @@ import torch.fx as fx
 
 from shardc.runtime.functional import ALIASES
 
-# optimizer name -> state tensors it keeps per parameter, each the parameter's size
 # the output node's meta in a traced forward program's step: the parameter (or None) of
 # each gradient the step returns, in order
 GRAD_OF = "shardc_grad_of"
+# optimizer name -> state tensors it keeps per parameter, each the parameter's size
 STATE_PER_PARAMETER = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1, "adagrad": 1,
                        "rmsprop": 1}
 
