@@ -19,7 +19,7 @@ parameter. Now the sums go in buckets, issued while backward runs. Checked here:
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -137,12 +137,13 @@ def _bitwise_failures(spec: str, **kw: Any) -> list[str]:
 
 def _all(rank: int, world_size: int) -> None:
     failures: list[str] = []
-    check: Callable[..., list[str]] = _case_failures
     # several buckets a step against one device, under autograd's backward
-    failures += check("gpt", shardc.Mesh.parse("x1y1z1d4"), step_graph=False, bucket_mb=0.02)
-    failures += check("llama", shardc.Mesh.parse("x2y1z1d2"), step_graph=False, bucket_mb=0.02)
-    failures += check("gpt", shardc.Mesh.parse("x1y1z1d4"), activation_checkpoint="blocks",
-                      bucket_mb=0.02)
+    failures += _case_failures("gpt", shardc.Mesh.parse("x1y1z1d4"), step_graph=False,
+                               bucket_mb=0.02)
+    failures += _case_failures("llama", shardc.Mesh.parse("x2y1z1d2"), step_graph=False,
+                               bucket_mb=0.02)
+    failures += _case_failures("gpt", shardc.Mesh.parse("x1y1z1d4"),
+                               activation_checkpoint="blocks", bucket_mb=0.02)
     failures += _bitwise_failures("x2y1z1d2")
     failures += _bitwise_failures("x1y1z2d2", activation_checkpoint="blocks")
     if failures:
