@@ -67,7 +67,6 @@ class Member:
 class Bucket:
     axis: str
     dtype: torch.dtype  # the reduce dtype: what the buffer holds and the group sums
-    device: torch.device
     members: list[Member] = field(default_factory=list)
     numel: int = 0
     buffer: torch.Tensor | None = None  # this backward's, made when its first gradient comes
@@ -99,7 +98,7 @@ class GradBuckets:
             b = filling.get(key)
             limit = first_cap if per_key.get(key, 0) <= 1 else cap
             if b is None or (b.members and b.numel * size + nbytes > limit):
-                b = Bucket(axis, red, t.device)
+                b = Bucket(axis, red)
                 filling[key] = b
                 per_key[key] = per_key.get(key, 0) + 1
                 self.buckets.append(b)
@@ -149,10 +148,7 @@ class GradBuckets:
             m.had_grad = m.param.grad is not None
             m.returned = torch.zeros_like(g) if m.had_grad else g
             self._arrived.add(name)
-            while (self._next < len(self.buckets)
-                   and all(x.name in self._arrived for x in self.buckets[self._next].members)):
-                self._issue(self._next)
-                self._next += 1
+            self._issue_ready()
             return m.returned
 
         return hook
@@ -167,6 +163,14 @@ class GradBuckets:
         return hook
 
     # ---------------------------------------------------------------- buckets
+    def _issue_ready(self, everything: bool = False) -> None:
+        """Issue, in order, each bucket whose members have all arrived and every bucket
+        before it (``everything``: the rest too, at the end of backward)."""
+        while self._next < len(self.buckets) and (everything or all(
+                x.name in self._arrived for x in self.buckets[self._next].members)):
+            self._issue(self._next)
+            self._next += 1
+
     def _issue(self, i: int) -> None:
         b = self.buckets[i]
         if b.buffer is None:  # none of its members got a gradient: nothing to sum
@@ -182,9 +186,7 @@ class GradBuckets:
     def finish(self) -> None:
         """End of a synced backward: issue what is left, wait for all, hand out the sums."""
         try:
-            while self._next < len(self.buckets):
-                self._issue(self._next)
-                self._next += 1
+            self._issue_ready(everything=True)
             for i, out, record in self._flying:
                 STATE.flight[id(out)] = record
                 run_wait(out)

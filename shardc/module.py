@@ -141,11 +141,12 @@ class ShardedModule(nn.Module):
         # one summed over several keeps a hook per axis, each sum reading the one before,
         # and so does shard_optimizer's program copy, whose reduce-scatter over data
         # (a post-accumulate hook) reads .grad already summed over its other axes
-        one_axis = [(name, self._program_param(name), axes[0],
-                     reduce_dtype(self._program_param(name).dtype, ctx.options.precision)
-                     or self._program_param(name).dtype)
-                    for name, axes in self.grad_reductions.items()
-                    if len(axes) == 1 and name not in self._zero]
+        one_axis = []
+        for name, axes in self.grad_reductions.items():
+            if len(axes) == 1 and name not in self._zero:
+                t = self._program_param(name)
+                one_axis.append((name, t, axes[0],
+                                 reduce_dtype(t.dtype, ctx.options.precision) or t.dtype))
         self._grad_buckets = GradBuckets(runtime.key, one_axis, ctx.options.bucket_bytes,
                                          ctx.options.first_bucket_bytes)
         for name, axes in self.grad_reductions.items():
