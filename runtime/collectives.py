@@ -76,6 +76,9 @@ class Runtime:
         # activation checkpointing: a forward collective re-issued by a block's recompute
         # runs in backward, and is counted there
         self.recomputing = False
+        # the module's gradient buckets (runtime/grad_buckets.py): weights whose
+        # all-gather's backward puts the gradient in a bucket instead of reducing it
+        self.grad_buckets: Any = None
         _RUNTIMES[self.key] = self
 
     @property
@@ -188,6 +191,11 @@ class _AllGather(torch.autograd.Function):
                 # reduce-scatter is linear: reducing the sum of the micro-batches'
                 # gradients once equals reducing each and summing the shards
                 g_flat = held.add_(g_flat)
+            buckets = r.grad_buckets
+            if buckets is not None and ctx.key in buckets.by_key:
+                # into a bucket (cast to the reduce dtype on the way), reduced with others
+                # (runtime/grad_buckets.py)
+                return buckets.scattered(ctx.key, g_flat), None, None, None, None, None, None
             g_flat = g_flat.to(ctx.reduce_dtype)
             out = g_flat.new_empty((g_flat.shape[0] // g_buf.shape[0], *g_flat.shape[1:]))
             r.count("reduce_scatter", ctx.axis, "backward", g_flat)

@@ -192,8 +192,7 @@ def step_shape(sm: Any) -> StepShape:
         # reduction in a bucket is one call of its bucket's (runtime/grad_buckets.py)
         gb = getattr(sm, "_grad_buckets", None)
         for r in comm_report(sm).rows:
-            if not (gb is not None and r.phase == "step" and r.param in gb
-                    and r.collective == "all_reduce"):
+            if gb is None or not gb.covers(r.collective, r.axis, r.phase, r.param, r.node):
                 calls[r.axis] += 1
         if gb is not None:
             for axis, n in gb.calls().items():

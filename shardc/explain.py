@@ -168,12 +168,13 @@ def _eager_buckets(sm: Any) -> list[str]:
     gb = getattr(sm, "_grad_buckets", None)
     if gb is None or not gb.buckets:
         return ["  gradient sums: one all-reduce per parameter, in its hook"]
-    out = [f"  gradient sums in {len(gb.buckets)} bucket(s), each one all-reduce issued as soon "
-           "as backward has filled it and every bucket before it, waited at the end of backward:"]
+    out = [f"  gradient sums in {len(gb.buckets)} bucket(s), each one collective issued as soon "
+           "as backward has filled it and every bucket before it, waited at the end of backward "
+           "(a reduce-scatter: when the next one is issued):"]
     for i, b in enumerate(gb.buckets):
-        size = torch.empty((), dtype=b.dtype).element_size() * b.numel
-        out.append(f"    bucket {i} ({b.axis}, {str(b.dtype).replace('torch.', '')}, {size} B): "
-                   + ", ".join(m.name for m in b.members))
+        what = b.collective.replace("_", "-")
+        out.append(f"    bucket {i} ({what} over {b.axis}, {str(b.dtype).replace('torch.', '')}, "
+                   f"{b.nbytes} B): " + ", ".join(m.name for m in b.members))
     return out
 
 

@@ -17,8 +17,9 @@ option the program follows:
 - selective recompute: the same trace, where each recomputed op the policy saves reads
   the forward's output instead (the ops are matched in order within each block, whose
   recompute replays its forward);
-- under autograd's backward, the gradient buckets' buffers (``runtime/grad_buckets.py``),
-  each made with its first gradient and held to the end of backward.
+- under autograd's backward, the gradient buckets' buffers (``runtime/grad_buckets.py``):
+  an all-reduce bucket's from its first gradient to the end of backward, a reduce-scatter
+  bucket's until the next one is issued, and its result to the end.
 
 What it leaves out: the allocator's rounding and fragmentation; the step passes
 (the trace is the joint program before bucketing, coalescing and scheduling: packed
@@ -86,10 +87,15 @@ def estimate(sm: Any, optimizer: str | int = "adamw") -> MemoryEstimate:
 
 
 def _grad_bucket_buffers(sm: Any, graph: fx.Graph) -> dict[fx.Node, int]:
-    """Under autograd's backward, each gradient bucket's buffer (runtime/grad_buckets.py)
-    is made when its first member's gradient is and held to the end of backward: bytes
-    made right after each such gradient's node. (The traced whole-step program is the
-    joint graph before bucketing: nothing to add there.)"""
+    """Under autograd's backward, the gradient buckets' buffers (runtime/grad_buckets.py),
+    as bytes made (or, negative, freed) right after a gradient's node: an all-reduce
+    bucket's buffer from its first member's gradient to the end of backward; a
+    reduce-scatter bucket's (its members' whole gradients) from its first member's
+    gradient until the next reduce-scatter bucket is issued (its last member's gradient),
+    and its result (the shards' sums) from its own issue to the end. (The traced
+    whole-step program is the joint graph before bucketing: nothing to add there.)"""
+    from shardc.runtime.grad_buckets import REDUCE_SCATTER
+
     gb = getattr(sm, "_grad_buckets", None)
     if gb is None or not gb.buckets or (sm._recompute is None and sm.ctx.options.step_graph):
         return {}
@@ -99,12 +105,22 @@ def _grad_bucket_buffers(sm: Any, graph: fx.Graph) -> dict[fx.Node, int]:
                 if name is not None and isinstance(g, fx.Node)}
     where = {n: i for i, n in enumerate(graph.nodes)}
     extra: dict[fx.Node, int] = {}
+
+    def add(n: fx.Node, nbytes: int) -> None:
+        extra[n] = extra.get(n, 0) + nbytes
+
+    scattering: list[tuple[int, fx.Node]] = []  # (buffer bytes, issued at) in issue order
     for b in gb.buckets:
-        made = [by_param[m.name] for m in b.members if m.name in by_param]
-        if made:
-            first = min(made, key=lambda n: where[n])
-            size = torch.empty((), dtype=b.dtype).element_size()
-            extra[first] = extra.get(first, 0) + b.numel * size
+        made = sorted((by_param[m.name] for m in b.members if m.name in by_param),
+                      key=lambda n: where[n])
+        if not made:
+            continue
+        add(made[0], b.nbytes)
+        if b.collective == REDUCE_SCATTER:
+            add(made[-1], b.nbytes // b.rows)
+            scattering.append((b.nbytes, made[-1]))
+    for (nbytes, _), (_, next_issue) in zip(scattering, scattering[1:]):
+        add(next_issue, -nbytes)
     return extra
 
 
@@ -294,7 +310,8 @@ def peak_bytes(graph: fx.Graph, saved_as: dict[fx.Node, fx.Node] | None = None,
     allocating node's output from its op to its last reader (through views), the
     outputs to the end. ``saved_as``: nodes that allocate nothing and read another's
     output instead (selective recompute). ``held``: bytes the runtime makes beside the
-    graph right after a node and holds to the end (gradient buckets)."""
+    graph right after a node and holds to the end, or (negative) frees there (gradient
+    buckets)."""
     saved_as = saved_as or {}
     held = held or {}
     nodes = list(graph.nodes)

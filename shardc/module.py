@@ -19,7 +19,7 @@ from shardc.mesh import Mesh
 from shardc.placement import Layout, local_slice, shard_offsets
 from shardc.runtime import collectives as C
 from shardc.runtime import zero
-from shardc.runtime.grad_buckets import GradBuckets
+from shardc.runtime.grad_buckets import ALL_REDUCE, REDUCE_SCATTER, GradBuckets, Spec
 from shardc.runtime.groups import axis_groups
 from shardc.runtime.pending import settle_all
 
@@ -137,25 +137,38 @@ class ShardedModule(nn.Module):
         self._joint_failed: str | None = None
         self._offline: Any = None  # the step program traced for the report (reshard)
         self._hooks_active = True
-        # a gradient summed over one axis goes into a bucket (runtime/grad_buckets.py);
-        # one summed over several keeps a hook per axis, each sum reading the one before,
-        # and so does shard_optimizer's program copy, whose reduce-scatter over data
-        # (a post-accumulate hook) reads .grad already summed over its other axes
-        one_axis = []
-        for name, axes in self.grad_reductions.items():
-            if len(axes) == 1 and name not in self._zero:
-                t = self._program_param(name)
-                one_axis.append((name, t, axes[0],
-                                 reduce_dtype(t.dtype, ctx.options.precision) or t.dtype))
-        self._grad_buckets = GradBuckets(runtime.key, one_axis, ctx.options.bucket_bytes,
+        # a gradient summed over one axis goes into a bucket (runtime/grad_buckets.py), and
+        # so does a weight's reduce-scatter, with the all-reduce of its shard after it
+        # under HSDP; a gradient summed over several axes keeps a hook per axis, each sum
+        # reading the one before, and so does shard_optimizer's program copy, whose
+        # reduce-scatter over data (a post-accumulate hook) reads .grad already summed over
+        # its other axes
+        scatters = self._scattered_weights()
+        specs = []
+        for role, name in self._feeds:
+            if role != "param" or name in self._zero:
+                continue
+            t = self._program_param(name)
+            red = reduce_dtype(t.dtype, ctx.options.precision) or t.dtype
+            axes = self.grad_reductions.get(name, [])
+            if name in scatters and t.requires_grad and len(axes) <= 1:
+                # the weight's reduce-scatter, then (HSDP) its all-reduce over the replicas
+                key, axis, red_rs = scatters[name]
+                specs.append(Spec(name, t, REDUCE_SCATTER, axis, red_rs or t.dtype, key,
+                                  axes[0] if axes else None))
+            elif len(axes) == 1:
+                specs.append(Spec(name, t, ALL_REDUCE, axes[0], red))
+        self._grad_buckets = GradBuckets(runtime.key, specs, ctx.options.bucket_bytes,
                                          ctx.options.first_bucket_bytes)
+        runtime.grad_buckets = self._grad_buckets
+        for name in self._grad_buckets.members:
+            t = self._program_param(name)
+            t.register_hook(self._eager_only(self._grad_buckets.grad_hook(name)))
+            t.register_post_accumulate_grad_hook(self._grad_buckets.accumulated_hook(name))
         for name, axes in self.grad_reductions.items():
             t = self._program_param(name)
             dt = reduce_dtype(t.dtype, ctx.options.precision)
-            if name in self._grad_buckets:
-                t.register_hook(self._eager_only(self._grad_buckets.grad_hook(name)))
-                t.register_post_accumulate_grad_hook(self._grad_buckets.accumulated_hook(name))
-            else:
+            if name not in self._grad_buckets:
                 for axis in axes:
                     t.register_hook(self._eager_only(C.grad_reduce_hook(runtime.key, axis, name, dt)))
             # acts only after no_sync, which the forward program runs (never the step's)
@@ -212,6 +225,19 @@ class ShardedModule(nn.Module):
                 return
             self._zero_buckets.arrived(zp)
         return hook
+
+    def _scattered_weights(self) -> dict[str, tuple[str, str, torch.dtype | None]]:
+        """Parameter -> (all-gather node, axis, reduce dtype) for each weight whose
+        gradient one all-gather's backward reduce-scatters: the one gather of it that
+        does (a weight gathered by two would get two sums into one ``.grad``)."""
+        found: dict[str, list[tuple[str, str, torch.dtype | None]]] = {}
+        for n in self.graph_module.graph.nodes:
+            if n.op == "call_function" and n.target is C.all_gather_start and \
+                    n.args[3] == "reduce_scatter" and n.kwargs.get("key") is not None:
+                name = n.args[0].meta[PARAM]
+                found.setdefault(name, []).append(
+                    (n.kwargs["key"], n.args[2], n.kwargs.get("reduce_dtype")))
+        return {name: v[0] for name, v in found.items() if len(v) == 1}
 
     def _program_param(self, name: str) -> torch.Tensor:
         """The tensor the program reads for parameter ``name``."""

@@ -1,20 +1,25 @@
-"""Gradient sums in buckets under autograd's backward (runtime/grad_buckets.py), on real
-gloo ranks.
+"""Gradient reductions in buckets under autograd's backward (runtime/grad_buckets.py), on
+real gloo ranks.
 
 The forward program with autograd's backward (``step_graph=False``, block recompute)
-used to sum each parameter's gradient in a hook of its own, one blocking all-reduce a
-parameter. Now the sums go in buckets, issued while backward runs. Checked here:
+used to reduce each parameter's gradient on its own: one blocking all-reduce a
+parameter in a hook, or one blocking reduce-scatter a weight in its all-gather's
+backward (FSDP). Now both go in buckets, issued while backward runs. Checked here:
 
 - training against one device (test_train_gloo's checks and tolerances: each step's
-  gradients against float64, the losses, the AdamW state) with several buckets a step,
-  with ``step_graph=False`` and with block recompute;
-- on a data axis of 2 ranks, every path gives bitwise the gradients of the per-parameter
-  hooks (``bucket_mb=0``): two values add the same way in either order, so a bucket's
-  sum is the per-parameter one bit for bit. The paths: ``.grad`` empty; a second synced
-  backward into ``.grad`` that holds a sum; ``torch.autograd.grad``; ``no_sync`` then a
-  synced backward (the buckets stand aside); the backward after one that raised;
-- the runtime issues one all-reduce per bucket, the bytes are the report's, and
-  ``explain`` and the step-time model count the buckets.
+  gradients against float64, the losses, the AdamW state) with several buckets a step:
+  data parallel with ``step_graph=False`` and with block recompute, FSDP with
+  ``step_graph=False``, TP x FSDP with block recompute;
+- on an axis of 2 ranks, every path gives bitwise the gradients of the per-parameter
+  reductions (``bucket_mb=0``): two values add the same way in either order, so a
+  bucket's sum is the per-parameter one bit for bit. On data parallel (all-reduce
+  buckets), TP x FSDP (reduce-scatter buckets) and HSDP with block recompute
+  (reduce-scatter buckets whose shards are then all-reduced over data). The paths:
+  ``.grad`` empty; a second synced backward into ``.grad`` that holds a sum;
+  ``torch.autograd.grad``; ``no_sync`` then a synced backward; the backward after one
+  that raised;
+- the runtime issues one collective per bucket (and per HSDP bucket one more), the
+  bytes are the report's, and ``explain`` and the step-time model count the buckets.
 """
 from __future__ import annotations
 
@@ -86,7 +91,8 @@ def _paths(sm: shardc.ShardedModule, mesh: shardc.Mesh, batches: list) -> dict[s
     return out
 
 
-def _bitwise_failures(spec: str, **kw: Any) -> list[str]:
+def _bitwise_failures(spec: str, collectives: tuple[str, ...] = ("all_reduce",), **kw: Any
+                      ) -> list[str]:
     mesh = shardc.Mesh.parse(spec)
     batches = _batches(3)
     torch.manual_seed(0)
@@ -112,10 +118,23 @@ def _bitwise_failures(spec: str, **kw: Any) -> list[str]:
                 out.append(f"{where}: {path}: {k} differs from the per-parameter sum ({diff})")
     if not b["left .grad alone"]:
         out.append(f"{where}: torch.autograd.grad wrote .grad")
-    data = [k for k in b["calls"] if k[0] == "all_reduce" and k[2] == "step"]
-    issued = sum(b["calls"][k] for k in data)
-    if issued != n:
-        out.append(f"{where}: {issued} step all-reduces issued for {n} buckets")
+    gb = bucketed._grad_buckets
+    kinds = {bk.collective for bk in gb.buckets}
+    if kinds != set(collectives):
+        out.append(f"{where}: buckets of {sorted(kinds)}, expected {collectives}")
+    # one call a bucket where the per-parameter run made one a member (a reduce-scatter
+    # bucket's all-reduce over the replicas too, under HSDP)
+    want = dict(a["calls"])
+    for bk in gb.buckets:
+        keys = [(bk.collective, bk.axis, "backward" if bk.collective == "reduce_scatter" else "step")]
+        if bk.then is not None:
+            keys.append(("all_reduce", bk.then, "step"))
+        for key in keys:
+            want[key] = want.get(key, 0) - len(bk.members) + 1
+    for key in sorted(set(want) | set(b["calls"])):
+        if want.get(key, 0) != b["calls"].get(key, 0):
+            out.append(f"{where}: {b['calls'].get(key, 0)} {key} issued, {want.get(key, 0)} "
+                       "expected from the buckets")
     for sm, run in ((per_param, a), (bucketed, b)):
         reported = shardc.comm_report(sm).by_key()
         if run["measured"] != reported:
@@ -125,13 +144,15 @@ def _bitwise_failures(spec: str, **kw: Any) -> list[str]:
     # the step-time model counts a bucket as one call where it counted a row a gradient
     calls = {mb: step_shape(sm).calls for mb, (sm, _) in runs.items()}
     saved = {ax: calls[0].get(ax, 0) - calls[0.02].get(ax, 0) for ax in calls[0]}
-    want: dict[str, int] = {}
-    for m in bucketed._grad_buckets.members.values():
-        want[m.axis] = want.get(m.axis, 0) + 1
-    for ax, k in bucketed._grad_buckets.calls().items():
-        want[ax] -= k
-    if {a_: s for a_, s in saved.items() if s} != {a_: s for a_, s in want.items() if s}:
-        out.append(f"{where}: the step-time model saves {saved} calls, the buckets {want}")
+    saves: dict[str, int] = {}
+    for m in gb.members.values():
+        for ax in (m.axis, m.spec.then):
+            if ax is not None:
+                saves[ax] = saves.get(ax, 0) + 1
+    for ax, k in gb.calls().items():
+        saves[ax] -= k
+    if {a_: s for a_, s in saved.items() if s} != {a_: s for a_, s in saves.items() if s}:
+        out.append(f"{where}: the step-time model saves {saved} calls, the buckets {saves}")
     return out
 
 
@@ -144,8 +165,16 @@ def _all(rank: int, world_size: int) -> None:
                                bucket_mb=0.02)
     failures += _case_failures("gpt", shardc.Mesh.parse("x1y1z1d4"),
                                activation_checkpoint="blocks", bucket_mb=0.02)
+    # FSDP: the weights' reduce-scatters in buckets (the norms' all-reduces over z too)
+    failures += _case_failures("gpt", shardc.Mesh.parse("x1y1z4d1"), step_graph=False,
+                               bucket_mb=0.02)
+    failures += _case_failures("llama", shardc.Mesh.parse("x2y1z2d1"),
+                               activation_checkpoint="blocks", bucket_mb=0.02)
     failures += _bitwise_failures("x2y1z1d2")
-    failures += _bitwise_failures("x1y1z2d2", activation_checkpoint="blocks")
+    # HSDP: each bucket reduce-scattered over z, then its shards all-reduced over data
+    failures += _bitwise_failures("x1y1z2d2", ("reduce_scatter",),
+                                  activation_checkpoint="blocks")
+    failures += _bitwise_failures("x2y1z2d1", ("reduce_scatter",))
     if failures:
         raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures))
 
