@@ -154,7 +154,7 @@ def step_shape(sm: Any) -> StepShape:
     traced offline), and its FLOPs."""
     from shardc.passes.joint import collective_nodes
     from shardc.passes.schedule import SCHEDULE
-    from shardc.report import comm_report
+    from shardc.report import comm_report, eager_calls
     from shardc.runtime import functional as F
 
     opts = sm.ctx.options
@@ -190,13 +190,8 @@ def step_shape(sm: Any) -> StepShape:
         # autograd's backward: nothing is credited (its gradient buckets overlap what
         # backward still computes, but the model does not count on it); a gradient
         # reduction in a bucket is one call of its bucket's (runtime/grad_buckets.py)
-        gb = getattr(sm, "_grad_buckets", None)
-        for r in comm_report(sm).rows:
-            if gb is None or not gb.covers(r.collective, r.axis, r.phase, r.param, r.node):
-                calls[r.axis] += 1
-        if gb is not None:
-            for axis, n in gb.calls().items():
-                calls[axis] += n
+        for (_, axis, _), n in eager_calls(sm, comm_report(sm).rows).items():
+            calls[axis] += n
         ops = sum(1 for n in sm.graph_module.graph.nodes if n.op == "call_function")
         shape.ops = int(ops * (1 + BACKWARD_FLOPS + (1 if opts.recompute else 0)))
     shape.calls = dict(calls)

@@ -360,7 +360,44 @@ def comm_report(sm: Any) -> CommReport:
     again = {n.name for n in gm.graph.nodes if n.meta.get("shardc_recompute")}
     rows += [replace(r, phase="backward") for r in rows
              if r.node in again and r.phase == "forward"]
-    return CommReport(rows, sm.mesh, calls=step_calls(sm))
+    calls = step_calls(sm)
+    if calls is None and _autograds_backward(sm):
+        calls = eager_calls(sm, rows)
+    return CommReport(rows, sm.mesh, calls=calls)
+
+
+def _autograds_backward(sm: Any) -> bool:
+    """Whether a synced training step of ``sm`` runs the forward program and autograd's
+    backward (``step_graph=False``, recompute, or a step program that could not be built)."""
+    return hasattr(sm, "_grad_buckets") and (
+        getattr(sm, "_recompute", None) is not None or not sm.ctx.options.step_graph
+        or getattr(sm, "_joint_failed", None) is not None)
+
+
+def eager_calls(sm: Any, rows: list[CommRow]) -> dict[tuple[str, str, str], int]:
+    """Collectives per (collective, axis, phase) that a synced step issues under autograd's
+    backward: one a row, except the gradient reductions that go into buckets
+    (runtime/grad_buckets.py), one a bucket (a bucket reduce-scattered and then
+    all-reduced, under HSDP, two), and shard_optimizer's buckets."""
+    gb = sm._grad_buckets
+    sliced = {f"{k}:{name}" for name in getattr(sm, "_zero", {}) for k in ("grad", "param")}
+    out: dict[tuple[str, str, str], int] = defaultdict(int)
+    for r in rows:
+        if r.node not in sliced and not gb.covers(r.collective, r.axis, r.phase, r.param, r.node):
+            out[(r.collective, r.axis, r.phase)] += 1
+    for b in gb.buckets:
+        out[(b.collective, b.axis, "backward" if b.collective == "reduce_scatter" else "step")] += 1
+        if b.then is not None:
+            out[("all_reduce", b.then, "step")] += 1
+    _zero_calls(sm, out)
+    return dict(out)
+
+
+def _zero_calls(sm: Any, out: dict[tuple[str, str, str], int]) -> None:
+    zero = getattr(sm, "_zero_buckets", None)
+    if zero is not None and zero.buckets:
+        for c in ("reduce_scatter", "all_gather"):
+            out[(c, "data", "step")] += len(zero.buckets)
 
 
 def step_calls(sm: Any) -> dict[tuple[str, str, str], int] | None:
@@ -377,8 +414,5 @@ def step_calls(sm: Any) -> dict[tuple[str, str, str], int] | None:
         for n in collective_nodes(part.graph):
             c = n.meta["shardc_comm"]
             out[(c["collective"], c["axis"], c["phase"])] += 1
-    zero = getattr(sm, "_zero_buckets", None)
-    if zero is not None and zero.buckets:
-        for c in ("reduce_scatter", "all_gather"):
-            out[(c, "data", "step")] += len(zero.buckets)
+    _zero_calls(sm, out)
     return dict(out)

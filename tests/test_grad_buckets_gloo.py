@@ -19,7 +19,8 @@ backward (FSDP). Now both go in buckets, issued while backward runs. Checked her
   ``torch.autograd.grad``; ``no_sync`` then a synced backward; the backward after one
   that raised;
 - the runtime issues one collective per bucket (and per HSDP bucket one more), the
-  bytes are the report's, and ``explain`` and the step-time model count the buckets.
+  bytes and the number of collectives are the report's, and ``explain`` and the
+  step-time model count the buckets.
 """
 from __future__ import annotations
 
@@ -136,9 +137,12 @@ def _bitwise_failures(spec: str, collectives: tuple[str, ...] = ("all_reduce",),
             out.append(f"{where}: {b['calls'].get(key, 0)} {key} issued, {want.get(key, 0)} "
                        "expected from the buckets")
     for sm, run in ((per_param, a), (bucketed, b)):
-        reported = shardc.comm_report(sm).by_key()
-        if run["measured"] != reported:
-            out.append(f"{where}: measured {run['measured']} != reported {reported}")
+        report = shardc.comm_report(sm)
+        if run["measured"] != report.by_key():
+            out.append(f"{where}: measured {run['measured']} != reported {report.by_key()}")
+        # the report counts the collectives a step issues, buckets included
+        if report.calls != run["calls"]:
+            out.append(f"{where}: the report's calls {report.calls} != issued {run['calls']}")
     if f"gradient sums in {n} bucket(s)" not in shardc.explain(bucketed):
         out.append(f"{where}: explain does not name the {n} buckets")
     # the step-time model counts a bucket as one call where it counted a row a gradient
