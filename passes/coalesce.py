@@ -17,7 +17,8 @@ block of a transformer has 8 to 12 of them, each paying a collective's fixed cos
 groups a block's parameters into one all-gather and one reduce-scatter for that reason.
 A block is the module path up to its first numeric part (``blocks.3``,
 ``model.layers.11``); modules outside a repeated block (embeddings, the head) form a
-group each.
+group each. (The forward program, which runs under autograd's backward, groups its
+gathers the same way at run time: ``collectives.GatherGroup``.)
 
 Where: a block's all-gather goes out where its first member did (the prefetch pass's
 place) and is waited where the first member was, so the whole block is there at its

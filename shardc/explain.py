@@ -164,16 +164,25 @@ def explain(sm: Any) -> str:
 
 
 def _eager_buckets(sm: Any) -> list[str]:
-    """Under autograd's backward: the gradient buckets (runtime/grad_buckets.py)."""
+    """Under autograd's backward: the weights gathered together (collectives.GatherGroup)
+    and the gradient buckets (runtime/grad_buckets.py)."""
+    out = []
+    together = {id(g): g for g in getattr(sm.runtime, "gather_groups", {}).values()}
+    if together:
+        out.append(f"  weight all-gathers: {len(together)} group(s) of a block's weights, one "
+                   "all-gather each: " + ", ".join(
+                       f"{g.label} ({len(g.members)} over {g.axis})" for g in together.values()))
     gb = getattr(sm, "_grad_buckets", None)
     if gb is None or not gb.buckets:
-        return ["  gradient sums: one all-reduce per parameter, in its hook"]
-    out = [f"  gradient sums in {len(gb.buckets)} bucket(s), each one collective issued as soon "
+        return out + ["  gradient sums: one collective per parameter"]
+    out += [f"  gradient sums in {len(gb.buckets)} bucket(s), each one collective issued as soon "
            "as backward has filled it and every bucket before it, waited at the end of backward "
            "(a reduce-scatter: when the next one is issued):"]
     for i, b in enumerate(gb.buckets):
-        what = b.collective.replace("_", "-")
-        out.append(f"    bucket {i} ({what} over {b.axis}, {str(b.dtype).replace('torch.', '')}, "
+        what = f"{b.collective.replace('_', '-')} over {b.axis}"
+        if b.then is not None:
+            what += f", then all-reduce over {b.then}"
+        out.append(f"    bucket {i} ({what}, {str(b.dtype).replace('torch.', '')}, "
                    f"{b.nbytes} B): " + ", ".join(m.name for m in b.members))
     return out
 

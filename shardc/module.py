@@ -161,6 +161,8 @@ class ShardedModule(nn.Module):
         self._grad_buckets = GradBuckets(runtime.key, specs, ctx.options.bucket_bytes,
                                          ctx.options.first_bucket_bytes)
         runtime.grad_buckets = self._grad_buckets
+        if ctx.options.bucket_bytes > 0:
+            self._group_gathers()
         for name in self._grad_buckets.members:
             t = self._program_param(name)
             t.register_hook(self._eager_only(self._grad_buckets.grad_hook(name)))
@@ -239,6 +241,26 @@ class ShardedModule(nn.Module):
                     (n.kwargs["key"], n.args[2], n.kwargs.get("reduce_dtype")))
         return {name: v[0] for name, v in found.items() if len(v) == 1}
 
+    def _group_gathers(self) -> None:
+        """The forward program's weight all-gathers, one collective a block at run time
+        (collectives.GatherGroup): by (block, axis, cast dtype), in the program's order."""
+        from shardc.passes.coalesce import block_of
+
+        groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+        for n in self.graph_module.graph.nodes:
+            if n.op == "call_function" and n.target is C.all_gather_start and \
+                    n.kwargs.get("key") is not None:
+                src = n.meta.get("shardc_source")
+                p = self._program_param(n.args[0].meta[PARAM])
+                k = (block_of(src.module if src is not None else ""), n.args[2],
+                     n.kwargs.get("dtype"), p.dtype, p.device)
+                groups.setdefault(k, []).append((n.kwargs["key"], p))
+        for (block, axis, dtype, _, _), members in groups.items():
+            if len(members) > 1:
+                g = C.GatherGroup(self.runtime.key, axis, members, dtype, block or "(top)")
+                for key, _ in members:
+                    self.runtime.gather_groups[key] = g
+
     def _program_param(self, name: str) -> torch.Tensor:
         """The tensor the program reads for parameter ``name``."""
         zp = self._zero.get(name)
@@ -258,6 +280,8 @@ class ShardedModule(nn.Module):
         settle_all()  # a loss from a step with no backward, still unread: wait for it now
         self._zero_buckets.refresh()  # slices the optimizer stepped: gather them
         self._grad_buckets.new_step()
+        for g in self.runtime.gather_groups.values():
+            g.new_step()  # (once a member: cheap, and idempotent)
         it = iter(flat)
         args: list[Any] = []
         for role, target in self._feeds:

@@ -376,13 +376,21 @@ def _autograds_backward(sm: Any) -> bool:
 
 def eager_calls(sm: Any, rows: list[CommRow]) -> dict[tuple[str, str, str], int]:
     """Collectives per (collective, axis, phase) that a synced step issues under autograd's
-    backward: one a row, except the gradient reductions that go into buckets
-    (runtime/grad_buckets.py), one a bucket (a bucket reduce-scattered and then
+    backward: one a row, except the weight all-gathers a block sends together
+    (collectives.GatherGroup), one a block, and the gradient reductions that go into
+    buckets (runtime/grad_buckets.py), one a bucket (a bucket reduce-scattered and then
     all-reduced, under HSDP, two), and shard_optimizer's buckets."""
     gb = sm._grad_buckets
     sliced = {f"{k}:{name}" for name in getattr(sm, "_zero", {}) for k in ("grad", "param")}
+    together = sm.runtime.gather_groups  # gather key -> its block's GatherGroup
+    sent: set[tuple[int, str]] = set()
     out: dict[tuple[str, str, str], int] = defaultdict(int)
     for r in rows:
+        if r.collective == "all_gather" and r.node in together:
+            # one collective a block's gather (again in backward under recompute)
+            if (id(together[r.node]), r.phase) in sent:
+                continue
+            sent.add((id(together[r.node]), r.phase))
         if r.node not in sliced and not gb.covers(r.collective, r.axis, r.phase, r.param, r.node):
             out[(r.collective, r.axis, r.phase)] += 1
     for b in gb.buckets:
