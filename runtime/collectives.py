@@ -179,6 +179,7 @@ class GatherGroup:
                  dtype: torch.dtype | None, label: str = "") -> None:
         self.rt, self.axis, self.dtype, self.label = rt, axis, dtype, label
         self.members = members  # (gather key, parameter) in the program's order
+        self._params = dict(members)
         self.offsets: dict[str, tuple[int, int]] = {}
         off = 0
         for key, p in members:
@@ -192,6 +193,11 @@ class GatherGroup:
 
     def new_step(self) -> None:
         self._buf, self._work, self._pending = None, None, set()
+
+    def holds(self, key: str, x: torch.Tensor) -> bool:
+        """Whether ``x``, what the program gathers as ``key``, is the tensor this group
+        sends for it (a parameter object replaced after compile is gathered alone)."""
+        return self._params[key] is x
 
     def take(self, key: str, phase: str) -> torch.Tensor:
         """This member's (G, *shard) buffer, with the group's collective attached for
@@ -207,7 +213,7 @@ class GatherGroup:
             # buffer goes when the last of them is waited, as one weight's would
             self._buf = None
         off, n = self.offsets[key]
-        param = dict(self.members)[key]
+        param = self._params[key]
         # its own tensor, filled from the group's buffer at the wait (FSDP2 copies out
         # the same way): a view of the buffer would be an output of this autograd
         # function whose base the collective writes, which autograd forbids, and each
@@ -245,7 +251,9 @@ class _AllGather(torch.autograd.Function):
         ctx.rt, ctx.axis, ctx.grad, ctx.key = rt, axis, grad, key
         ctx.in_dtype, ctx.reduce_dtype = x.dtype, reduce_dtype or x.dtype
         if key is not None and key in r.gather_groups:
-            return r.gather_groups[key].take(key, "forward")
+            group = r.gather_groups[key]
+            if group.holds(key, x):  # (else a parameter was replaced since compile)
+                return group.take(key, "forward")
         x = x.contiguous() if dtype is None else x.to(dtype).contiguous()
         flat = x.reshape((-1, *x.shape[1:])) if x.dim() else x.reshape(1)
         buf = x.new_empty((g, *x.shape))
