@@ -26,8 +26,10 @@ What it leaves out: the allocator's rounding and fragmentation; the step passes
 copies of gradients, at most ``bucket_mb`` at a time); buffers a backend allocates inside
 a collective (gloo's coalesced reduce-scatter clones its inputs, 1.3 MiB at the
 backward peak of the 8-block GPT on z2d2, and stages every all-gather through a flat
-copy on its worker thread); optimizer temporaries (a foreach AdamW step allocates about
-one parameter's worth while activations are gone). Against ``measured_peak``
+copy on its worker thread); under autograd's backward, a block gathered together
+(``collectives.GatherGroup``) keeps its buffer beside its members' copies until the last
+member's wait, one block's gathered weights more at that moment; optimizer temporaries
+(a foreach AdamW step allocates about one parameter's worth while activations are gone). Against ``measured_peak``
 (``benchmarks/memory.py``, 4 gloo ranks) it came to 0.88-1.00 of every option's
 measured total, running low by about those missing buffers.
 """
