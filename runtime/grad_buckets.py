@@ -178,8 +178,8 @@ class GradBuckets:
 
     def covers(self, collective: str, axis: str, phase: str, param: str | None, node: str
                ) -> bool:
-        """Whether a row of the comm report (its collective, phase, parameter and node)
-        is a reduction that goes into a bucket."""
+        """Whether a row of the comm report (its collective, axis, phase, parameter and
+        node) is a reduction that goes into a bucket."""
         if collective == REDUCE_SCATTER:
             return phase == "backward" and node in self.by_key
         m = self.members.get(param or "")
@@ -242,7 +242,8 @@ class GradBuckets:
 
     def scattered(self, key: str, g_flat: torch.Tensor) -> torch.Tensor:
         """From the all-gather's backward (a synced one): the weight's whole gradient
-        ``g_flat`` (in the reduce dtype, G blocks along dim 0) goes into its bucket; the
+        ``g_flat`` (G blocks along dim 0; cast to the reduce dtype as it is copied in)
+        goes into its bucket; the
         zeros of the shard's shape returned stand for the shard's sum until the end of
         backward adds it."""
         m = self.by_key[key]
