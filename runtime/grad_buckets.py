@@ -127,6 +127,13 @@ class Bucket:
         """What the collective sends: the whole buffer."""
         return self.rows * self.numel * torch.empty((), dtype=self.dtype).element_size()
 
+    def issues(self) -> list[tuple[str, str, str]]:
+        """The (collective, axis, phase) of each collective a synced backward issues for it."""
+        if self.collective == ALL_REDUCE:
+            return [(ALL_REDUCE, self.axis, "step")]
+        out = [(REDUCE_SCATTER, self.axis, "backward")]
+        return out + [(ALL_REDUCE, self.then, "step")] if self.then is not None else out
+
 
 class GradBuckets:
     """The buckets of one module's single-stage gradient reductions, and their state in
@@ -190,9 +197,8 @@ class GradBuckets:
         """Collectives a synced backward issues, per axis."""
         out: dict[str, int] = {}
         for b in self.buckets:
-            for axis in (b.axis, b.then):
-                if axis is not None:
-                    out[axis] = out.get(axis, 0) + 1
+            for _, axis, _ in b.issues():
+                out[axis] = out.get(axis, 0) + 1
         return out
 
     # ------------------------------------------------------------------ hooks

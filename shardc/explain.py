@@ -167,11 +167,11 @@ def _eager_buckets(sm: Any) -> list[str]:
     """Under autograd's backward: the weights gathered together (collectives.GatherGroup)
     and the gradient buckets (runtime/grad_buckets.py)."""
     out = []
-    together = {id(g): g for g in getattr(sm.runtime, "gather_groups", {}).values()}
+    together = getattr(sm, "_gather_groups", [])
     if together:
         out.append(f"  weight all-gathers: {len(together)} group(s) of a block's weights, one "
                    "all-gather each: " + ", ".join(
-                       f"{g.label} ({len(g.members)} over {g.axis})" for g in together.values()))
+                       f"{g.label} ({len(g.members)} over {g.axis})" for g in together))
     gb = getattr(sm, "_grad_buckets", None)
     if gb is None or not gb.buckets:
         return out + ["  gradient sums: one collective per parameter"]

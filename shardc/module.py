@@ -143,7 +143,8 @@ class ShardedModule(nn.Module):
         # reading the one before, and so does shard_optimizer's program copy, whose
         # reduce-scatter over data (a post-accumulate hook) reads .grad already summed over
         # its other axes
-        scatters = self._scattered_weights()
+        gathers = self._weight_gathers()
+        scatters = self._scattered_weights(gathers)
         specs = []
         for role, name in self._feeds:
             if role != "param" or name in self._zero:
@@ -161,8 +162,9 @@ class ShardedModule(nn.Module):
         self._grad_buckets = GradBuckets(runtime.key, specs, ctx.options.bucket_bytes,
                                          ctx.options.first_bucket_bytes)
         runtime.grad_buckets = self._grad_buckets
+        self._gather_groups: list[C.GatherGroup] = []
         if ctx.options.bucket_bytes > 0:
-            self._group_gathers()
+            self._group_gathers(gathers)
         for name in self._grad_buckets.members:
             t = self._program_param(name)
             t.register_hook(self._eager_only(self._grad_buckets.grad_hook(name)))
@@ -228,36 +230,40 @@ class ShardedModule(nn.Module):
             self._zero_buckets.arrived(zp)
         return hook
 
-    def _scattered_weights(self) -> dict[str, tuple[str, str, torch.dtype | None]]:
+    def _weight_gathers(self) -> list[Any]:  # fx.Node, whose args fx types loosely
+        """The forward program's all-gathers of a weight whose backward reduce-scatters
+        its gradient (grad_sync gives exactly those a ``key``)."""
+        return [n for n in self.graph_module.graph.nodes
+                if n.op == "call_function" and n.target is C.all_gather_start
+                and n.kwargs.get("key") is not None]
+
+    def _scattered_weights(self, gathers: list[Any]
+                           ) -> dict[str, tuple[str, str, torch.dtype | None]]:
         """Parameter -> (all-gather node, axis, reduce dtype) for each weight whose
         gradient one all-gather's backward reduce-scatters: the one gather of it that
         does (a weight gathered by two would get two sums into one ``.grad``)."""
         found: dict[str, list[tuple[str, str, torch.dtype | None]]] = {}
-        for n in self.graph_module.graph.nodes:
-            if n.op == "call_function" and n.target is C.all_gather_start and \
-                    n.args[3] == "reduce_scatter" and n.kwargs.get("key") is not None:
-                name = n.args[0].meta[PARAM]
-                found.setdefault(name, []).append(
-                    (n.kwargs["key"], n.args[2], n.kwargs.get("reduce_dtype")))
+        for n in gathers:
+            found.setdefault(n.args[0].meta[PARAM], []).append(
+                (n.kwargs["key"], n.args[2], n.kwargs.get("reduce_dtype")))
         return {name: v[0] for name, v in found.items() if len(v) == 1}
 
-    def _group_gathers(self) -> None:
+    def _group_gathers(self, gathers: list[Any]) -> None:
         """The forward program's weight all-gathers, one collective a block at run time
         (collectives.GatherGroup): by (block, axis, cast dtype), in the program's order."""
         from shardc.passes.coalesce import block_of
 
         groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
-        for n in self.graph_module.graph.nodes:
-            if n.op == "call_function" and n.target is C.all_gather_start and \
-                    n.kwargs.get("key") is not None:
-                src = n.meta.get("shardc_source")
-                p = self._program_param(n.args[0].meta[PARAM])
-                k = (block_of(src.module if src is not None else ""), n.args[2],
-                     n.kwargs.get("dtype"), p.dtype, p.device)
-                groups.setdefault(k, []).append((n.kwargs["key"], p))
+        for n in gathers:
+            src = n.meta.get("shardc_source")
+            p = self._program_param(n.args[0].meta[PARAM])
+            k = (block_of(src.module if src is not None else ""), n.args[2],
+                 n.kwargs.get("dtype"), p.dtype, p.device)
+            groups.setdefault(k, []).append((n.kwargs["key"], p))
         for (block, axis, dtype, _, _), members in groups.items():
             if len(members) > 1:
                 g = C.GatherGroup(self.runtime.key, axis, members, dtype, block or "(top)")
+                self._gather_groups.append(g)
                 for key, _ in members:
                     self.runtime.gather_groups[key] = g
 
@@ -280,8 +286,8 @@ class ShardedModule(nn.Module):
         settle_all()  # a loss from a step with no backward, still unread: wait for it now
         self._zero_buckets.refresh()  # slices the optimizer stepped: gather them
         self._grad_buckets.new_step()
-        for g in self.runtime.gather_groups.values():
-            g.new_step()  # (once a member: cheap, and idempotent)
+        for g in self._gather_groups:
+            g.new_step()
         it = iter(flat)
         args: list[Any] = []
         for role, target in self._feeds:

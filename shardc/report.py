@@ -394,9 +394,8 @@ def eager_calls(sm: Any, rows: list[CommRow]) -> dict[tuple[str, str, str], int]
         if r.node not in sliced and not gb.covers(r.collective, r.axis, r.phase, r.param, r.node):
             out[(r.collective, r.axis, r.phase)] += 1
     for b in gb.buckets:
-        out[(b.collective, b.axis, "backward" if b.collective == "reduce_scatter" else "step")] += 1
-        if b.then is not None:
-            out[("all_reduce", b.then, "step")] += 1
+        for key in b.issues():
+            out[key] += 1
     _zero_calls(sm, out)
     return dict(out)
 
