@@ -156,10 +156,18 @@ def mark_and_split(gm: fx.GraphModule, blocks: list[str], rt: str,
             waits = [u for u in n.users if u.target is C.wait]
             if waits and waits[0] in part:
                 part[n] = part[waits[0]]
+        users = [part[u] for u in n.users if u in part]
         if n not in part:
             # no block of its own: the segment of its earliest consumer (or the last)
-            users = [part[u] for u in n.users if u in part]
             part[n] = min(users) if users else 2 * len(blocks)
+        elif part[n] % 2 == 0 and users and min(users) < part[n]:
+            # outside every block, but a block before the one it sits after reads it: a
+            # layout change placed where block 0 first reads it (BigCode's token
+            # embedding on x2y1z2d1: its partial sum is reduce-scattered, and the
+            # `unmove` after the wait comes after block 0's first ops) moves to the
+            # segment between the blocks before that reader, never recomputed
+            first_use = min(users)
+            part[n] = first_use - first_use % 2
     for n in nodes:
         for a in n.all_input_nodes:
             if a in part and part[a] > part[n]:
