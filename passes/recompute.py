@@ -165,9 +165,12 @@ def mark_and_split(gm: fx.GraphModule, blocks: list[str], rt: str,
             # layout change placed where block 0 first reads it (BigCode's token
             # embedding on x2y1z2d1: its partial sum is reduce-scattered, and the
             # `unmove` after the wait comes after block 0's first ops) moves to the
-            # segment between the blocks before that reader, never recomputed
+            # segment between the blocks before that reader, never recomputed; or into
+            # the reader's block when its data is made there (on x2y2z1d1 the
+            # reduce-scatter itself follows the data into block 0)
             first_use = min(users)
-            part[n] = first_use - first_use % 2
+            made = max((part[a] for a in n.all_input_nodes if a in part), default=0)
+            part[n] = max(made, first_use - first_use % 2)
     for n in nodes:
         for a in n.all_input_nodes:
             if a in part and part[a] > part[n]:
