@@ -19,17 +19,17 @@ option the program follows:
   recompute replays its forward);
 - under autograd's backward, the gradient buckets' buffers (``runtime/grad_buckets.py``):
   an all-reduce bucket's from its first gradient to the end of backward, a reduce-scatter
-  bucket's until the next one is issued, and its result to the end.
+  bucket's until the next one is issued, and its result to the end; and a block's weights
+  gathered together (``collectives.GatherGroup``): the group's buffer beside its members'
+  copies, from its all-gather to its last member's wait, again where recompute re-gathers.
 
 What it leaves out: the allocator's rounding and fragmentation; the step passes
 (the trace is the joint program before bucketing, coalescing and scheduling: packed
 copies of gradients, at most ``bucket_mb`` at a time); buffers a backend allocates inside
 a collective (gloo's coalesced reduce-scatter clones its inputs, 1.3 MiB at the
 backward peak of the 8-block GPT on z2d2, and stages every all-gather through a flat
-copy on its worker thread); under autograd's backward, a block gathered together
-(``collectives.GatherGroup``) keeps its buffer beside its members' copies until the last
-member's wait, one block's gathered weights more at that moment; optimizer temporaries
-(a foreach AdamW step allocates about one parameter's worth while activations are gone). Against ``measured_peak``
+copy on its worker thread); optimizer temporaries (a foreach AdamW step allocates about
+one parameter's worth while activations are gone). Against ``measured_peak``
 (``benchmarks/memory.py``, 4 gloo ranks) it came to 0.88-1.00 of every option's
 measured total, running low by about those missing buffers.
 """
@@ -84,8 +84,10 @@ def estimate(sm: Any, optimizer: str | int = "adamw") -> MemoryEstimate:
     copies = sum(_nbytes(zp.full) for zp in getattr(sm, "_zero", {}).values())
     trainable = sum(_nbytes(p) for p in sm.parameters() if p.requires_grad)
     graph, saved_as = traced_step(sm)
-    return MemoryEstimate(own + copies, per * trainable,
-                          peak_bytes(graph, saved_as, _grad_bucket_buffers(sm, graph)))
+    held = _grad_bucket_buffers(sm, graph)
+    for n, nbytes in _gather_group_buffers(sm, graph).items():
+        held[n] = held.get(n, 0) + nbytes
+    return MemoryEstimate(own + copies, per * trainable, peak_bytes(graph, saved_as, held))
 
 
 def _grad_bucket_buffers(sm: Any, graph: fx.Graph) -> dict[fx.Node, int]:
@@ -123,6 +125,69 @@ def _grad_bucket_buffers(sm: Any, graph: fx.Graph) -> dict[fx.Node, int]:
             scattering.append((b.nbytes, made[-1]))
     for (nbytes, _), (_, next_issue) in zip(scattering, scattering[1:]):
         add(next_issue, -nbytes)
+    return extra
+
+
+def _gather_group_buffers(sm: Any, graph: fx.Graph) -> dict[fx.Node, int]:
+    """Under autograd's backward, each gather group's buffer (``collectives.GatherGroup``:
+    a block's weights in one all-gather) beside its members' own gathered copies: made
+    at the first member's all-gather of a round and freed at the round's last wait (a
+    member's copy out of it), as bytes made or (negative) freed right after those nodes.
+    A round ends when every member was served; recompute gathers the block again."""
+    groups = getattr(sm, "_gather_groups", [])
+    if not groups or (sm._recompute is None and sm.ctx.options.step_graph):
+        return {}
+    from shardc.runtime.collectives import get_runtime
+    from shardc.runtime.functional import _fc
+
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(sm._feeds):
+        return {}
+    name_of = {id(sm._program_param(t)): t for role, t in sm._feeds if role == "param"}
+    member: dict[str, tuple[Any, str]] = {}  # parameter name -> (its group, gather key)
+    for g in groups:
+        for key, p in g.members:
+            if id(p) in name_of:
+                member[name_of[id(p)]] = (g, key)
+    param_at = {ph: t for ph, (role, t) in zip(placeholders, sm._feeds) if role == "param"}
+    where = {n: i for i, n in enumerate(graph.nodes)}
+    extra: dict[fx.Node, int] = {}
+
+    def add(n: fx.Node, nbytes: int) -> None:
+        extra[n] = extra.get(n, 0) + nbytes
+
+    # per group this round: the members still to serve, the waits, the buffer's bytes
+    pending: dict[int, set[str]] = {}
+    waits: dict[int, list[fx.Node]] = {}
+    size: dict[int, int] = {}
+    for n in graph.nodes:
+        if n.target is not _fc.all_gather_into_tensor.default:
+            continue
+        src = n.args[0]
+        # the weight, through a cast or a reshape the gather made of it
+        while isinstance(src, fx.Node) and src.op == "call_function" and \
+                len(src.all_input_nodes) == 1:
+            src = src.all_input_nodes[0]
+        found = member.get(param_at.get(src, "")) if isinstance(src, fx.Node) else None
+        wait = next((u for u in n.users if u.target is _fc.wait_tensor.default), None)
+        if found is None or wait is None:
+            continue
+        g, key = found
+        left = pending.get(id(g))
+        if not left:  # the group's all-gather goes out
+            size[id(g)] = get_runtime(g.rt).mesh.size(g.axis) * g.numel * \
+                n.meta["val"].element_size()
+            add(n, size[id(g)])
+            waits[id(g)] = []
+            left = pending[id(g)] = {k for k, _ in g.members}
+        elif key not in left:
+            # asked again before the others were served: sent again, the new buffer
+            # replacing the old one (counted as the one buffer)
+            left = pending[id(g)] = {k for k, _ in g.members}
+        left.discard(key)
+        waits[id(g)].append(wait)
+        if not left:
+            add(max(waits[id(g)], key=lambda w: where[w]), -size[id(g)])
     return extra
 
 

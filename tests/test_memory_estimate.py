@@ -68,3 +68,46 @@ def test_plan_traced_memory_is_the_programs_estimate() -> None:
         assert c.memory_bytes_per_rank == est.total
     with pytest.raises(ValueError, match="memory must be 'formula' or 'traced'"):
         shardc.plan(model, 4, "perlmutter", (t, t), memory="exact")
+
+
+@pytest.mark.parametrize("kw", [{"step_graph": False}, {"activation_checkpoint": "blocks"}])
+def test_a_gather_groups_buffer_is_held_from_its_first_gather_to_its_last_wait(fake_world, kw
+                                                                              ) -> None:
+    """Under autograd's backward a block's weights go out in one all-gather
+    (collectives.GatherGroup): its (G, members) buffer is made at the first member's
+    gather and freed at the last member's wait, once in forward and again where block
+    recompute gathers the block in backward; the estimate holds it beside the members'
+    own copies."""
+    from shardc.memory import _gather_group_buffers, _grad_bucket_buffers, traced_step
+
+    fake_world(4)
+    torch.manual_seed(0)
+    t = _tokens()
+    sm = shardc.compile(GPT(dim=64, layers=3, heads=8, seq=64), "x1y1z4d1", example_inputs=(t, t),
+                        **kw)
+    groups = sm._gather_groups
+    # one a block, and the final norm's weight and bias (outside the blocks, the
+    # embeddings and the head are one weight each)
+    assert sorted(g.label for g in groups) == ["blocks.0", "blocks.1", "blocks.2", "ln_f"]
+    graph, saved_as = traced_step(sm)
+    held = _gather_group_buffers(sm, graph)
+    # recompute gathers each block again in backward (not the modules outside them)
+    again = "activation_checkpoint" in kw
+    made = sorted(v for v in held.values() if v > 0)
+    # fp32 weights, gathered from the 4 ranks of z: 4 x the group's shard elements x 4 bytes
+    assert made == sorted(4 * g.numel * 4 for g in groups for _ in
+                          range(2 if again and g.label != "ln_f" else 1))
+    assert sum(held.values()) == 0  # every buffer is freed
+    buckets = _grad_bucket_buffers(sm, graph)
+    both = dict(buckets)
+    for n, v in held.items():
+        both[n] = both.get(n, 0) + v
+    peak, without = peak_bytes(graph, saved_as, both), peak_bytes(graph, saved_as, buckets)
+    if again:
+        # the backward peak is where recompute re-gathers a block: its buffer is in it
+        assert peak > without
+    else:
+        # the peak is in backward (activations and gradients), long after the forward's
+        # buffers went: they do not add to it
+        assert peak == without
+    assert estimate(sm).step_peak == peak
