@@ -194,6 +194,15 @@ class GatherGroup:
     def new_step(self) -> None:
         self._buf, self._work, self._pending = None, None, set()
 
+    def rebind(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """The user replaced member parameter ``old`` by ``new`` (same shape and dtype):
+        send ``new``'s shard from now on."""
+        for i, (key, p) in enumerate(self.members):
+            if p is old:
+                self.members[i] = (key, new)
+                self._params[key] = new
+                self.new_step()
+
     def holds(self, key: str, x: torch.Tensor) -> bool:
         """Whether ``x``, what the program gathers as ``key``, is the tensor this group
         sends for it (a parameter object replaced after compile is gathered alone)."""

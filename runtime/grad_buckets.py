@@ -62,7 +62,7 @@ from the per-parameter one in the last bits.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -182,6 +182,13 @@ class GradBuckets:
 
     def __contains__(self, name: object) -> bool:
         return name in self.members
+
+    def rebind(self, name: str, param: torch.Tensor) -> None:
+        """Parameter ``name`` is now ``param`` (the user replaced it, same shape and dtype):
+        its sums go to that tensor's ``.grad``."""
+        m = self.members.get(name)
+        if m is not None:
+            m.spec = replace(m.spec, param=param)
 
     def covers(self, collective: str, axis: str, phase: str, param: str | None, node: str
                ) -> bool:

@@ -24,6 +24,15 @@ from shardc.runtime.groups import axis_groups
 from shardc.runtime.pending import settle_all
 
 
+def _check_same(name: str, new: torch.Tensor, old: torch.Tensor) -> None:
+    if (new.shape, new.dtype, new.device) != (old.shape, old.dtype, old.device):
+        raise ValueError(
+            f"shardc: parameter {name!r} was replaced after compile by a tensor of shape "
+            f"{tuple(new.shape)}, {new.dtype} on {new.device}; the compiled program reads this "
+            f"rank's piece of it: shape {tuple(old.shape)}, {old.dtype} on {old.device}. Load "
+            "pieces shaped like sm.state_dict()'s (or copy into the parameter), or compile again.")
+
+
 def _set_param(root: nn.Module, name: str, p: nn.Parameter) -> None:
     """Register ``p`` under a dotted name, creating empty submodules on the way, so that
     ``named_parameters()`` gives back the original model's names."""
@@ -165,19 +174,15 @@ class ShardedModule(nn.Module):
         self._gather_groups: list[C.GatherGroup] = []
         if ctx.options.bucket_bytes > 0:
             self._group_gathers(gathers)
-        for name in self._grad_buckets.members:
-            t = self._program_param(name)
-            t.register_hook(self._eager_only(self._grad_buckets.grad_hook(name)))
-            t.register_post_accumulate_grad_hook(self._grad_buckets.accumulated_hook(name))
-        for name, axes in self.grad_reductions.items():
-            t = self._program_param(name)
-            dt = reduce_dtype(t.dtype, ctx.options.precision)
-            if name not in self._grad_buckets:
-                for axis in axes:
-                    t.register_hook(self._eager_only(C.grad_reduce_hook(runtime.key, axis, name, dt)))
-            # acts only after no_sync, which the forward program runs (never the step's)
-            t.register_post_accumulate_grad_hook(
-                C.grad_reduce_after_accumulate(runtime.key, axes, name, dt))
+        # the tensor each parameter feed read when its hooks were registered: a parameter
+        # the user replaces later (load_state_dict(..., assign=True)) is hooked in turn
+        # at the next forward (_rebind), or its gradient would go unreduced
+        self._bound: dict[str, torch.Tensor] = {}
+        self._hooked: set[str] = set()
+        for role, name in self._feeds:
+            if role == "param" and name not in self._zero:
+                self._bound[name] = self._program_param(name)
+                self._hook_param(name, self._bound[name])
         self._zero_buckets = zero.Buckets(runtime.key, list(self._zero.values()),
                                           ctx.options.bucket_bytes)
         # after those (hooks run in the order registered): the sum over every other axis
@@ -272,6 +277,49 @@ class ShardedModule(nn.Module):
         zp = self._zero.get(name)
         return zp.full if zp is not None else self.get_parameter(name)
 
+    def _hook_param(self, name: str, t: torch.Tensor) -> None:
+        """Autograd's-backward gradient reductions of parameter ``name`` on tensor ``t``."""
+        if not t.requires_grad:  # hooked when it needs a gradient (_current_param)
+            self._hooked.discard(name)
+            return
+        self._hooked.add(name)
+        if name in self._grad_buckets:
+            t.register_hook(self._eager_only(self._grad_buckets.grad_hook(name)))
+            t.register_post_accumulate_grad_hook(self._grad_buckets.accumulated_hook(name))
+        axes = self.grad_reductions.get(name)
+        if axes:
+            dt = reduce_dtype(t.dtype, self.ctx.options.precision)
+            if name not in self._grad_buckets:
+                for axis in axes:
+                    t.register_hook(self._eager_only(C.grad_reduce_hook(self.runtime.key, axis,
+                                                                        name, dt)))
+            # acts only after no_sync, which the forward program runs (never the step's)
+            t.register_post_accumulate_grad_hook(
+                C.grad_reduce_after_accumulate(self.runtime.key, axes, name, dt))
+
+    def _current_param(self, name: str) -> torch.Tensor:
+        """What the program reads for parameter ``name`` this step. A parameter replaced
+        since compile (``load_state_dict(..., assign=True)``, ``module.weight =
+        nn.Parameter(...)``) takes the old one's place: its gradient hooks, its bucket,
+        its gather group, or (shard_optimizer) the slice its program copy is made from."""
+        zp = self._zero.get(name)
+        if zp is not None:
+            p = self.get_parameter(name)
+            if p is not zp.slice:
+                _check_same(name, p, zp.slice)
+                zp.slice, zp.seen = p, -1  # -1: refresh() makes the program copy from it
+            return zp.full
+        p = self.get_parameter(name)
+        old = self._bound[name]
+        if p is not old or (p.requires_grad and name not in self._hooked):
+            _check_same(name, p, old)
+            self._bound[name] = p
+            self._hook_param(name, p)
+            self._grad_buckets.rebind(name, p)
+            for g in self._gather_groups:
+                g.rebind(old, p)
+        return p
+
     def _eager_only(self, hook: Any) -> Any:
         def run(g: torch.Tensor) -> torch.Tensor:
             return hook(g) if self._hooks_active else g
@@ -282,6 +330,7 @@ class ShardedModule(nn.Module):
         check_no_autocast("ShardedModule.forward")
         flat, _ = pytree.tree_flatten((inputs, kwargs))
         validate.check_inputs(self, inputs, kwargs, flat)  # before anything is communicated
+        params = {t: self._current_param(t) for role, t in self._feeds if role == "param"}
         axis_groups(self.mesh)  # collective on first use: every rank creates every group
         settle_all()  # a loss from a step with no backward, still unread: wait for it now
         self._zero_buckets.refresh()  # slices the optimizer stepped: gather them
@@ -292,7 +341,7 @@ class ShardedModule(nn.Module):
         args: list[Any] = []
         for role, target in self._feeds:
             if role == "param":
-                args.append(self._program_param(target))
+                args.append(params[target])
             elif role == "buffer":
                 args.append(self._buffers_full[target])
             elif role == "constant":
