@@ -28,6 +28,15 @@ def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, rt: str, a
     return out
 
 
+def copy_into(x: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """``aten.copy(x, src)``, the functional ``x.copy_(src)`` that torch.export writes for
+    ``out[:, 1:] = src``: src's values cast and broadcast to x's dtype, shape and strides.
+    ``aten.copy`` itself has no derivative, so autograd's backward over a program that
+    calls it fails; this is the same value through ``copy_``, whose gradient is src's
+    (summed over the broadcast) and none for x, whose values are dropped."""
+    return torch.empty_like(x).copy_(src, non_blocking)
+
+
 def row_max(x: torch.Tensor) -> torch.Tensor:
     """Max over the class dim (1) of the local logits, detached: it is only a shift that
     keeps exp() finite, and log-sum-exp does not depend on it."""

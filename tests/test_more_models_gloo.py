@@ -2,7 +2,11 @@
 through the same checks as tests/test_train_gloo.py (each step's gradients against
 float64, three AdamW steps against one device, measured == reported): Qwen2, Mistral,
 Gemma, BLOOM (alibi), GPT-J (parallel attention and MLP, interleaved rotary), StableLM,
-OLMo and Qwen3 (q/k norms), tiny configurations of each.
+OLMo and Qwen3 (q/k norms), tiny configurations of each; and beyond decoders: T5
+(encoder-decoder, as configured by default: its labels shifted right by writes into a new
+tensor, keys concatenated onto a DynamicCache's empty start), ViT (a convolutional patch
+embedding) and a small CNN (convolutions, group norm, max and adaptive average pooling) on
+a data-parallel mesh, which must keep every sample on its own rank.
 
 Some run a few ops replicated (BLOOM's alibi ``repeat``, GPT-J's sin/cos table
 ``index``, ``repeat`` and ``gather``): allowed here as long as they gather nothing, that
@@ -12,6 +16,8 @@ says; a fallback that gathers a sharded tensor still fails the case.
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 import shardc
 from harness import run_on_ranks
@@ -51,6 +57,64 @@ MODELS = {
 }
 
 
+class T5(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=4, d_ff=64, num_layers=2,
+                                    num_heads=8, dropout_rate=0.0, decoder_start_token_id=0)
+        self.m = transformers.T5ForConditionalGeneration(cfg)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.m(input_ids=ids, labels=labels).loss
+
+
+class ViT(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=8,
+                                     intermediate_size=64, image_size=16, patch_size=4, num_labels=10,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        self.m = transformers.ViTForImageClassification(cfg)
+
+    def forward(self, pixels: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.m(pixel_values=pixels, labels=labels).loss
+
+
+class CNN(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.norm = torch.nn.GroupNorm(4, 16)
+        self.c2 = torch.nn.Conv2d(16, 16, 3, padding=1, groups=2)
+        self.fc = torch.nn.Linear(16 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.norm(self.c1(x))), 2)
+        x = F.adaptive_avg_pool2d(F.relu(self.c2(x)), 4)
+        return F.cross_entropy(self.fc(x.flatten(1)), y)
+
+
+def _images(make):
+    g = torch.Generator().manual_seed(1)
+    return make, [(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g))
+                  for _ in range(3)]
+
+
+# (model, its batches) for those that are not causal language models
+def _tokens(make):
+    import test_train_gloo as T
+
+    return T._lm(make)
+
+
+OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT), "x2y1z1d2"),
+          "cnn": (lambda: _images(CNN), "x1y1z2d2")}
+
+
 def _gathers_nothing(f) -> bool:
     return not f.gathered
 
@@ -61,6 +125,9 @@ def _all(rank: int, world_size: int) -> None:
     failures: list[str] = []
     for name, (make, spec) in MODELS.items():
         T.MODELS[name] = (lambda m: (lambda: T._lm(m)))(make)
+        failures += T._case_failures(name, shardc.Mesh.parse(spec), allowed=_gathers_nothing)
+    for name, (batches, spec) in OTHERS.items():
+        T.MODELS[name] = batches
         failures += T._case_failures(name, shardc.Mesh.parse(spec), allowed=_gathers_nothing)
     if failures:
         raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures))

@@ -18,7 +18,7 @@ _SPECS: list[S.OpSpec] | None = None
 FAMILIES = [("test_rules_random", "dropout_specs"), ("test_rules_pointwise", "handwritten_specs"),
             ("test_rules_view", "specs"), ("test_rules_reduction", "specs"),
             ("test_rules_matrix", "specs"), ("test_rules_embedding", "specs"),
-            ("test_rules_attention", "specs")]
+            ("test_rules_attention", "specs"), ("test_rules_conv", "specs")]
 SUBSET_EVERY = 23  # every 23rd case of the other families (about 5%)
 
 

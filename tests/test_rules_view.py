@@ -20,6 +20,7 @@ def specs() -> list[S.OpSpec]:
         return _SPECS
     g = S.gen(3)
     x = lambda *s: S._t(s, g)  # noqa: E731
+    idx = lambda *s, hi: torch.randint(0, hi, s, generator=g)  # noqa: E731
     rot = itertools.cycle(("x2", "y2", "z2", "d2"))
 
     def V(name, fn, *inputs, two=False):
@@ -62,8 +63,29 @@ def specs() -> list[S.OpSpec]:
         V("constant_pad_nd", lambda m, a: F.pad(a, (1, 1), value=0.5), x(4, 6), two=True),
         V("constant_pad_nd.aten", lambda m, a: aten.constant_pad_nd.default(a, [1, 1], 0.5), x(4, 6)),
         V("pad", lambda m, a: aten.pad.default(a, [1, 2], "constant", 0.0), x(4, 6)),
+        # torch.cat skips a 1-D empty tensor (transformers' DynamicCache starts from one)
+        V("cat.legacy_empty", lambda m, a: torch.cat([a.new_zeros(0), a], 1), x(4, 6)),
+        V("gather", lambda m, a, i: torch.gather(a, 1, i), x(4, 6), idx(4, 6, hi=6), two=True),
+        V("gather.smaller_index", lambda m, a, i: torch.gather(a, 1, i), x(4, 6), idx(4, 2, hi=6)),
+        V("gather.dim0", lambda m, a, i: torch.gather(a, 0, i), x(4, 6), idx(2, 6, hi=4)),
+        V("slice_scatter", lambda m, a, b: torch.slice_scatter(a, b, 1, 2, 6), x(4, 6), x(4, 4),
+          two=True),
+        V("slice_scatter.dim0", lambda m, a, b: torch.slice_scatter(a, b, 0, 0, 2), x(4, 6), x(2, 6)),
+        V("select_scatter", lambda m, a, b: torch.select_scatter(a, b, 1, 0), x(4, 6), x(4)),
+        # functional x.copy_(src): T5 and BART shift their labels right this way
+        V("copy", lambda m, a, b: (a * 1.0).copy_(b) * a, x(4, 6), x(4, 6)),
+        V("copy.broadcast", lambda m, a, b: (a * 1.0).copy_(b) * a, x(4, 6), x(6)),
+        V("setitem", lambda m, a, b: _setitem(a, b), x(4, 6), x(4, 5)),
     ]
     return _SPECS
+
+
+def _setitem(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Shift right as seq2seq models do with their labels: a new tensor, written in place."""
+    out = a.new_zeros(a.shape)
+    out[:, 1:] = b
+    out[:, 0] = 0.5
+    return out * a
 
 
 CASES, results, test_rule = S.threaded_family("view", specs)

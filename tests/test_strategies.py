@@ -106,3 +106,63 @@ def test_attention_keeps_heads_whole() -> None:
                          [([2, 4, 8, 16], q), ([2, 4, 8, 16], q), ([2, 4, 8, 16], q)])
     assert needs[0] == Layout.of(4, {"z": 0, "x": 1})
     assert out == Layout.of(4, {"z": 0, "x": 1})
+
+
+def test_convolution_and_pooling_keep_the_batch_cut() -> None:
+    # batch over data, channels over z, width over x; the weight a stored shard over y
+    x = Layout.of(4, {"data": 0, "z": 1, "x": 3})
+    needs, out = _decide(aten.conv2d.default, [([8, 4, 6, 6], x), ([2, 4, 3, 3], Layout.of(4, {"y": 0}))],
+                         out_shape=[8, 2, 4, 4])
+    # each rank convolves its own samples over every channel and position, weight whole
+    assert needs == [Layout.of(4, {"data": 0}), Layout.replicate(4)]
+    assert out == Layout.of(4, {"data": 0})
+    # an unbatched input (C, H, W) has no sample dim to keep
+    needs, out = _decide(aten.conv2d.default, [([4, 6, 6], Layout.of(3, {"z": 0})),
+                                                ([2, 4, 3, 3], Layout.replicate(4))], out_shape=[2, 4, 4])
+    assert needs[0] == Layout.replicate(3) and out == Layout.replicate(3)
+    # pooling keeps channels cut as well; a partial sum is reduced first (max is not linear)
+    p = Layout.of(4, {"data": 0, "z": 1, "x": 3}, partial={"y": "sum"})
+    needs, out = _decide(aten.max_pool2d_with_indices.default, [([8, 4, 6, 6], p)], ([2, 2],),
+                         out_shape=[8, 4, 3, 3])
+    assert needs[0] == Layout.of(4, {"data": 0, "z": 1}) and out == needs[0]
+    needs, out = _decide(aten._adaptive_avg_pool2d.default, [([8, 4, 6, 6], x)], ([1, 1],),
+                         out_shape=[8, 4, 1, 1])
+    assert out == Layout.of(4, {"data": 0, "z": 1})
+    # group norm mixes a sample's channels: only the batch cut stays
+    needs, out = _decide(aten.group_norm.default, [([8, 4, 6, 6], x)], (2,))
+    assert needs[0] == Layout.of(4, {"data": 0}) and out == needs[0]
+
+
+def test_a_constant_like_its_input_is_made_where_the_input_is() -> None:
+    p = Layout.of(2, {"data": 0}, partial={"x": "sum"})
+    needs, out = _decide(aten.full_like.default, [([4, 8], p)], (1.0,))
+    # the input's values are never read, so nothing moves; the constant is whole over x
+    assert needs == [p] and out == Layout.of(2, {"data": 0})
+
+
+def test_lookups_and_writes_keep_the_cut_either_side_has() -> None:
+    whole, rows = Layout.replicate(2), Layout.of(2, {"data": 0})
+    # gather along dim 1 from a whole table with a batch-cut index: the table is cut to
+    # match (free), nothing gathered
+    needs, out = _decide(aten.gather.default, [([4, 6], whole), ([4, 2], rows)],
+                         pass_inputs=[0, C(1), 1], out_shape=[4, 2])
+    assert needs == [rows, rows] and out == rows
+    # the gathered dim itself must be whole, and dims whose sizes differ too
+    needs, out = _decide(aten.gather.default, [([4, 6], Layout.of(2, {"x": 1})), ([2, 6], rows)],
+                         pass_inputs=[0, C(1), 1], out_shape=[2, 6])
+    assert needs == [whole, whole] and out == whole
+    # a shifted copy written into a fresh (whole) tensor keeps the source's batch cut
+    needs, out = _decide(aten.slice_scatter.default, [([4, 6], whole), ([4, 5], rows)],
+                         (1, 1, 6), out_shape=[4, 6])
+    assert needs == [rows, rows] and out == rows
+    needs, out = _decide(aten.select_scatter.default, [([4, 6], whole), ([4], Layout.of(1, {"data": 0}))],
+                         (1, 0), out_shape=[4, 6])
+    assert needs == [rows, Layout.of(1, {"data": 0})] and out == rows
+    # x.copy_(src) broadcasting a whole row into a batch-cut tensor
+    needs, out = _decide(aten.copy.default, [([4, 6], rows), ([6], Layout.replicate(1))])
+    assert needs == [rows, Layout.replicate(1)] and out == rows
+    # torch.cat skips a 1-D empty tensor beside tensors of more dims (a DynamicCache's start)
+    z = Layout.of(3, {"z": 0})
+    needs, out = _decide(aten.cat.default, [([0], Layout.replicate(1)), ([4, 2, 6], z)], (-2,),
+                         out_shape=[4, 2, 6], pass_inputs=[[0, 1]])
+    assert needs == [Layout.replicate(1), z] and out == z

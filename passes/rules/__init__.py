@@ -14,13 +14,14 @@ Tags: an ATen op tagged ``torch.Tag.pointwise`` uses the pointwise rule unless t
 names it.
 
 One module per op family (``pointwise``, ``view``, ``matrix``, ``reduction`` for
-norms/reductions/losses, ``embedding``, ``attention``, ``random``), each registering its
+norms/reductions/losses, ``embedding``, ``attention``, ``random``, ``conv`` for
+convolutions, pooling and group norm), each registering its
 rules in the table of ``common``; importing this package fills the table.
 """
 from __future__ import annotations
 
-from shardc.passes.rules import (attention, embedding, matrix, pointwise, random,  # noqa: F401
-                                 reduction, view)
+from shardc.passes.rules import (attention, conv, embedding, matrix, pointwise,  # noqa: F401
+                                 random, reduction, view)
 from shardc.passes.rules.common import (RULES, STRATEGIES, Rule, Strategy, fallback_rule,
                                         register_rule, strategy)
 

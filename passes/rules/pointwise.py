@@ -11,9 +11,10 @@ from shardc.mesh import BATCH_AXES, Mesh
 from shardc.placement import PARTIAL_OPS, Layout
 from shardc.precision import narrows
 from shardc.passes.lower import Lowering, Val
-from shardc.passes.rules.common import (Strategy, apply_strategy, aten, fallback_rule,
-                                        materialise_then, register_rule, strategy, tensor_inputs,
-                                        tensor_vals)
+from shardc.passes.rules.common import (Strategy, apply_strategy, aten, emit_like, fallback_rule,
+                                        input_vals, materialise_then, register_rule, strategy,
+                                        tensor_inputs, tensor_vals)
+from shardc.runtime import ops as R
 
 
 # --------------------------------------------------------------------- factories
@@ -36,6 +37,29 @@ def factory_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> 
     consumer that needs a shard cuts it locally."""
     return Strategy({a: Layout.replicate(v.ndim) for a, v in tensor_vals(vals)},
                     Layout.replicate(node.meta["val"].dim()))
+
+
+_LIKE = (aten.full_like.default, aten.zeros_like.default, aten.ones_like.default,
+         aten.empty_like.default)
+
+
+@register_rule(*_LIKE)
+def like_rule(L: Lowering, node: fx.Node) -> Any:
+    if L.env[node.args[0]].layout is None:  # shaped like a parameter: made whole
+        return apply_strategy(L, node, factory_strategy)
+    return apply_strategy(L, node, like_strategy)
+
+
+@strategy(*_LIKE)
+def like_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    """A constant shaped like its input: made where the input is, in the input's shards
+    (the input's values are never read, so it moves nowhere, partial or not); the constant
+    is the same on every rank, so it is whole where the input was partial."""
+    x = vals[node.args[0]]
+    out = x.layout
+    for a, _ in out.partial:
+        out = out.with_replicated(a)
+    return Strategy({node.args[0]: x.layout}, out)
 
 
 # --------------------------------------------------------------------- pointwise
@@ -165,6 +189,29 @@ def pointwise_layouts(target: Any, ins: list[Val | None], out_shape: list[int],
         need = Layout(v.ndim, tuple(dims), partial, tuple(il))
         needs.append(need)
     return out, needs
+
+
+@register_rule(aten.copy.default)
+def copy_rule(L: Lowering, node: fx.Node) -> Any:
+    ins = tensor_inputs(L, node)
+    if any(v.layout is None for _, v in ins):  # into or from a parameter: whole
+        s = Strategy({a: Layout.replicate(v.ndim) for a, v in ins},
+                     Layout.replicate(node.meta["val"].dim()))
+    else:
+        s = copy_strategy(node, input_vals(L, node), L.mesh)
+    return emit_like(L, node, s.needs, s.out, target=R.copy_into)
+
+
+@strategy(aten.copy.default)
+def copy_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    """``x.copy_(src)`` made functional (``x[:, 0] = t``, ``mask[:, -4:] = 0``): src's
+    values, broadcast to x's shape and cast to its dtype, elementwise like any pointwise
+    op. Never partial: x's values are dropped, so a partial x cannot stay partial, and a
+    partial src may be cast to a type in which its pieces do not add up."""
+    ins = [vals[a] if isinstance(vals.get(a), Val) else None for a in node.args[:2]]
+    # copy is in no partial-linear set, so pointwise_layouts reduces partial inputs
+    out, needs = pointwise_layouts(node.target, ins, list(node.meta["val"].shape))
+    return Strategy({a: n for a, n in zip(node.args[:2], needs) if n is not None}, out)
 
 
 def _only_dtype(node: fx.Node) -> bool:

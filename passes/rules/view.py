@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 import torch.fx as fx
 
@@ -214,22 +214,32 @@ def cat_rule(L: Lowering, node: fx.Node) -> Any:
     return apply_strategy(L, node, cat_strategy)
 
 
+def _legacy_empty(t: Any, out_ndim: int) -> bool:
+    return t.ndim == 1 and t.shape[0] == 0 and out_ndim != 1
+
+
 @strategy(aten.cat.default, aten.stack.default)
 def cat_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
-    tensors = [vals[t] for t in node.args[0]]
     val = node.meta["val"]
+    # torch.cat skips a 1-D empty tensor beside tensors of more dims (the legacy empty
+    # tensor: transformers' DynamicCache starts from one, and T5 concatenates its keys
+    # onto it in training); it has no data to place, so it stays whole
+    skipped = {t for t in node.args[0] if node.target is aten.cat.default and
+               _legacy_empty(vals[t], val.dim())}
+    tensors = [vals[t] for t in node.args[0] if t not in skipped]
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     dim %= val.dim()
     first = next((t for t in tensors if t.layout is not None), None)
-    base = no_partial(first.layout) if first is not None else Layout.replicate(tensors[0].ndim)
+    base = no_partial(first.layout) if first is not None else Layout.replicate(
+        val.dim() if node.target is aten.cat.default else val.dim() - 1)
     if node.target is aten.cat.default:
         base = replicate_dims(base, [dim])
         out = base
     else:
         keep = [d if d < dim else d + 1 for d in range(base.ndim)]
         out = drop_dims(base, keep, val.dim())
-    need = {}
-    for t_node, t in zip(node.args[0], tensors):
+    need = {t: Layout.replicate(1) for t in skipped}
+    for t_node, t in zip([t for t in node.args[0] if t not in skipped], tensors):
         lay = base
         for d in range(t.ndim):
             if t.shape[d] != first.shape[d] if first is not None else False:
@@ -249,3 +259,54 @@ def pad_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Stra
     dims = [x.ndim - 1 - i for i in range(len(node.args[1]) // 2)]
     need = no_partial(replicate_dims(x.layout, dims)) if x.layout is not None else Layout.replicate(x.ndim)
     return Strategy({node.args[0]: need}, need)
+
+
+# ------------------------------------------------------------- writes and lookups
+def _shared(pair: list[fx.Node], vals: Mapping[fx.Node, Any], whole: list[int]) -> Layout:
+    """One layout for two same-rank tensors that meet elementwise outside the dims in
+    ``whole`` (which must be whole): the shards of whichever of them is cut on such a dim
+    (the other is then cut to match, which costs nothing when it is whole), with every dim
+    whose sizes differ between the two also whole. Never partial: these ops read values
+    (a sum's parts cannot be written or looked up part by part)."""
+    a, b = (vals[n] for n in pair)
+    skip = set(whole) | {d for d in range(a.ndim) if a.shape[d] != b.shape[d]}
+    lays = [no_partial(replicate_dims(v.layout, sorted(skip))) for v in (a, b)]
+    return next((lay for lay in lays if any(lay.dims)), lays[0])
+
+
+@register_rule(aten.gather.default, aten.slice_scatter.default, aten.select_scatter.default)
+def write_lookup_rule(L: Lowering, node: fx.Node) -> Any:
+    pair = (node.args[0], node.args[2 if node.target is aten.gather.default else 1])
+    if not all(isinstance(a, fx.Node) and isinstance(L.env[a], Val) and L.env[a].layout is not None
+               for a in pair):  # one of them is a parameter itself (rare): run it whole
+        return fallback_rule(L, node)
+    return apply_strategy(L, node, write_lookup_strategy)
+
+
+@strategy(aten.gather.default, aten.slice_scatter.default, aten.select_scatter.default)
+def write_lookup_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    """``gather(x, dim, index)``: the output is shaped like ``index``; outside ``dim`` it
+    reads x at the same coordinates, so both keep the same shards wherever their sizes
+    agree. ``slice_scatter(x, src, dim, ...)`` / ``select_scatter``: ``src`` is written
+    into x's slice along ``dim``; outside ``dim`` the two meet elementwise."""
+    t = node.target
+    x = cast(fx.Node, node.args[0])
+    other = cast(fx.Node, node.args[2 if t is aten.gather.default else 1])
+    xv = vals[x]
+    dim = node.args[1] if t is aten.gather.default else (
+        node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0))
+    whole = [dim % xv.ndim]
+    if t is aten.select_scatter.default:
+        # src is x without ``dim``: lift its layout to x's dims, ``dim`` whole
+        d = dim % xv.ndim
+        sl = no_partial(vals[other].layout)
+        lifted = Layout(xv.ndim, sl.dims[:d] + ((),) + sl.dims[d:], (),
+                        sl.interleave[:d] + (1,) + sl.interleave[d:])
+        lay = no_partial(replicate_dims(xv.layout, [d]))
+        if not any(lay.dims):
+            lay = lifted
+        src = Layout(xv.ndim - 1, lay.dims[:d] + lay.dims[d + 1:], (),
+                     lay.interleave[:d] + lay.interleave[d + 1:])
+        return Strategy({x: lay, other: src}, lay)
+    lay = _shared([x, other], vals, whole)
+    return Strategy({x: lay, other: lay}, lay)

@@ -1,0 +1,65 @@
+"""Rule sweep, convolution family: conv1d/2d/3d (bias, stride, padding, dilation, groups),
+transposed convolution, max/avg/adaptive pooling (with and without indices) and group norm,
+each against one device with its input in every placement (the weights are parameters,
+used whole). See ``rules_sweep.py``."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+import rules_sweep as S
+
+_SPECS: list[S.OpSpec] | None = None
+
+
+def specs() -> list[S.OpSpec]:
+    global _SPECS
+    if _SPECS is not None:
+        return _SPECS
+    g = S.gen(9)
+    x = lambda *s: S._t(s, g)  # noqa: E731
+    rot = itertools.cycle(("x2", "y2", "z2", "d2"))
+
+    def C(name, fn, *inputs, params=None, two=False):
+        meshes = (next(rot),) + (("z2d2",) if two else ())
+        return S.OpSpec("conv", name, fn, tuple(inputs), params=params or {}, meshes=meshes)
+
+    w2 = {"weight": x(4, 4, 3, 3), "bias": x(4)}
+    _SPECS = [
+        C("conv2d", lambda m, a: F.conv2d(a, m.weight, m.bias, padding=1), x(4, 4, 6, 6),
+          params=w2, two=True),
+        C("conv2d.stride_nobias", lambda m, a: F.conv2d(a, m.weight, stride=2), x(4, 4, 6, 6),
+          params={"weight": x(2, 4, 3, 3)}),
+        C("conv2d.groups_dilation", lambda m, a: F.conv2d(a, m.weight, m.bias, padding=2, dilation=2,
+                                                           groups=2), x(4, 4, 6, 6),
+          params={"weight": x(4, 2, 3, 3), "bias": x(4)}),
+        C("conv2d.padding_same", lambda m, a: F.conv2d(a, m.weight, padding="same"), x(4, 4, 6, 6),
+          params={"weight": x(4, 4, 3, 3)}),
+        C("conv2d.unbatched", lambda m, a: F.conv2d(a, m.weight, padding=1), x(4, 6, 6),
+          params={"weight": x(2, 4, 3, 3)}),
+        C("conv2d.weight_is_input", lambda m, a, w: F.conv2d(a, w), x(4, 4, 6, 6), x(2, 4, 3, 3)),
+        C("conv1d", lambda m, a: F.conv1d(a, m.weight, m.bias, padding=1), x(4, 4, 8),
+          params={"weight": x(6, 4, 3), "bias": x(6)}, two=True),
+        C("conv3d", lambda m, a: F.conv3d(a, m.weight), x(4, 2, 4, 4, 4),
+          params={"weight": x(2, 2, 3, 3, 3)}),
+        C("conv_transpose2d", lambda m, a: F.conv_transpose2d(a, m.weight, stride=2), x(4, 4, 4, 4),
+          params={"weight": x(4, 2, 3, 3)}),
+        C("max_pool2d", lambda m, a: F.max_pool2d(a, 2), x(4, 4, 6, 6), two=True),
+        C("max_pool2d.indices", lambda m, a: F.max_pool2d(a, 3, stride=2, padding=1,
+                                                          return_indices=True)[0] * 1.0, x(4, 4, 6, 6)),
+        C("max_pool1d", lambda m, a: F.max_pool1d(a, 2), x(4, 4, 8)),
+        C("avg_pool2d", lambda m, a: F.avg_pool2d(a, 3, stride=1, padding=1, count_include_pad=False),
+          x(4, 4, 6, 6)),
+        C("avg_pool1d", lambda m, a: F.avg_pool1d(a, 2), x(4, 4, 8)),
+        C("adaptive_avg_pool2d", lambda m, a: F.adaptive_avg_pool2d(a, 2), x(4, 4, 6, 6), two=True),
+        C("adaptive_max_pool2d", lambda m, a: F.adaptive_max_pool2d(a, 3), x(4, 4, 6, 6)),
+        C("group_norm", lambda m, a: F.group_norm(a, 2, m.weight, m.bias), x(4, 4, 6, 6),
+          params={"weight": x(4), "bias": x(4)}, two=True),
+        C("group_norm.noaffine", lambda m, a: F.group_norm(a, 4), x(4, 4, 8)),
+    ]
+    return _SPECS
+
+
+CASES, results, test_rule = S.threaded_family("conv", specs)
