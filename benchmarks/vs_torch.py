@@ -2,6 +2,7 @@
 
     python benchmarks/vs_torch.py --world 4 --rounds 5 --steps 6            # TinyGPT
     python benchmarks/vs_torch.py --world 4 --shape medium                  # more compute
+    python benchmarks/vs_torch.py --world 8 --quick --meshes x2y1z1d4,x2y1z2d2   # more meshes
 
 One spawn of ``--world`` gloo ranks (CPU, one thread each) runs every system on the
 same model, data and AdamW, round after round, so each system's figure is a median over
@@ -23,6 +24,10 @@ the same. shardc runs each mesh twice: with the whole-step program and its passe
 and with ``step_graph=False`` (autograd's backward over the forward program: what
 shardc did before the step passes), which shows what the passes buy; and
 ``x1y1z1d{W}`` once more with ``shard_optimizer=True`` (ZeRO over data), beside DDP.
+``--meshes`` adds shardc meshes that mirror no single torch parallelism (tensor x data,
+say, where the torch rows have only data); each is compared with the fastest torch row,
+and the closing line takes the fastest shardc row from all of them. ``--quick`` leaves out
+the ``step_graph=False`` and ``shard_optimizer`` rows.
 
 Prints, per system: median step time over rounds (each round's figure is the median of
 ``--steps`` steps after two warm-up steps), the ratio to its torch peer, the CPU time a
@@ -130,6 +135,7 @@ def _batch(shape: dict) -> tuple[torch.Tensor, torch.Tensor]:
 # each builds (step function, parameters) on every rank; the step runs forward,
 # backward and AdamW on this rank's part of the global batch and returns the loss
 Step = Callable[[], torch.Tensor]
+BEST = "fastest torch"  # the peer of a row that mirrors no one torch parallelism
 
 
 def _slice(t: torch.Tensor, parts: int, i: int) -> torch.Tensor:
@@ -231,8 +237,12 @@ def shardc_mesh(spec: str, **kw: Any) -> Callable[[dict, int], Step]:
     return build
 
 
-def systems(world: int) -> list[tuple[str, str | None, Callable[[dict, int], Step]]]:
-    """(name, the torch peer it is compared with, builder)."""
+def systems(world: int, meshes: list[str] = (), quick: bool = False
+            ) -> list[tuple[str, str | None, Callable[[dict, int], Step]]]:
+    """(name, the torch peer it is compared with, builder). ``meshes``: more shardc meshes,
+    compared with the fastest torch system (the issue's "best shardc mesh against the best
+    peer" is over every mesh, not only the three that mirror a torch parallelism);
+    ``quick``: leave out the ``step_graph=False`` and ``shard_optimizer`` rows."""
     out: list[tuple[str, str | None, Callable[[dict, int], Step]]] = [
         ("ddp", None, ddp), ("fsdp2", None, fsdp2)]
     if world >= 4 and world % 2 == 0:
@@ -245,12 +255,17 @@ def systems(world: int) -> list[tuple[str, str | None, Callable[[dict, int], Ste
     # explicit bucket_mb=25 is shardc's same configuration (shardc.context.Options)
     for peer, spec in pairs:
         out.append((f"shardc {spec}", peer, shardc_mesh(spec, bucket_mb=25)))
-        out.append((f"shardc {spec} step_graph=False", peer,
-                    shardc_mesh(spec, step_graph=False, bucket_mb=25)))
-    # ZeRO over data beside DDP: AdamW's state and step are 1/W a rank, for a reduce-
-    # scatter and an all-gather a bucket in place of DDP's all-reduce
-    out.append((f"shardc x1y1z1d{world} shard_optimizer=True", "ddp",
-                shardc_mesh(f"x1y1z1d{world}", shard_optimizer=True, bucket_mb=25)))
+        if not quick:
+            out.append((f"shardc {spec} step_graph=False", peer,
+                        shardc_mesh(spec, step_graph=False, bucket_mb=25)))
+    if not quick:
+        # ZeRO over data beside DDP: AdamW's state and step are 1/W a rank, for a reduce-
+        # scatter and an all-gather a bucket in place of DDP's all-reduce
+        out.append((f"shardc x1y1z1d{world} shard_optimizer=True", "ddp",
+                    shardc_mesh(f"x1y1z1d{world}", shard_optimizer=True, bucket_mb=25)))
+    for spec in meshes:
+        if f"shardc {spec}" not in {name for name, _, _ in out}:
+            out.append((f"shardc {spec}", BEST, shardc_mesh(spec, bucket_mb=25)))
     return out
 
 
@@ -263,7 +278,7 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
     cpu: dict[str, list[float]] = {}  # this rank's CPU seconds a step, per round
     losses: dict[str, float] = {}
     for rnd in range(args.rounds):
-        for name, _, build in systems(world):
+        for name, _, build in systems(world, args.meshes, args.quick):
             step = build(shape, world)
             for _ in range(2):
                 step()
@@ -289,7 +304,7 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
     dist.all_gather_object(every, {n: statistics.median(v) for n, v in cpu.items()})
     if rank == 0:
         with open(out, "w") as f:
-            for name, peer, _ in systems(world):
+            for name, peer, _ in systems(world, args.meshes, args.quick):
                 per_rank = statistics.mean(c[name] for c in every)
                 f.write(f"{name}\t{peer or ''}\t{statistics.median(table[name])}\t{losses[name]}"
                         f"\t{per_rank}\n")
@@ -302,12 +317,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    ap.add_argument("--meshes", default="", type=lambda s: [m for m in s.split(",") if m],
+                    help="more shardc meshes (comma-separated specs, e.g. x2y1z1d4), each "
+                         "compared with the fastest torch system")
+    ap.add_argument("--quick", action="store_true",
+                    help="leave out the step_graph=False and shard_optimizer rows")
     args = ap.parse_args(argv)
+    import shardc
+
+    for spec in args.meshes:
+        if shardc.Mesh.parse(spec).world_size != args.world:
+            ap.error(f"--meshes: {spec} is a mesh of {shardc.Mesh.parse(spec).world_size} ranks, "
+                     f"not --world {args.world}")
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "table.tsv")
         mp.spawn(_rank, args=(args.world, os.path.join(d, "store"), args, out), nprocs=args.world)
         rows = [line.rstrip("\n").split("\t") for line in open(out)]
     med = {r[0]: float(r[2]) for r in rows}
+    med[BEST] = min(float(r[2]) for r in rows if not r[0].startswith("shardc"))
     s = SHAPES[args.shape]
     print(f"\n{args.world} gloo ranks x 1 thread, shape {args.shape} {s}, torch {torch.__version__}, "
           f"median of {args.rounds} interleaved rounds (each the median of {args.steps} steps)\n")
