@@ -97,6 +97,14 @@ def grad_sync_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             if kinds == {"R"}:
                 kind[n] = "R"
                 continue
+            if not isinstance(n.meta.get(PLACEMENT), Layout) and n.op == "call_function" and (
+                    kinds == {"R", "P"} or not _flows_up(n, axis)):
+                # a tuple (an LSTM's gates chunked): the sum cannot wrap it, so each part
+                # whose gradient is partial is summed where it leaves (``getitem``)
+                for m in [u for u, k in contrib if k == "P"]:
+                    _sum_here(gm, m, ctx, axis, origin.get(m))
+                kind[n] = "R"
+                continue
             if kinds == {"R", "P"}:
                 # One all-reduce serves every partial use: autograd sums their gradients
                 # into it first. The whole ones bypass it, or they would be counted G times.
@@ -126,23 +134,34 @@ def grad_sync_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 for u in users:
                     u.replace_input_with(n, f)
                 kind[n] = "R"
-            elif n.op == "call_function" and len(_grad_inputs(n)) == 1 and \
-                    _is_replicated(_grad_inputs(n)[0], axis):
+            elif _flows_up(n, axis):
                 # one differentiable input: let the partial flow up to it, so that a sum at
                 # a weight's all-gather or a parameter can absorb it. With several inputs
                 # (q, k, v into attention; x and the weight into a norm) the sum is cheaper
                 # here, once, than on each of them.
                 kind[n] = "P"
             else:
-                users = list(n.users)
-                f = _insert_grad_all_reduce(gm, n, ctx, axis, before=origin.get(n))
-                for u in users:
-                    u.replace_input_with(n, f)
+                _sum_here(gm, n, ctx, axis, origin.get(n))
                 kind[n] = "R"
     gm.meta[PROGRAM].reduce_params = reduce_params
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _flows_up(n: fx.Node, axis: str) -> bool:
+    return n.op == "call_function" and len(_grad_inputs(n)) == 1 and \
+        _is_replicated(_grad_inputs(n)[0], axis)
+
+
+def _sum_here(gm: fx.GraphModule, n: fx.Node, ctx: CompileContext, axis: str,
+              before: fx.Node | None) -> None:
+    """Sum the gradient of ``n`` over ``axis`` where it leaves ``n``: every use reads it
+    through one ``grad_all_reduce``."""
+    users = list(n.users)
+    f = _insert_grad_all_reduce(gm, n, ctx, axis, before=before)
+    for u in users:
+        u.replace_input_with(n, f)
 
 
 def _grad_inputs(n: fx.Node) -> list[fx.Node]:

@@ -237,10 +237,15 @@ class ShardedModule(nn.Module):
 
     def _weight_gathers(self) -> list[Any]:  # fx.Node, whose args fx types loosely
         """The forward program's all-gathers of a weight whose backward reduce-scatters
-        its gradient (grad_sync gives exactly those a ``key``)."""
+        its gradient (grad_sync gives exactly those a ``key``), where the gather reads the
+        parameter itself. A gather of something made from it (an op with no rule reads an
+        LSTM's weight whole: its gradient is summed over data on the way, by a
+        ``grad_all_reduce`` between the parameter and the gather) keeps autograd's own
+        path, which runs that sum; a bucket would add the gather's sum to ``.grad``
+        past it."""
         return [n for n in self.graph_module.graph.nodes
                 if n.op == "call_function" and n.target is C.all_gather_start
-                and n.kwargs.get("key") is not None]
+                and n.kwargs.get("key") is not None and PARAM in n.args[0].meta]
 
     def _scattered_weights(self, gathers: list[Any]
                            ) -> dict[str, tuple[str, str, torch.dtype | None]]:

@@ -6,7 +6,8 @@ OLMo and Qwen3 (q/k norms), tiny configurations of each; and beyond decoders: T5
 (encoder-decoder, as configured by default: its labels shifted right by writes into a new
 tensor, keys concatenated onto a DynamicCache's empty start), ViT (a convolutional patch
 embedding) and a small CNN (convolutions, group norm, max and adaptive average pooling) on
-a data-parallel mesh, which must keep every sample on its own rank.
+a data-parallel mesh, which must keep every sample on its own rank; an LSTM (whose chunked
+gates once put a gradient sum on a tuple) and torch's nn.TransformerEncoder.
 
 Some run a few ops replicated (BLOOM's alibi ``repeat``, GPT-J's sin/cos table
 ``index``, ``repeat`` and ``gather``): allowed here as long as they gather nothing, that
@@ -98,6 +99,36 @@ class CNN(torch.nn.Module):
         return F.cross_entropy(self.fc(x.flatten(1)), y)
 
 
+class LSTMNet(torch.nn.Module):
+    """Two LSTM layers (export unrolls them: the gates of each step are one GEMM's output
+    chunked in four) between an embedding and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.rnn = torch.nn.LSTM(32, 32, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, ids: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.rnn(self.emb(ids))[0]).flatten(0, 1), t.flatten())
+
+
+class Encoder(torch.nn.Module):
+    """torch's own nn.TransformerEncoder (packed in-projection, post-norm) and nn.RMSNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.norm = torch.nn.RMSNorm(32)
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, ids: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.enc(self.emb(ids)))
+        return F.cross_entropy(self.head(h).flatten(0, 1), t.flatten())
+
+
 def _images(make):
     g = torch.Generator().manual_seed(1)
     return make, [(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g))
@@ -112,7 +143,8 @@ def _tokens(make):
 
 
 OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT), "x2y1z1d2"),
-          "cnn": (lambda: _images(CNN), "x1y1z2d2")}
+          "cnn": (lambda: _images(CNN), "x1y1z2d2"), "lstm": (lambda: _tokens(LSTMNet), "x2y1z1d2"),
+          "encoder": (lambda: _tokens(Encoder), "x1y2z2d1")}
 
 
 def _gathers_nothing(f) -> bool:

@@ -1,5 +1,7 @@
 """Rule sweep, shape family: view/reshape/flatten/unflatten/expand/squeeze/unsqueeze,
-permute/transpose/t, split/chunk/unbind, cat/stack, slice/select/narrow, flip/roll, pad.
+permute/transpose/t, split/chunk/unbind, cat/stack, slice/select/narrow, flip/roll, pad,
+gather, slice/select_scatter, copy, and (values, indices) ops along one dim (topk, sort,
+max/min over a dim, kthvalue, median, cummax).
 See ``rules_sweep.py``."""
 from __future__ import annotations
 
@@ -76,6 +78,15 @@ def specs() -> list[S.OpSpec]:
         V("copy", lambda m, a, b: (a * 1.0).copy_(b) * a, x(4, 6), x(4, 6)),
         V("copy.broadcast", lambda m, a, b: (a * 1.0).copy_(b) * a, x(4, 6), x(6)),
         V("setitem", lambda m, a, b: _setitem(a, b), x(4, 6), x(4, 5)),
+        # along one dim, (values, indices)
+        V("topk", lambda m, a: torch.topk(a, 3, dim=-1), x(4, 6), two=True),
+        V("sort", lambda m, a: torch.sort(a, dim=0, descending=True), x(4, 6)),
+        V("sort.stable", lambda m, a: torch.sort(a, dim=1, stable=True), x(4, 6)),
+        V("max.dim", lambda m, a: torch.max(a, dim=1), x(4, 6), two=True),
+        V("min.dim.keepdim", lambda m, a: torch.min(a, dim=0, keepdim=True), x(4, 6)),
+        V("kthvalue", lambda m, a: torch.kthvalue(a, 2, dim=1), x(4, 6)),
+        V("median.dim", lambda m, a: torch.median(a, dim=1), x(4, 6)),
+        V("cummax", lambda m, a: torch.cummax(a, dim=1), x(4, 6)),
     ]
     return _SPECS
 

@@ -166,3 +166,14 @@ def test_lookups_and_writes_keep_the_cut_either_side_has() -> None:
     needs, out = _decide(aten.cat.default, [([0], Layout.replicate(1)), ([4, 2, 6], z)], (-2,),
                          out_shape=[4, 2, 6], pass_inputs=[[0, 1]])
     assert needs == [Layout.replicate(1), z] and out == z
+
+
+def test_value_index_pairs_need_their_dim_whole() -> None:
+    x = Layout.of(2, {"data": 0, "x": 1})
+    needs, out = _decide(aten.topk.default, [([4, 8], x)], (3, -1), out_shape=[4, 3])
+    assert needs[0] == Layout.of(2, {"data": 0}) and out == needs[0]
+    # a max over dim 1 drops it (its indices too); over dim 0 with keepdim it stays
+    needs, out = _decide(aten.max.dim, [([4, 8], x)], (1,), out_shape=[4])
+    assert out == Layout.of(1, {"data": 0})
+    needs, out = _decide(aten.min.dim, [([4, 8], x)], (0, True), out_shape=[1, 8])
+    assert needs[0] == Layout.of(2, {"x": 1}) and out == needs[0]

@@ -172,6 +172,44 @@ def along_dim_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -
     return Strategy({node.args[0]: need}, out)
 
 
+# ops along one dim that return (values, indices): the dim whole, the others keep their
+# shards, and an index counts positions along the whole dim, so it is the global one.
+# op -> (position of ``dim`` and its default, whether the dim goes away without keepdim)
+_ALONG_PAIR = {aten.topk.default: (2, -1, False), aten.sort.default: (1, -1, False),
+               aten.sort.stable: (None, -1, False), aten.cummax.default: (1, None, False),
+               aten.cummin.default: (1, None, False), aten.max.dim: (1, None, True),
+               aten.min.dim: (1, None, True), aten.kthvalue.default: (2, -1, True),
+               aten.median.dim: (1, None, True), aten.mode.default: (1, -1, True)}
+
+
+@register_rule(*_ALONG_PAIR)
+def along_dim_pair_rule(L: Lowering, node: fx.Node) -> Any:
+    if L.env[node.args[0]].layout is None:
+        return fallback_rule(L, node)
+    s = along_dim_pair_strategy(node, {a: L.env[a] for a in node.all_input_nodes}, L.mesh)
+    xn = L.to_layout(L.env[node.args[0]], s.needs[node.args[0]])
+    vals = node.meta["val"]
+    n = L.emit(node.target, (xn, *node.args[1:]), dict(node.kwargs), layout=None, val=vals)
+    return [Val(L.emit(operator.getitem, (n, i), layout=s.out, val=v), s.out.clean(L.mesh), v)
+            for i, v in enumerate(vals)]
+
+
+@strategy(*_ALONG_PAIR)
+def along_dim_pair_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    x = vals[node.args[0]]
+    at, default, reduces = _ALONG_PAIR[node.target]
+    dim = node.args[at] if at is not None and len(node.args) > at else node.kwargs.get("dim", default)
+    dim %= x.ndim
+    need = no_partial(replicate_dims(x.layout, [dim]))
+    keepdim = node.args[at + 1] if at is not None and len(node.args) > at + 1 and reduces \
+        else node.kwargs.get("keepdim", False)
+    if reduces and not keepdim:
+        out = drop_dims(need, [None if d == dim else d - (d > dim) for d in range(x.ndim)], x.ndim - 1)
+    else:
+        out = need
+    return Strategy({node.args[0]: need}, out)
+
+
 @register_rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
                aten.unbind.int)
 def split_rule(L: Lowering, node: fx.Node) -> Any:
