@@ -24,12 +24,12 @@ from shardc.passes.rules.common import (Strategy, apply_strategy, aten, emit_lik
                                         materialise_then, no_partial, register_rule,
                                         replicate_dims, strategy, tensor_vals)
 
-# op -> how many trailing dims its window covers (pooling), or None: a convolution,
-# which also mixes every channel (dim 1)
+# convolutions mix every channel (dim 1) as well as the window's dims
 _CONV = (aten.convolution.default, aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
          aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding,
          aten.conv_transpose1d.default, aten.conv_transpose2d.input,
          aten.conv_transpose3d.input)
+# pooling: op -> how many trailing dims its window covers
 _WINDOW = {aten.max_pool1d.default: 1, aten.max_pool2d.default: 2, aten.max_pool3d.default: 3,
            aten.max_pool2d_with_indices.default: 2, aten.max_pool3d_with_indices.default: 3,
            aten.avg_pool1d.default: 1, aten.avg_pool2d.default: 2, aten.avg_pool3d.default: 3,

@@ -304,8 +304,9 @@ def _shared(pair: list[fx.Node], vals: Mapping[fx.Node, Any], whole: list[int]) 
     """One layout for two same-rank tensors that meet elementwise outside the dims in
     ``whole`` (which must be whole): the shards of whichever of them is cut on such a dim
     (the other is then cut to match, which costs nothing when it is whole), with every dim
-    whose sizes differ between the two also whole. Never partial: these ops read values
-    (a sum's parts cannot be written or looked up part by part)."""
+    whose sizes differ between the two also whole. Never partial: a partial sum's parts
+    could be looked up or written one by one only if both tensors were partial alike,
+    which is not worth a case of its own."""
     a, b = (vals[n] for n in pair)
     skip = set(whole) | {d for d in range(a.ndim) if a.shape[d] != b.shape[d]}
     lays = [no_partial(replicate_dims(v.layout, sorted(skip))) for v in (a, b)]
