@@ -28,8 +28,13 @@ from shardc.placement import Layout, Replicate
 from shardc.runtime import collectives as C
 from shardc.runtime import ops as R
 
-# local ops whose output never carries a gradient
-_NO_GRAD = {R.row_max, R.valid_count}
+aten = torch.ops.aten
+# local ops whose output never carries a gradient: the constants made like a tensor read
+# only its shape, dtype and device (a sum placed on one would be reported, and dropped
+# as dead by the step program's trace)
+_NO_GRAD = {R.row_max, R.valid_count, aten.new_zeros.default, aten.new_ones.default,
+            aten.new_full.default, aten.new_empty.default, aten.zeros_like.default,
+            aten.ones_like.default, aten.full_like.default, aten.empty_like.default}
 
 
 def _floating(v: object) -> bool:

@@ -129,6 +129,33 @@ class Encoder(torch.nn.Module):
         return F.cross_entropy(self.head(h).flatten(0, 1), t.flatten())
 
 
+class Writes(torch.nn.Module):
+    """Writes into new tensors, as user code does: ``new_zeros`` then ``out[:, 1:] = h``,
+    ``zeros_like(h).copy_(row)``, and topk / max over the last dim. ``new_zeros`` once
+    gathered h (it reads only its dtype), and the comm report counted a backward for that
+    gather and for sums on the constants that the step program never ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        out = h.new_zeros(h.shape)
+        out[:, 1:] = h[:, :-1]
+        out[:, 0] = 0.5
+        g = torch.zeros_like(h).copy_(h.mean(0, keepdim=True))
+        v, _ = torch.topk(out, 4, dim=-1)
+        return F.mse_loss(self.b(out + g), t) + v.mean() + torch.max(h, dim=-1).values.mean()
+
+
+def _dense():
+    g = torch.Generator().manual_seed(1)
+    return Writes, [(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g))
+                    for _ in range(3)]
+
+
 def _images(make):
     g = torch.Generator().manual_seed(1)
     return make, [(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g))
@@ -144,7 +171,7 @@ def _tokens(make):
 
 OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT), "x2y1z1d2"),
           "cnn": (lambda: _images(CNN), "x1y1z2d2"), "lstm": (lambda: _tokens(LSTMNet), "x2y1z1d2"),
-          "encoder": (lambda: _tokens(Encoder), "x1y2z2d1")}
+          "encoder": (lambda: _tokens(Encoder), "x1y2z2d1"), "writes": (_dense, "x1y1z2d2")}
 
 
 def _gathers_nothing(f) -> bool:

@@ -34,9 +34,17 @@ def factory_rule(L: Lowering, node: fx.Node) -> Any:
                aten.tril.default, aten.triu.default)
 def factory_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
     """Tensors made from constants: every rank computes the whole (global) tensor; a
-    consumer that needs a shard cuts it locally."""
-    return Strategy({a: Layout.replicate(v.ndim) for a, v in tensor_vals(vals)},
+    consumer that needs a shard cuts it locally. ``x.new_zeros(shape)`` and its kin read
+    only x's dtype and device, so x stays where it is: gathering it moved bytes for
+    nothing (and gave the gather a backward that the step program drops as dead)."""
+    keep = node.target in _NEW
+    return Strategy({a: v.layout if keep and v.layout is not None else Layout.replicate(v.ndim)
+                     for a, v in tensor_vals(vals)},
                     Layout.replicate(node.meta["val"].dim()))
+
+
+_NEW = {aten.new_ones.default, aten.new_zeros.default, aten.new_full.default,
+        aten.new_empty.default}
 
 
 _LIKE = (aten.full_like.default, aten.zeros_like.default, aten.ones_like.default,
