@@ -97,6 +97,15 @@ def emit_like(L: Lowering, node: fx.Node, need: dict[fx.Node, Layout], out: Layo
     return Val(n, out.clean(L.mesh), node.meta.get("val"))
 
 
+def emit_outputs(L: Lowering, node: fx.Node, xn: fx.Node, out: Layout) -> list[Val]:
+    """Emit an op of several outputs (values and indices) on its first input, already
+    laid out (``xn``); every output laid out as ``out``."""
+    vals = node.meta["val"]
+    n = L.emit(node.target, (xn, *node.args[1:]), dict(node.kwargs), layout=None, val=vals)
+    return [Val(L.emit(operator.getitem, (n, i), layout=out, val=v), out.clean(L.mesh), v)
+            for i, v in enumerate(vals)]
+
+
 @dataclass
 class Strategy:
     """What a rule decides, before anything is emitted: the layout each tensor input must

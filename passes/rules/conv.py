@@ -12,15 +12,14 @@ any parameter that meets different samples on different ranks.
 """
 from __future__ import annotations
 
-import operator
 from typing import Any, Mapping
 
 import torch.fx as fx
 
 from shardc.mesh import Mesh
 from shardc.placement import Layout
-from shardc.passes.lower import Lowering, Val
-from shardc.passes.rules.common import (Strategy, apply_strategy, aten, emit_like,
+from shardc.passes.lower import Lowering
+from shardc.passes.rules.common import (Strategy, apply_strategy, aten, emit_like, emit_outputs,
                                         materialise_then, no_partial, register_rule,
                                         replicate_dims, strategy, tensor_vals)
 
@@ -100,7 +99,4 @@ def window_rule(L: Lowering, node: fx.Node) -> Any:
         return emit_like(L, node, s.needs, s.out)
     # (values, indices): both shaped like the output, both laid out alike; an index
     # counts positions inside the window's dims, which are whole, so it is the global one
-    xn = L.to_layout(L.env[node.args[0]], s.needs[node.args[0]])
-    n = L.emit(node.target, (xn, *node.args[1:]), dict(node.kwargs), layout=None, val=vals)
-    return [Val(L.emit(operator.getitem, (n, i), layout=s.out, val=v), s.out.clean(L.mesh), v)
-            for i, v in enumerate(vals)]
+    return emit_outputs(L, node, L.to_layout(L.env[node.args[0]], s.needs[node.args[0]]), s.out)

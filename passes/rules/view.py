@@ -10,8 +10,8 @@ from shardc.mesh import Mesh
 from shardc.placement import Layout
 from shardc.passes.lower import Lowering, Val
 from shardc.passes.rules.common import (Strategy, apply_strategy, as_list, aten, drop_dims,
-                                        fallback_rule, materialise_then, no_partial, register_rule,
-                                        replicate_dims, strategy)
+                                        emit_outputs, fallback_rule, materialise_then, no_partial,
+                                        register_rule, replicate_dims, strategy)
 
 
 # ---------------------------------------------------------------- shape-changing
@@ -187,11 +187,7 @@ def along_dim_pair_rule(L: Lowering, node: fx.Node) -> Any:
     if L.env[node.args[0]].layout is None:
         return fallback_rule(L, node)
     s = along_dim_pair_strategy(node, {a: L.env[a] for a in node.all_input_nodes}, L.mesh)
-    xn = L.to_layout(L.env[node.args[0]], s.needs[node.args[0]])
-    vals = node.meta["val"]
-    n = L.emit(node.target, (xn, *node.args[1:]), dict(node.kwargs), layout=None, val=vals)
-    return [Val(L.emit(operator.getitem, (n, i), layout=s.out, val=v), s.out.clean(L.mesh), v)
-            for i, v in enumerate(vals)]
+    return emit_outputs(L, node, L.to_layout(L.env[node.args[0]], s.needs[node.args[0]]), s.out)
 
 
 @strategy(*_ALONG_PAIR)
