@@ -260,7 +260,8 @@ def cat_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Stra
     # onto it in training); it has no data to place, so it stays whole
     skipped = {t for t in node.args[0] if node.target is aten.cat.default and
                _legacy_empty(vals[t], val.dim())}
-    tensors = [vals[t] for t in node.args[0] if t not in skipped]
+    kept = [t for t in node.args[0] if t not in skipped]
+    tensors = [vals[t] for t in kept]
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     dim %= val.dim()
     first = next((t for t in tensors if t.layout is not None), None)
@@ -273,7 +274,7 @@ def cat_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Stra
         keep = [d if d < dim else d + 1 for d in range(base.ndim)]
         out = drop_dims(base, keep, val.dim())
     need = {t: Layout.replicate(1) for t in skipped}
-    for t_node, t in zip([t for t in node.args[0] if t not in skipped], tensors):
+    for t_node, t in zip(kept, tensors):
         lay = base
         for d in range(t.ndim):
             if t.shape[d] != first.shape[d] if first is not None else False:
