@@ -18,6 +18,7 @@ from .coalesce import coalesce_pass
 from .defer import defer_pass
 from .gemm_modes import gemm_modes_pass
 from .inplace import inplace_pass
+from .into_bucket import into_bucket_pass
 from .prefetch import prefetch_pass
 from .schedule import schedule_pass
 
@@ -38,6 +39,8 @@ PIPELINE: list[Pass] = [
 STEP_PIPELINE: list[Pass] = [
     # packs post-backward reductions; before scheduling, which then places the buckets
     bucket_pass,
+    # a weight gradient made by a GEMM is written into its bucket, not copied there
+    into_bucket_pass,
     # one all-gather / reduce-scatter per block of weights (FSDP2's grouping)
     coalesce_pass,
     # copies GEMM operands into the chosen form (NN/NT/TN); "auto" only times here and

@@ -30,14 +30,22 @@ import torch
 import torch.fx as fx
 
 from shardc.context import CompileContext
+from shardc.runtime import functional as F
 from shardc.runtime import gemm as G
 
 aten = torch.ops.aten
 GEMM = "shardc_gemm"  # node.meta of a GEMM: {"traced": form, "mode": form run, "key"}
 GEMM_TIMES = "shardc_gemm_times"  # gm.meta (auto, before settle): key -> form -> seconds
 
-# target -> index of the (A, B) operands among its args
-_OPERANDS: dict[Any, tuple[int, int]] = {aten.mm.default: (0, 1), aten.bmm.default: (0, 1), aten.addmm.default: (1, 2)}
+# target -> index of the (A, B) operands among its args; ``F.mm_into`` is an mm whose
+# result goes into a bucket (``into_bucket.py``): the same product, timed as mm
+_OPERANDS: dict[Any, tuple[int, int]] = {aten.mm.default: (0, 1), aten.bmm.default: (0, 1),
+                                         aten.addmm.default: (1, 2), F.mm_into: (1, 2)}
+_AS_OP: dict[Any, Any] = {F.mm_into: aten.mm.default}
+
+
+def _op(n: fx.Node) -> Any:
+    return _AS_OP.get(n.target, n.target)
 
 
 def gemm_nodes(g: fx.Graph) -> list[fx.Node]:
@@ -68,7 +76,7 @@ def _vals(n: fx.Node) -> list[torch.Tensor]:
 def key(n: fx.Node) -> tuple:
     vals = _vals(n)
     a, b = vals[-2], vals[-1]
-    return (str(n.target), tuple(tuple(v.shape) for v in vals), G.form(a, b), str(a.dtype),
+    return (str(_op(n)), tuple(tuple(v.shape) for v in vals), G.form(a, b), str(a.dtype),
             a.device.type)
 
 
@@ -83,7 +91,7 @@ def gemm_modes_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             k = key(n)
             if k not in G.CHOSEN and k not in times:
                 vals = _vals(n)
-                times[k] = G.time_forms(n.target, vals, vals[-1].device)
+                times[k] = G.time_forms(_op(n), vals, vals[-1].device)
         gm.meta[GEMM_TIMES] = times
         return gm
     return _rewrite(gm, {n: mode for n in nodes})

@@ -370,9 +370,20 @@ def pack_into(buf: torch.Tensor, x: torch.Tensor, offset: int) -> torch.Tensor:
     return buf
 
 
+def mm_into(buf: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offset: int,
+            shape: list[int]) -> torch.Tensor:
+    """``a @ b`` written straight into ``buf[offset:offset + numel]`` (viewed as ``shape``)
+    and return ``buf``: a weight gradient made by a GEMM goes into its bucket as it is
+    computed, with no copy after it (``passes/into_bucket.py``). Chained through ``buf``
+    as ``pack_into`` is."""
+    n = shape[0] * shape[1]
+    torch.mm(a, b, out=buf[offset:offset + n].view(shape))
+    return buf
+
+
 # What returns an alias of one of its arguments without an op schema to say so: the
 # argument's index (shardc.memory's liveness and passes/inplace.py read it).
-ALIASES = {pack_into: 0}
+ALIASES = {pack_into: 0, mm_into: 0}
 
 
 def _count(rt: str, collective: str, axis: str, ph: str, t: torch.Tensor) -> int:

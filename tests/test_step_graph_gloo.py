@@ -40,6 +40,7 @@ import shardc
 from harness import run_on_ranks
 from shardc.cost import step_shape
 from shardc.passes.defer import DEFERRED
+from shardc.runtime.functional import mm_into
 from shardc.runtime.pending import PendingOutput
 from models import GPT, MLPChain, gpt2, litgpt_llama
 
@@ -154,6 +155,11 @@ def _one(name: str, spec: str) -> list[str]:
         # a loss averaged over the data axis ends in an all-reduce: with overlap, the
         # step returns it unwaited (the bitwise checks below read it after backward)
         (jp,) = sm._joint.values()
+        if not kw and mesh.size("data") > 1 and mesh.size("z") == 1:
+            # weight gradients summed over data go into buckets: the GEMMs that make
+            # them write there (into_bucket.py), under the comparisons below
+            if not any(n.target is mm_into for n in jp.backward.graph.nodes):
+                out.append(f"{label}: no weight-gradient GEMM writes into its bucket")
         deferred = any(d.index == 0 for d in jp.forward.meta[DEFERRED])
         if deferred != (kw.get("overlap", True) and (deferred or mesh.size("data") > 1)):
             out.append(f"{label}: the loss's wait deferred: {deferred}")

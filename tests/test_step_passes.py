@@ -482,3 +482,51 @@ def test_defer_leaves_a_value_backward_reads_and_overlap_off() -> None:
         before = [n.name for n in gm.graph.nodes]
         gm = defer_pass(gm, ctx)
         assert gm.meta[DEFERRED] == [] and [n.name for n in gm.graph.nodes] == before
+
+
+def test_into_bucket_writes_a_gemms_gradient_into_its_slot_and_keeps_the_bytes() -> None:
+    """A weight gradient that is a GEMM's result seen through views (autograd's
+    ``t(t(mm))``) is written by the GEMM into its bucket slot (``F.mm_into``); a gradient
+    whose flat order is not the GEMM's (one transpose), a slot that does not start on 64
+    bytes, and a GEMM something else reads keep the copy. The bucket holds the same bytes
+    bit for bit, and gemm_modes still sees the GEMM."""
+    from shardc.passes.gemm_modes import gemm_nodes
+    from shardc.passes.into_bucket import into_bucket_pass
+
+    b = G()
+    ab = [(b.input(f"a{i}", m, 6), b.input(f"b{i}", 6, n))
+          for i, (m, n) in enumerate([(8, 4), (8, 4), (4, 3), (4, 4), (4, 4)])]
+    mm = [b.op(aten.mm.default, a, w) for a, w in ab]
+    grads = [
+        (b.op(aten.t.default, b.op(aten.t.default, mm[0])), 0),  # written into
+        (b.op(aten.t.default, mm[1]), 32),  # transposed: not the GEMM's order, copied
+        (mm[2], 64),  # written into; 12 floats, so the next slot starts on 304 bytes
+        (b.op(aten.view.default, mm[3], [16]), 76),  # 304 bytes: copied
+        (mm[4], 96),  # read again below: copied
+    ]
+    twice = b.op(aten.mul.Tensor, mm[4], 2.0)
+    # zeros, not empty: floats 92-95 are no slot's, and must compare equal too
+    buf = b.g.call_function(aten.zeros.default, ([112],), {"device": "meta"})
+    buf.meta["val"] = torch.empty(112, device="meta")
+    for x, off in grads:
+        buf = b.op(F.pack_into, buf, x, off)
+    gm = b.module(buf, twice)
+    torch.manual_seed(0)
+    ins = [torch.randn(n.meta["val"].shape) for n in gm.graph.nodes if n.op == "placeholder"]
+    for n in gm.graph.nodes:  # run on the CPU
+        if n.target is aten.zeros.default:
+            n.kwargs = {}
+    gm.recompile()
+    want = [t.clone() for t in gm(*ins)]
+    gm = into_bucket_pass(gm, _ctx())
+    kinds = [(n.target, n.args[-2] if n.target is F.mm_into else n.args[2])
+             for n in gm.graph.nodes if n.target in (F.pack_into, F.mm_into)]
+    assert kinds == [(F.mm_into, 0), (F.pack_into, 32), (F.mm_into, 64), (F.pack_into, 76),
+                     (F.pack_into, 96)], kinds
+    # the first GEMM and both its transposes are gone, the third GEMM too
+    assert sum(n.target is aten.mm.default for n in gm.graph.nodes) == 3
+    assert sum(n.target is aten.t.default for n in gm.graph.nodes) == 1
+    got = gm(*ins)
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    # gemm_modes counts a GEMM written into its bucket as a GEMM
+    assert len(gemm_nodes(gm.graph)) == 5
