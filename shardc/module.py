@@ -309,12 +309,12 @@ class ShardedModule(nn.Module):
         its gather group, or (shard_optimizer) the slice its program copy is made from."""
         zp = self._zero.get(name)
         if zp is not None:
-            p = self.get_parameter(name)
+            p = self._param_now(name)
             if p is not zp.slice:
                 _check_same(name, p, zp.slice)
                 zp.slice, zp.seen = p, -1  # -1: refresh() makes the program copy from it
             return zp.full
-        p = self.get_parameter(name)
+        p = self._param_now(name)
         old = self._bound[name]
         if p is not old or (p.requires_grad and name not in self._hooked):
             _check_same(name, p, old)
@@ -324,6 +324,20 @@ class ShardedModule(nn.Module):
             for g in self._gather_groups:
                 g.rebind(old, p)
         return p
+
+    def _param_now(self, name: str) -> torch.Tensor:
+        """``self.get_parameter(name)`` through the module dicts directly: every call
+        reads the modules as they are now, without ``get_parameter``'s getattr walk (0.7
+        ms a step for TinyGPT's 45 parameters, on a 12 ms forward)."""
+        *path, leaf = name.split(".")
+        mod: Any = self
+        try:
+            for key in path:
+                mod = mod._modules[key]
+            p = mod._parameters[leaf]
+        except (KeyError, AttributeError, TypeError):
+            p = None
+        return p if p is not None else self.get_parameter(name)  # its error, if any
 
     def _eager_only(self, hook: Any) -> Any:
         def run(g: torch.Tensor) -> torch.Tensor:
