@@ -385,3 +385,29 @@ def test_step_program_builds_through_a_zero_derivative(fake_world) -> None:
         sm(shardc.shard_batch(x, mesh)).backward()
     assert sm._joint_failed is None
     assert sm._joint, "no whole-step program was built"
+
+
+def test_a_parameter_replaced_after_compile_is_read_and_trained(fake_world) -> None:
+    """``load_state_dict(..., assign=True)`` and ``module.weight = nn.Parameter(...)`` put
+    new Parameter objects into the modules after compile: the next step's program reads
+    them (not the ones bound at compile) and their ``.grad`` gets the gradient."""
+    fake_world(1)
+    torch.manual_seed(0)
+    model = MLPChain()
+    x, y = _mlp_inputs()
+    sm = shardc.compile(copy.deepcopy(model), shardc.Mesh(), (x, y))
+    sm(x, y).backward()
+    new = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    sm.load_state_dict(new, assign=True)
+    sm.get_submodule("layers.2").weight = nn.Parameter(torch.randn(16, 16))
+    new["layers.2.weight"] = sm.get_parameter("layers.2.weight").detach().clone()
+    model.load_state_dict(new)
+    loss = sm(x, y)
+    loss.backward()
+    want = model(x, y)
+    want.backward()
+    # one rank, the same ops in the same order: the same numbers
+    assert torch.equal(loss.detach(), want.detach())
+    for name, p in sm.named_parameters():
+        assert p.grad is not None, name
+        assert torch.equal(p.grad, model.get_parameter(name).grad), name
