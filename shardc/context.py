@@ -50,6 +50,11 @@ class Options:
     precision: Any = "fp32"
     shard_optimizer: bool = False
     backend: str = "eager"
+    # a GEMM dim that its mesh axis does not divide (a 3-class head on x=2): False keeps
+    # that dim whole on that axis (every rank of it computes the product); True refuses
+    # it, as the planner asks (its pattern analysis drops meshes that do not divide the
+    # model, DESIGN.md). Not a compile() option.
+    refuse_indivisible: bool = False
 
     @property
     def bucket_bytes(self) -> int:

@@ -349,7 +349,8 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
             tries = [_smallest_of_pattern(pattern, batch)] + sorted(members, key=Mesh.spec)[:2]
             for m in [t for t in tries if t is not None]:
                 try:
-                    cache[key] = _analyse(compile_offline(model, inputs, m, **compile_kw),
+                    cache[key] = _analyse(compile_offline(model, inputs, m, refuse_indivisible=True,
+                                                          **compile_kw),
                                           checkpointing, machine)
                     break
                 except ShardcError as e:
@@ -452,7 +453,8 @@ def _traced_memory(model: torch.nn.Module, inputs: tuple, cands: list[Candidate]
     out: list[Candidate] = []
     for i, c in enumerate(cands):
         if i < top:
-            est = estimate(compile_offline(model, inputs, c.mesh, **compile_kw), optimizer)
+            est = estimate(compile_offline(model, inputs, c.mesh, refuse_indivisible=True,
+                                           **compile_kw), optimizer)
             c.memory_bytes_per_rank = float(est.total)
             c.param_bytes_per_rank = float(est.resident)
             c.activation_bytes_per_rank = float(est.step_peak)
@@ -466,7 +468,8 @@ def _traced_memory(model: torch.nn.Module, inputs: tuple, cands: list[Candidate]
 
 def _verify(model: torch.nn.Module, inputs: tuple, best: Candidate, compile_kw: dict) -> None:
     """Compile the winner for real: its report must equal the pattern's prediction."""
-    rep = comm_report(compile_offline(model, inputs, best.mesh, **compile_kw))
+    rep = comm_report(compile_offline(model, inputs, best.mesh, refuse_indivisible=True,
+                                      **compile_kw))
     for a in AXES:
         got, want = float(rep.total_bytes(axis=a)), best.bytes_per_axis[a]
         if not math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-6):

@@ -73,15 +73,6 @@ class WithBatchNorm(nn.Module):
         return self.bn(self.fc(x)).mean()
 
 
-class TwoOutputs(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.head = nn.Linear(8, 2)  # 2 output features, cut over x=4
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(x).mean()
-
-
 class DataDependent(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -275,13 +266,6 @@ def _(e: Env) -> None:
 @case("mesh='auto' without a machine", shardc.ShardcError, r"mesh='auto' needs machine=")
 def _(e: Env) -> None:
     shardc.compile(_mlp(), "auto", (e.x, e.t))
-
-
-@case("a mesh axis larger than the dim it cuts", shardc.ShardcError,
-      r"'head\.weight' .* has out_features \(n\)=2, which mesh axis 'x' \(size 4\) does not evenly "
-      r"divide.*Pad out_features to 4")
-def _(e: Env) -> None:
-    shardc.compile(TwoOutputs(), shardc.Mesh(x=4), (e.x,))
 
 
 @case("a model that is not a module", TypeError, r"model must be a torch\.nn\.Module, got function")

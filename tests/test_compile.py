@@ -140,13 +140,24 @@ def test_error_mesh_does_not_match_world(fake_world) -> None:
         shardc.compile(MLPChain(), shardc.Mesh(x=4), _mlp_inputs())
 
 
-def test_error_dimension_not_divisible(fake_world) -> None:
+def test_dimension_not_divisible_is_kept_whole_or_refused_for_the_planner(fake_world) -> None:
+    """A GEMM dim its axis does not divide is kept whole on that axis by compile (and the
+    decision says so); the planner's analysis, which drops meshes that do not divide the
+    model, asks for the refusal instead, with the padding that would fit."""
+    from shardc.offline import compile_offline
+
     fake_world(8)
+    sm = shardc.compile(MLPChain(dim=12), shardc.Mesh(y=8), _mlp_inputs(dim=12))
+    text = shardc.explain(sm)
+    assert "n=12 over -; out_features=12, which 'y' (8) does not divide, kept whole" in text, text
+    # 8 divides neither dim of any weight: every weight is stored whole
+    assert all(not any(lay.dims) for lay in sm.param_layouts.values()), sm.param_layouts
     with pytest.raises(ValueError, match=r"'layers.0.weight' \(aten.linear.default in layers.0 at "
                                          r"models.py:\d+\) has out_features \(n\)=12, which mesh "
                                          r"axis 'y' \(size 8\) does not evenly divide.*Pad "
                                          r"out_features to 16 or change the size of 'y'"):
-        shardc.compile(MLPChain(dim=12), shardc.Mesh(y=8), _mlp_inputs(dim=12))
+        compile_offline(MLPChain(dim=12), _mlp_inputs(dim=12), shardc.Mesh(y=8),
+                        refuse_indivisible=True)
 
 
 def test_error_batch_not_divisible(fake_world) -> None:

@@ -7,7 +7,8 @@ OLMo and Qwen3 (q/k norms), tiny configurations of each; and beyond decoders: T5
 tensor, keys concatenated onto a DynamicCache's empty start), ViT (a convolutional patch
 embedding) and a small CNN (convolutions, group norm, max and adaptive average pooling) on
 a data-parallel mesh, which must keep every sample on its own rank; an LSTM (whose chunked
-gates once put a gradient sum on a tuple) and torch's nn.TransformerEncoder.
+gates once put a gradient sum on a tuple) and torch's nn.TransformerEncoder; and GEMM dims
+a mesh axis does not divide (a 3-class ViT head, 3 input features), kept whole on it.
 
 Some run a few ops replicated (BLOOM's alibi ``repeat``, GPT-J's sin/cos table
 ``index``, ``repeat`` and ``gather``): allowed here as long as they gather nothing, that
@@ -72,12 +73,12 @@ class T5(torch.nn.Module):
 
 
 class ViT(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, labels: int = 10) -> None:
         super().__init__()
         import transformers
 
         cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=8,
-                                     intermediate_size=64, image_size=16, patch_size=4, num_labels=10,
+                                     intermediate_size=64, image_size=16, patch_size=4, num_labels=labels,
                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         self.m = transformers.ViTForImageClassification(cfg)
 
@@ -150,15 +151,37 @@ class Writes(torch.nn.Module):
         return F.mse_loss(self.b(out + g), t) + v.mean() + torch.max(h, dim=-1).values.mean()
 
 
+class OddDims(torch.nn.Module):
+    """GEMM dims a mesh axis does not divide: 3 input features (cut over y by the first,
+    normal, GEMM) and a 5-class head (its classes cut over x). Each is kept whole on that
+    axis, not refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(3, 16)
+        self.b = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.norm(self.b(F.gelu(self.a(x))))), y)
+
+
+def _odd():
+    g = torch.Generator().manual_seed(1)
+    return OddDims, [(torch.randn(8, 3, generator=g), torch.randint(0, 5, (8,), generator=g))
+                     for _ in range(3)]
+
+
 def _dense():
     g = torch.Generator().manual_seed(1)
     return Writes, [(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g))
                     for _ in range(3)]
 
 
-def _images(make):
+def _images(make, labels: int = 10):
     g = torch.Generator().manual_seed(1)
-    return make, [(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g))
+    return make, [(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, labels, (8,), generator=g))
                   for _ in range(3)]
 
 
@@ -171,7 +194,11 @@ def _tokens(make):
 
 OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT), "x2y1z1d2"),
           "cnn": (lambda: _images(CNN), "x1y1z2d2"), "lstm": (lambda: _tokens(LSTMNet), "x2y1z1d2"),
-          "encoder": (lambda: _tokens(Encoder), "x1y2z2d1"), "writes": (_dense, "x1y1z2d2")}
+          "encoder": (lambda: _tokens(Encoder), "x1y2z2d1"), "writes": (_dense, "x1y1z2d2"),
+          # a classifier of 3 classes straight after the final norm (DeiT's, BEiT's and
+          # DINOv2's heads read it so): x does not divide its classes
+          "vit3": (lambda: _images(lambda: ViT(labels=3), labels=3), "x2y2z1d1"),
+          "odd": (_odd, "x2y2z1d1")}
 
 
 def _gathers_nothing(f) -> bool:

@@ -99,18 +99,28 @@ def gemm_rule(L: Lowering, node: fx.Node) -> Any:
     k_axis, n_axis = ("x", "y") if transposed else ("y", "x")
     gk, gn = mesh.size(k_axis), mesh.size(n_axis)
     il = _infer_interleave(L, node, N, gn) if gn > 1 else 1
+    whole = []
     for size, what, axis, g, mult in ((K, "in_features (k)", k_axis, gk, 1),
                                       (N, "out_features (n)", n_axis, gn, il)):
         if g > 1 and size % (g * mult):
-            fix = -(-size // (g * mult)) * g * mult
-            raise ShardcError(
-                f"shardc.compile: {w.param!r} ({node.target} in {L.src.module or '?'} at "
-                f"{L.src.line or '?'}) has {what}={size}, which mesh axis {axis!r} (size {g})"
-                + (f" in {mult} interleaved groups" if mult > 1 else "")
-                + f" does not evenly divide. {L.mesh}. Pad {what.split()[0]} to {fix} or change "
-                f"the size of {axis!r}.")
-    shard_k = gk > 1
-    shard_n = gn > 1
+            if L.ctx.options.refuse_indivisible:
+                fix = -(-size // (g * mult)) * g * mult
+                raise ShardcError(
+                    f"shardc.compile: {w.param!r} ({node.target} in {L.src.module or '?'} at "
+                    f"{L.src.line or '?'}) has {what}={size}, which mesh axis {axis!r} (size {g})"
+                    + (f" in {mult} interleaved groups" if mult > 1 else "")
+                    + f" does not evenly divide. {L.mesh}. Pad {what.split()[0]} to {fix} or change "
+                    f"the size of {axis!r}.")
+            # kept whole on that axis, as an embedding keeps a vocabulary it does not
+            # divide: correct, and the redundant product is small in the usual case (a
+            # classifier's few classes); uneven shards would cost every rank a padded copy
+            whole.append(f"{what.split()[0]}={size}, which {axis!r} ({g})"
+                         + (f" in {mult} interleaved groups" if mult > 1 else "")
+                         + " does not divide, kept whole")
+    shard_k = gk > 1 and K % gk == 0
+    shard_n = gn > 1 and N % (gn * il) == 0
+    if not shard_n:
+        il = 1
     # activation: features cut over the k axis, whole over the n axis
     xl = no_partial(x.layout.clean(mesh))
     for a in (k_axis, n_axis):
@@ -139,7 +149,8 @@ def gemm_rule(L: Lowering, node: fx.Node) -> Any:
     L.decisions.append(
         f"{L.src.module or node.name}: {'transposed' if transposed else 'normal'} GEMM "
         f"k={K} over {k_axis if shard_k else '-'}, n={N} over {n_axis if shard_n else '-'}"
-        + (f" (columns interleaved in {il} groups)" if il > 1 else ""))
+        + (f" (columns interleaved in {il} groups)" if il > 1 else "")
+        + "".join(f"; {w_}" for w_ in whole))
     gval = node.meta["val"]
     target = aten.mm.default if t is aten.addmm.default else t
     mm = L.emit(target, (xn, wn), layout=out, val=gval)
