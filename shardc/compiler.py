@@ -230,12 +230,13 @@ def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Optio
             roles[name] = ("input", name)
             user_inputs.append(name)
     for spec in sig.output_specs:
-        if spec.kind.name != "USER_OUTPUT":
+        # a running statistic (BatchNorm's) is an output of the program that the
+        # module writes back into its buffer (ShardedModule.forward)
+        if spec.kind.name not in ("USER_OUTPUT", "BUFFER_MUTATION"):
             raise ShardcError(
                 f"shardc.compile: the model mutates state during forward ({spec.kind.name} of "
-                f"{spec.target!r}), e.g. BatchNorm running statistics; shardc cannot shard it yet. "
-                "Use a normalisation without running buffers (LayerNorm, RMSNorm), or compile the "
-                "model in eval mode (model.eval(): running statistics are read, not updated).")
+                f"{spec.target!r}); shardc writes back only buffers (running statistics). Return "
+                "the new value from forward instead of writing it into an input.")
     runtime = Runtime(mesh, rank)
     trainable = frozenset(canonical[n] for n, p in model.named_parameters() if p.requires_grad)
     layouts, grad_inputs = _input_layouts(example_inputs, user_inputs, input_layouts or {}, mesh)

@@ -124,6 +124,12 @@ class ShardedModule(nn.Module):
         self._buffers_full = {k: v for k, v in model.named_buffers()}
         self._ep_constants = dict(ep.constants)
         self._out_spec = ep.call_spec.out_spec
+        # (output index, buffer): outputs that are a buffer's new value (BatchNorm's
+        # running statistics), written back after each call; the rest are the user's
+        self._mutations = [(i, spec.target) for i, spec in enumerate(ep.graph_signature.output_specs)
+                           if spec.kind.name == "BUFFER_MUTATION"]
+        for _, target in self._mutations:  # compile never changes the model it was given
+            self._buffers_full[target] = self._buffers_full[target].detach().clone()
         self._in_spec = ep.call_spec.in_spec
         self._feeds: list[tuple[str, str]] = []
         roles = ctx.role_map
@@ -370,8 +376,19 @@ class ShardedModule(nn.Module):
                 # such as `data[:, :-1]` is copied once here rather than failing in a view
                 x = next(it)
                 args.append(x.contiguous() if isinstance(x, torch.Tensor) else x)
-        out = self._run(args)
-        return pytree.tree_unflatten(list(out), self._out_spec)
+        out = list(self._run(args))
+        if self._mutations:
+            from shardc.runtime.pending import PendingOutput
+
+            for i, target in self._mutations:
+                new = out[i].value() if isinstance(out[i], PendingOutput) else out[i]
+                # the new value takes the buffer's place rather than being copied into it:
+                # a recomputed block saved the old one for backward, and torch refuses a
+                # saved tensor written in place
+                self._buffers_full[target] = new.detach()
+            written = {i for i, _ in self._mutations}
+            out = [o for j, o in enumerate(out) if j not in written]
+        return pytree.tree_unflatten(out, self._out_spec)
 
     def _forward_program(self, args: list[Any]) -> Any:
         """The forward program, whose backward is autograd's (with no_sync's and

@@ -8,7 +8,9 @@ tensor, keys concatenated onto a DynamicCache's empty start), ViT (a convolution
 embedding) and a small CNN (convolutions, group norm, max and adaptive average pooling) on
 a data-parallel mesh, which must keep every sample on its own rank; an LSTM (whose chunked
 gates once put a gradient sum on a tuple) and torch's nn.TransformerEncoder; and GEMM dims
-a mesh axis does not divide (a 3-class ViT head, 3 input features), kept whole on it.
+a mesh axis does not divide (a 3-class ViT head, 3 input features), kept whole on it;
+batch norm in training (a small CNN, transformers' ResNet): the global batch's statistics,
+the running ones and the batch counter written back as one device's.
 
 Some run a few ops replicated (BLOOM's alibi ``repeat``, GPT-J's sin/cos table
 ``index``, ``repeat`` and ``gather``): allowed here as long as they gather nothing, that
@@ -98,6 +100,41 @@ class CNN(torch.nn.Module):
         x = F.max_pool2d(F.relu(self.norm(self.c1(x))), 2)
         x = F.adaptive_avg_pool2d(F.relu(self.c2(x)), 4)
         return F.cross_entropy(self.fc(x.flatten(1)), y)
+
+
+class BNNet(torch.nn.Module):
+    """Batch norm in training (2-d after convolutions, 1-d after a linear whose features
+    x cuts): the statistics are the global batch's, the running ones too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(8)
+        self.c2 = torch.nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(8, momentum=0.3)
+        self.fc = torch.nn.Linear(8 * 4 * 4, 16)
+        self.bn3 = torch.nn.BatchNorm1d(16)
+        self.head = torch.nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.bn1(self.c1(x))), 2)
+        x = F.adaptive_avg_pool2d(F.relu(self.bn2(self.c2(x))), 4)
+        return F.cross_entropy(self.head(F.relu(self.bn3(self.fc(x.flatten(1))))), y)
+
+
+class ResNet(torch.nn.Module):
+    """transformers' ResNet: batch norm after every convolution, in training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                        num_labels=10)
+        self.m = transformers.ResNetForImageClassification(cfg)
+
+    def forward(self, pixels: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.m(pixel_values=pixels, labels=labels).loss
 
 
 class LSTMNet(torch.nn.Module):
@@ -198,7 +235,9 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           # a classifier of 3 classes straight after the final norm (DeiT's, BEiT's and
           # DINOv2's heads read it so): x does not divide its classes
           "vit3": (lambda: _images(lambda: ViT(labels=3), labels=3), "x2y2z1d1"),
-          "odd": (_odd, "x2y2z1d1")}
+          "odd": (_odd, "x2y2z1d1"),
+          "batchnorm": (lambda: _images(BNNet), "x1y1z2d2"), "batchnorm-x": (lambda: _images(BNNet), "x2y1z1d2"),
+          "resnet": (lambda: _images(ResNet), "x1y1z1d4")}
 
 
 def _gathers_nothing(f) -> bool:

@@ -1,5 +1,6 @@
 """Rule sweep, convolution family: conv1d/2d/3d (bias, stride, padding, dilation, groups),
-transposed convolution, max/avg/adaptive pooling (with and without indices) and group norm,
+transposed convolution, max/avg/adaptive pooling (with and without indices), interpolation
+(nearest, linear, bilinear, bicubic, trilinear), batch norm in training and group norm,
 each against one device with its input in every placement (the weights are parameters,
 used whole). See ``rules_sweep.py``."""
 from __future__ import annotations
@@ -55,6 +56,24 @@ def specs() -> list[S.OpSpec]:
         C("avg_pool1d", lambda m, a: F.avg_pool1d(a, 2), x(4, 4, 8)),
         C("adaptive_avg_pool2d", lambda m, a: F.adaptive_avg_pool2d(a, 2), x(4, 4, 6, 6), two=True),
         C("adaptive_max_pool2d", lambda m, a: F.adaptive_max_pool2d(a, 3), x(4, 4, 6, 6)),
+        C("interpolate.nearest", lambda m, a: F.interpolate(a, scale_factor=2), x(4, 4, 3, 3), two=True),
+        C("interpolate.bilinear", lambda m, a: F.interpolate(a, size=(5, 7), mode="bilinear",
+                                                             align_corners=False), x(4, 4, 3, 3)),
+        C("interpolate.bicubic", lambda m, a: F.interpolate(a, scale_factor=2, mode="bicubic",
+                                                            align_corners=True), x(4, 4, 3, 3)),
+        C("interpolate.linear1d", lambda m, a: F.interpolate(a, size=7, mode="linear"), x(4, 4, 5)),
+        C("interpolate.trilinear", lambda m, a: F.interpolate(a, scale_factor=2, mode="trilinear"),
+          x(4, 2, 2, 2, 2)),
+        # training batch norm: statistics over the global batch (running ones are
+        # local tensors here: only the output and the gradients are compared)
+        C("batch_norm2d", lambda m, a: F.batch_norm(a, a.new_zeros(4), a.new_ones(4), m.weight, m.bias,
+                                                    training=True), x(4, 4, 3, 3),
+          params={"weight": x(4), "bias": x(4)}, two=True),
+        C("batch_norm1d", lambda m, a: F.batch_norm(a, a.new_zeros(4), a.new_ones(4), training=True,
+                                                    momentum=0.2), x(4, 4)),
+        C("batch_norm1d.seq", lambda m, a: F.batch_norm(a, a.new_zeros(4), a.new_ones(4), m.weight,
+                                                        training=True), x(4, 4, 5),
+          params={"weight": x(4)}),
         C("group_norm", lambda m, a: F.group_norm(a, 2, m.weight, m.bias), x(4, 4, 6, 6),
           params={"weight": x(4), "bias": x(4)}, two=True),
         C("group_norm.noaffine", lambda m, a: F.group_norm(a, 4), x(4, 4, 8)),

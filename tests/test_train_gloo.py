@@ -170,6 +170,10 @@ def _case_failures(name: str, mesh: shardc.Mesh, allowed=_attention_masks, **com
             out.append(f"{where}: after 3 steps {k}: {None if got is None else tuple(got.shape)} "
                        f"vs {tuple(ref.shape)}")
             continue
+        if not ref.is_floating_point():  # a counter (BatchNorm's num_batches_tracked)
+            if not torch.equal(got, ref):
+                out.append(f"{where}: after 3 steps {k}: {got.tolist()} vs {ref.tolist()}")
+            continue
         # elementwise, and as a whole tensor (tensors that are ~0 in both, like a key
         # bias, by atol)
         worst = ((got - ref).abs() - RTOL * ref.abs()).max().item()

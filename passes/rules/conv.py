@@ -1,6 +1,6 @@
-"""Convolutions, pooling and group norm: ops that slide a window over the trailing
-(spatial) dims of each sample independently. The leading dims (batch, and channels for
-pooling) keep their shards; the window's dims, and for a convolution the channels it
+"""Convolutions, pooling, resampling (interpolate) and group norm: ops that work over the
+trailing (spatial) dims of each sample independently. The leading dims (batch, and
+channels for pooling and resampling) keep their shards; the window's dims, and for a convolution the channels it
 mixes, must be whole on every rank.
 
 Why a rule and not the fallback: the fallback runs an op on whole tensors, so a
@@ -36,6 +36,16 @@ _WINDOW = {aten.max_pool1d.default: 1, aten.max_pool2d.default: 2, aten.max_pool
            aten._adaptive_avg_pool2d.default: 2, aten.adaptive_avg_pool3d.default: 3,
            aten._adaptive_avg_pool3d.default: 3, aten.adaptive_max_pool1d.default: 1,
            aten.adaptive_max_pool2d.default: 2, aten.adaptive_max_pool3d.default: 3}
+# resampling (F.interpolate) computes each sample's every channel from that channel alone
+_RESAMPLE = {f"upsample_nearest{d}d": d for d in (1, 2, 3)}
+_RESAMPLE.update({f"_upsample_nearest_exact{d}d": d for d in (1, 2, 3)})
+_RESAMPLE.update(upsample_linear1d=1, upsample_bilinear2d=2, upsample_bicubic2d=2,
+                 upsample_trilinear3d=3, _upsample_bilinear2d_aa=2, _upsample_bicubic2d_aa=2)
+for _name, _d in _RESAMPLE.items():
+    for _overload in ("default", "vec"):
+        _op = getattr(getattr(aten, _name, None), _overload, None)
+        if _op is not None:
+            _WINDOW[_op] = _d
 # group norm normalises each sample over its group's channels and every spatial position
 _GROUP_NORM = (aten.group_norm.default,)
 

@@ -130,6 +130,86 @@ def layer_norm_rule(L: Lowering, node: fx.Node) -> Any:
     return Val(y, xl, val)
 
 
+@register_rule(aten._native_batch_norm_legit_functional.default)
+def batch_norm_rule(L: Lowering, node: fx.Node) -> Any:
+    """Batch norm in training: the statistics of the global batch, as on one device.
+
+    Each rank keeps its samples; the per-channel sums over the dims the ranks cut (the
+    batch, over data and z) are all-reduced, then the mean-centred squares' sums (the
+    two-pass variance of torch's own decomposition), so every rank normalises with the
+    mean and variance one device would compute, and backward's sums over the batch come
+    from the same all-reduces' gradients (SyncBatchNorm, derived rather than written).
+    The running statistics are updated from those global values: replicated outputs
+    that ShardedModule writes back into the buffers."""
+    x = L.env[node.args[0]]
+    w, b, rm, rv = (L.env[a] if isinstance(a, fx.Node) else None for a in node.args[1:5])
+    training, momentum, eps = node.args[5], node.args[6], node.args[7]
+    mesh = L.mesh
+    if not training or not isinstance(x, Val) or x.layout is None or x.ndim < 2 \
+            or rm is None or rv is None:
+        return fallback_rule(L, node)
+    xl = replicate_dims(no_partial(x.layout.clean(mesh)), [1])  # channels whole
+    red = [d for d in range(x.ndim) if d != 1]
+    axes = [a for d in red for a in xl.dims[d]]
+    vals = node.meta["val"]
+    C = x.shape[1]
+    n = math.prod(x.shape) // C
+    acc = torch.float32 if x.val.dtype in (torch.float16, torch.bfloat16) else x.val.dtype
+    bshape = [1, C] + [1] * (x.ndim - 2)
+    rep = Layout.replicate(1)
+    cval = torch.empty([C], device="meta", dtype=acc)
+    xval = torch.empty(x.shape, device="meta", dtype=acc)
+    L.decisions.append(
+        f"{L.src.module or node.name}: batch norm over the global batch"
+        + (f" (per-channel sums all-reduced over {', '.join(axes)}, twice)" if axes else ""))
+
+    def total(t: fx.Node) -> fx.Node:
+        part = rep
+        for a in axes:
+            part = part.with_partial(a, "sum")
+        s = L.emit(aten.sum.dim_IntList, (t, red), layout=part, val=cval)
+        lay = part
+        for a in axes:
+            s = L._all_reduce(s, lay, a, "sum", cval)
+            lay = lay.with_replicated(a)
+        return L.emit(aten.div.Tensor, (s, n), layout=rep, val=cval)
+
+    def chan(t: fx.Node) -> fx.Node:  # a per-channel value, broadcast over the rest
+        return L.emit(aten.view.default, (t, bshape), layout=Layout.replicate(x.ndim),
+                      val=torch.empty(bshape, device="meta", dtype=acc))
+
+    xn = L.to_layout(x, xl)
+    if acc != x.val.dtype:
+        xn = L.emit(aten._to_copy.default, (xn,), {"dtype": acc}, layout=xl, val=xval)
+    mean = total(xn)
+    xc = L.emit(aten.sub.Tensor, (xn, chan(mean)), layout=xl, val=xval)
+    var = total(L.emit(aten.mul.Tensor, (xc, xc), layout=xl, val=xval))
+    rstd = L.emit(aten.rsqrt.default, (L.emit(aten.add.Tensor, (var, eps), layout=rep, val=cval),),
+                  layout=rep, val=cval)
+    y = L.emit(aten.mul.Tensor, (xc, chan(rstd)), layout=xl, val=xval)
+    for p, op in ((w, aten.mul.Tensor), (b, aten.add.Tensor)):
+        if p is not None:
+            y = L.emit(op, (y, chan(L.to_layout(p, rep))), layout=xl, val=xval)
+    if acc != x.val.dtype:
+        y = L.emit(aten._to_copy.default, (y,), {"dtype": x.val.dtype}, layout=xl, val=vals[0])
+
+    def running(old: Val, new: fx.Node, scale: float) -> fx.Node:
+        # torch's update: momentum * batch statistic + (1 - momentum) * running; the
+        # statistic carries no gradient into the buffer
+        stat = L.emit(aten.detach.default, (new,), layout=rep, val=cval)
+        if scale != 1.0:
+            stat = L.emit(aten.mul.Tensor, (stat, scale), layout=rep, val=cval)
+        o = L.to_layout(old, rep)
+        return L.emit(aten.add.Tensor, (L.emit(aten.mul.Tensor, (stat, momentum), layout=rep, val=cval),
+                                        L.emit(aten.mul.Tensor, (o, 1 - momentum), layout=rep, val=cval)),
+                      layout=rep, val=cval)
+
+    new_rm = running(rm, mean, 1.0)
+    new_rv = running(rv, var, n / (n - 1) if n > 1 else 1.0)
+    outs = [(y, xl), (mean, rep), (rstd, rep), (new_rm, rep), (new_rv, rep)]
+    return [Val(t, lay.clean(mesh), v) for (t, lay), v in zip(outs, vals)]
+
+
 # ------------------------------------------------------------------------- losses
 @register_rule(aten.cross_entropy_loss.default)
 def cross_entropy_rule(L: Lowering, node: fx.Node) -> Any:
