@@ -6,7 +6,8 @@ Writes: nothing new; a new order of the nodes; ``gm.meta[SCHEDULE]``: per collec
         the compute it now overlaps (nodes between its issue and its wait), and whether
         its wait is deferred past the part (``passes/defer.py``)
 Keeps:  every data dependence; the order of the weight all-gathers of forward (the
-        prefetch pass chose it); every rank computes the same order (the same graph and
+        prefetch pass chose it); the order of the draws from the random generator
+        (dropout masks); every rank computes the same order (the same graph and
         the same rule), so every group still sees its collectives in the same order
 
 Why: traced in autograd's order, a backward collective is waited right after it is
@@ -33,6 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 import networkx as nx
+import torch
 import torch.fx as fx
 
 from shardc.context import COMM, CompileContext
@@ -81,6 +83,11 @@ def _param_gather(n: fx.Node) -> bool:
             return False
         stack.extend(a.all_input_nodes)
     return True
+
+
+def _draws_random(n: fx.Node) -> bool:
+    t = n.target
+    return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
 
 
 def _urgency(g: fx.Graph, blocking: list[fx.Node]) -> dict[fx.Node, int]:
@@ -132,6 +139,10 @@ def schedule_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         if n in pinned and prev is not None:
             dag.add_edge(prev, n)
         prev = n
+    # draws from the default generator keep their order: a dropout moved ahead of another
+    # would take the other's random numbers, and the masks would no longer be one device's
+    draws = [n for n in body if _draws_random(n)]
+    dag.add_edges_from(zip(draws, draws[1:]))
 
     def key(n: fx.Node) -> tuple[int, int, int]:
         if n.target is F.WAIT:

@@ -10,7 +10,8 @@ a data-parallel mesh, which must keep every sample on its own rank; an LSTM (who
 gates once put a gradient sum on a tuple) and torch's nn.TransformerEncoder; and GEMM dims
 a mesh axis does not divide (a 3-class ViT head, 3 input features), kept whole on it;
 batch norm in training (a small CNN, transformers' ResNet): the global batch's statistics,
-the running ones and the batch counter written back as one device's.
+the running ones and the batch counter written back as one device's; GPT-2 with its
+default dropout, in attention too, drawing one device's masks.
 
 Some run a few ops replicated (BLOOM's alibi ``repeat``, GPT-J's sin/cos table
 ``index``, ``repeat`` and ``gather``): allowed here as long as they gather nothing, that
@@ -120,6 +121,16 @@ class BNNet(torch.nn.Module):
         x = F.max_pool2d(F.relu(self.bn1(self.c1(x))), 2)
         x = F.adaptive_avg_pool2d(F.relu(self.bn2(self.c2(x))), 4)
         return F.cross_entropy(self.head(F.relu(self.bn3(self.fc(x.flatten(1))))), y)
+
+
+def _gpt2_dropout():
+    """GPT-2 as configured by default (dropout 0.1 on embeddings, attention probabilities
+    and residuals): the attention's dropout runs per head with one device's mask."""
+    import transformers
+
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=8)
+    assert cfg.attn_pdrop > 0 and cfg.resid_pdrop > 0
+    return HFCausalLM(transformers.GPT2LMHeadModel(cfg))
 
 
 class ResNet(torch.nn.Module):
@@ -237,7 +248,8 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "vit3": (lambda: _images(lambda: ViT(labels=3), labels=3), "x2y2z1d1"),
           "odd": (_odd, "x2y2z1d1"),
           "batchnorm": (lambda: _images(BNNet), "x1y1z2d2"), "batchnorm-x": (lambda: _images(BNNet), "x2y1z1d2"),
-          "resnet": (lambda: _images(ResNet), "x1y1z1d4")}
+          "resnet": (lambda: _images(ResNet), "x1y1z1d4"),
+          "gpt2-dropout": (lambda: _tokens(_gpt2_dropout), "x2y1z1d2")}
 
 
 def _gathers_nothing(f) -> bool:

@@ -1,5 +1,5 @@
-"""Rule sweep on real gloo processes: dropout (against one device drawing from the same
-seed), and a representative subset of every other family.
+"""Rule sweep on real gloo processes: dropout and attention dropout (against one device
+drawing from the same seed), and a representative subset of every other family.
 
 Dropout cannot run on the threaded process group: its mask is drawn from the
 process-wide default generator, which the rank threads share, so each would draw a
@@ -37,6 +37,21 @@ def dropout_specs() -> list[S.OpSpec]:
                  (S._t((4, 6), g),), meshes=("x2", "d2"), seed=14),
         S.OpSpec("random", "dropout.eval", lambda m, a: F.dropout(a, 0.3, training=False),
                  (S._t((4, 6), g),), meshes=("y2",), seed=13),
+        # attention dropout: the CPU kernel's mask, drawn whole and cut per sample and head
+        S.OpSpec("random", "sdpa.dropout",
+                 lambda m, a, b, c: F.scaled_dot_product_attention(a, b, c, dropout_p=0.25),
+                 (S._t((4, 4, 6, 8), g), S._t((4, 4, 6, 8), g), S._t((4, 4, 6, 8), g)),
+                 meshes=("x2", "d2", "x2y2"), seed=15),
+        S.OpSpec("random", "sdpa.dropout.causal",
+                 lambda m, a, b, c: F.scaled_dot_product_attention(a, b, c, dropout_p=0.25,
+                                                                   is_causal=True, scale=0.3),
+                 (S._t((4, 4, 6, 8), g), S._t((4, 4, 6, 8), g), S._t((4, 4, 6, 8), g)),
+                 meshes=("z2d2",), seed=16),
+        S.OpSpec("random", "sdpa.dropout.mask",
+                 lambda m, a, b, c, mk: F.scaled_dot_product_attention(a, b, c, attn_mask=mk,
+                                                                       dropout_p=0.25),
+                 (S._t((4, 4, 6, 8), g), S._t((4, 4, 6, 8), g), S._t((4, 4, 6, 8), g),
+                  S._t((4, 1, 6, 6), g)), meshes=("d2",), seed=17),
     ]
     return _SPECS
 

@@ -122,6 +122,25 @@ def test_schedule_issues_the_collective_with_the_shortest_way_first() -> None:
     gm.graph.lint()
 
 
+def test_schedule_keeps_the_random_draws_in_order() -> None:
+    """Two dropout masks: the second feeds a blocking all-reduce, so "blocking paths
+    first" would draw it first, and it would take the random numbers one device gives
+    the first mask (a GPT-2 with dropout trained with wrong gradients on x1y1z1d4).
+    The draws keep their traced order; everything else may still move."""
+    b = G()
+    x, y = b.input("x", 8, 16), b.input("y", 8, 16)
+    m1 = b.op(aten.bernoulli.p, x, 0.5)
+    first = b.op(aten.mul.Tensor, b.op(aten.mm.default, x, b.input("w", 16, 16)), m1)
+    m2 = b.op(aten.bernoulli.p, y, 0.5)
+    ar, wait = b.collective("all_reduce", b.op(aten.mul.Tensor, y, m2), "x", "forward")
+    gm = schedule_pass(b.module(b.op(aten.add.Tensor, wait, first)), _ctx())
+    order = [n.name for n in gm.graph.nodes]
+    assert order.index(m1.name) < order.index(m2.name), order
+    # the blocking all-reduce still leaves before the GEMM that does not feed it
+    assert order.index(ar.name) < order.index(next(n.name for n in gm.graph.nodes
+                                                   if n.target is aten.mm.default)), order
+
+
 def test_schedule_off_keeps_the_traced_order() -> None:
     b = G()
     g, x, w = b.input("g", 8, 16), b.input("x", 8, 16), b.input("w", 16, 16)

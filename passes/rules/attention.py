@@ -4,21 +4,92 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+import torch
 import torch.fx as fx
 
 from shardc.mesh import Mesh
 from shardc.placement import Layout
-from shardc.passes.lower import Lowering
+from shardc.runtime import ops as R
+from shardc.passes.lower import Lowering, Val
 from shardc.passes.rules.common import (Strategy, apply_strategy, aten, fallback_rule, no_partial,
                                         register_rule, replicate_dims, strategy)
 
 
 # -------------------------------------------------------------------- attention
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _sdpa_arg(node: fx.Node, name: str, default: Any) -> Any:
+    i = _SDPA_ARGS.index(name)
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
 @register_rule(aten.scaled_dot_product_attention.default)
 def sdpa_rule(L: Lowering, node: fx.Node) -> Any:
-    if node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0):
-        return fallback_rule(L, node)  # its kernel draws its own dropout mask
+    if _sdpa_arg(node, "dropout_p", 0.0):
+        return sdpa_dropout_rule(L, node)
     return apply_strategy(L, node, sdpa_strategy)
+
+
+def sdpa_dropout_rule(L: Lowering, node: fx.Node) -> Any:
+    """Attention with dropout on the probabilities, per head as without it, in the math
+    form torch's CPU kernel runs: q and k each scaled by sqrt(scale), softmax, dropout,
+    times v. The dropout is shardc's global one (the mask one device draws for the whole
+    (batch, heads, L, S) tensor, cut to this rank's heads and samples): on the CPU the
+    fused kernel draws its mask with that same call, so the masks are one device's.
+
+    Elsewhere (CUDA's flash and memory-efficient kernels draw their masks inside the
+    kernel, in an order no slice reproduces) the attention runs replicated, whole, so
+    that it still draws one device's mask; a GQA attention (fewer k/v heads) too."""
+    q, k, v = (L.env[a] for a in node.args[:3])
+    gval = node.meta["val"]
+    if (not all(isinstance(t, Val) and t.layout is not None for t in (q, k, v))
+            or gval.device.type != "cpu" or k.shape[1] != q.shape[1] or q.ndim != 4
+            or _sdpa_arg(node, "enable_gqa", False)):
+        return fallback_rule(L, node)
+    p = float(_sdpa_arg(node, "dropout_p", 0.0))
+    causal = bool(_sdpa_arg(node, "is_causal", False))
+    scale = _sdpa_arg(node, "scale", None)
+    mask_node = _sdpa_arg(node, "attn_mask", None)
+    s = sdpa_strategy(node, {a: L.env[a] for a in node.all_input_nodes}, L.mesh)
+    qn, kn, vn = (L.to_layout(L.env[a], s.needs[a]) for a in node.args[:3])
+    B, H, Lq, D = q.shape
+    S = k.shape[2]
+    lay = s.out  # batch and head cuts; the (L, S) matrix whole
+    dt = gval.dtype
+
+    def meta(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, device="meta", dtype=dt)
+
+    root = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(D))
+    qs = L.emit(aten.mul.Tensor, (qn, root), layout=s.needs[node.args[0]], val=meta(B, H, Lq, D))
+    kt = L.emit(aten.transpose.int, (kn, -2, -1), layout=lay, val=meta(B, H, D, S))
+    kt = L.emit(aten.mul.Tensor, (kt, root), layout=lay, val=meta(B, H, D, S))
+    att = L.emit(aten.matmul.default, (qs, kt), layout=lay, val=meta(B, H, Lq, S))
+    if causal:
+        keep = L.emit(aten.ones.default, ([Lq, S],), {"dtype": torch.bool, "device": gval.device},
+                      layout=Layout.replicate(2), val=torch.empty(Lq, S, device="meta", dtype=torch.bool))
+        keep = L.emit(aten.tril.default, (keep,), layout=Layout.replicate(2),
+                      val=torch.empty(Lq, S, device="meta", dtype=torch.bool))
+        drop = L.emit(aten.logical_not.default, (keep,), layout=Layout.replicate(2),
+                      val=torch.empty(Lq, S, device="meta", dtype=torch.bool))
+        att = L.emit(aten.masked_fill.Scalar, (att, drop, float("-inf")), layout=lay, val=meta(B, H, Lq, S))
+    if isinstance(mask_node, fx.Node):
+        m = L.to_layout(L.env[mask_node], s.needs[mask_node])
+        mval = mask_node.meta["val"]
+        if mval.dtype == torch.bool:
+            inv = L.emit(aten.logical_not.default, (m,), layout=s.needs[mask_node], val=mval)
+            att = L.emit(aten.masked_fill.Scalar, (att, inv, float("-inf")), layout=lay,
+                         val=meta(B, H, Lq, S))
+        else:
+            att = L.emit(aten.add.Tensor, (att, m), layout=lay, val=meta(B, H, Lq, S))
+    att = L.emit(aten._softmax.default, (att, -1, False), layout=lay, val=meta(B, H, Lq, S))
+    att = L.emit(R.global_dropout, (att, p, True, [B, H, Lq, S], L.rt, lay.dims, lay.interleave),
+                 layout=lay, val=meta(B, H, Lq, S))
+    out = L.emit(aten.matmul.default, (att, vn), layout=lay, val=gval)
+    L.decisions.append(f"{L.src.module or node.name}: attention with dropout p={p} in the math "
+                       "form, per head, one device's mask")
+    return Val(out, lay.clean(L.mesh), gval)
 
 
 @strategy(aten.scaled_dot_product_attention.default)
