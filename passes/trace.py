@@ -18,12 +18,15 @@ the parameters (an fp32 activation meeting a bf16 weight in a GEMM).
 """
 from __future__ import annotations
 
+import contextlib
+import random
+import warnings
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from shardc.errors import TraceError
+from shardc.errors import ShardcWarning, TraceError
 from shardc.precision import CastAtUse
 from shardc.passes.checkpoint_calls import record_checkpoint_calls, unique
 
@@ -51,7 +54,8 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
     found: list[str] = []
     # The trace must not consume the default generator: a compiled model has to draw the
     # same dropout masks as the single-device model seeded identically.
-    with torch.random.fork_rng(devices=[]), record_checkpoint_calls(model, found):
+    with torch.random.fork_rng(devices=[]), _host_draws_frozen(model), \
+            record_checkpoint_calls(model, found):
         try:
             root = model if compute == torch.float32 else CastAtUse(model, compute)
             # traced on contiguous copies: export bakes an input's strides into the views
@@ -72,6 +76,43 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
     CHECKPOINTED[ep] = tuple(unique(found))
     per_model[key] = ep
     return ep
+
+
+@contextlib.contextmanager
+def _host_draws_frozen(model: torch.nn.Module) -> Iterator[None]:
+    """Warn when the traced forward draws from Python's or numpy's generator, and put
+    their state back (compile must not consume the user's random streams, as it does not
+    consume torch's). export runs that code once and records its numbers as constants,
+    so the compiled program reuses them every step: transformers' wav2vec2 draws its
+    SpecAugment mask with numpy, and would train with one frozen mask."""
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
+        np = None
+    py = random.getstate()
+    npst = np.random.get_state() if np is not None else None
+    try:
+        yield
+    finally:
+        drew = []
+        if random.getstate() != py:
+            drew.append("Python's random")
+            random.setstate(py)
+        if np is not None:
+            now = np.random.get_state()
+            if not (now[0] == npst[0] and np.array_equal(now[1], npst[1])  # type: ignore[index]
+                    and tuple(now[2:]) == tuple(npst[2:])):  # type: ignore[index]
+                drew.append("numpy.random")
+                np.random.set_state(npst)
+        if drew:
+            warnings.warn(
+                f"shardc.compile: {type(model).__name__}'s forward draws random numbers from "
+                f"{' and '.join(drew)} while it is traced. torch.export records them as "
+                "constants, so every step of the compiled program reuses the trace's numbers "
+                "where the model on one device draws new ones (wav2vec2's SpecAugment mask, "
+                "for one). Draw them from torch's generator (torch.rand, torch.bernoulli) or "
+                "switch that feature off (mask_time_prob=0) to train like one device.",
+                ShardcWarning, stacklevel=4)
 
 
 def checkpointed_modules(ep: torch.export.ExportedProgram) -> tuple[str, ...]:

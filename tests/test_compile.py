@@ -422,3 +422,37 @@ def test_a_parameter_replaced_after_compile_is_read_and_trained(fake_world) -> N
     for name, p in sm.named_parameters():
         assert p.grad is not None, name
         assert torch.equal(p.grad, model.get_parameter(name).grad), name
+
+
+def test_a_forward_that_draws_from_numpy_is_warned_and_leaves_the_stream_alone(fake_world) -> None:
+    """export freezes numpy's draws into constants: the compiled program would reuse one
+    mask every step. compile says so, and leaves numpy's and Python's generators where
+    they were (it consumes no user random stream)."""
+    import random
+
+    import numpy as np
+
+    class NumpyMask(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            keep = torch.tensor(np.random.rand(*x.shape) > 0.1) & torch.tensor(random.random() < 2)
+            return F.mse_loss(self.fc(x * keep), t)
+
+    fake_world(2)
+    np.random.seed(3)
+    random.seed(3)
+    want_np, want_py = np.random.rand(), random.random()
+    np.random.seed(3)
+    random.seed(3)
+    with pytest.warns(shardc.ShardcWarning, match=r"NumpyMask's forward draws random numbers from "
+                                                   r"Python's random and numpy\.random while it is "
+                                                   r"traced.*reuses the trace's numbers"):
+        shardc.compile(NumpyMask(), shardc.Mesh(data=2), _mlp_inputs())
+    assert np.random.rand() == want_np and random.random() == want_py
+    # a model that draws nothing on the host compiles without the warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", shardc.ShardcWarning)
+        shardc.compile(MLPChain(), shardc.Mesh(data=2), _mlp_inputs())
