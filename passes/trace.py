@@ -85,6 +85,7 @@ def _host_draws_frozen(model: torch.nn.Module) -> Iterator[None]:
     consume torch's). export runs that code once and records its numbers as constants,
     so the compiled program reuses them every step: transformers' wav2vec2 draws its
     SpecAugment mask with numpy, and would train with one frozen mask."""
+    np: Any
     try:
         import numpy as np
     except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
