@@ -130,7 +130,8 @@ def layer_norm_rule(L: Lowering, node: fx.Node) -> Any:
     return Val(y, xl, val)
 
 
-@register_rule(aten._native_batch_norm_legit_functional.default)
+@register_rule(aten._native_batch_norm_legit_functional.default,
+               aten._native_batch_norm_legit.no_stats)
 def batch_norm_rule(L: Lowering, node: fx.Node) -> Any:
     """Batch norm in training: the statistics of the global batch, as on one device.
 
@@ -142,11 +143,17 @@ def batch_norm_rule(L: Lowering, node: fx.Node) -> Any:
     The running statistics are updated from those global values: replicated outputs
     that ShardedModule writes back into the buffers."""
     x = L.env[node.args[0]]
-    w, b, rm, rv = (L.env[a] if isinstance(a, fx.Node) else None for a in node.args[1:5])
-    training, momentum, eps = node.args[5], node.args[6], node.args[7]
+    stats = node.target is aten._native_batch_norm_legit_functional.default
+    if stats:
+        w, b, rm, rv = (L.env[a] if isinstance(a, fx.Node) else None for a in node.args[1:5])
+        training, momentum, eps = node.args[5], node.args[6], node.args[7]
+    else:  # track_running_stats=False: the batch's statistics, nothing to update
+        w, b = (L.env[a] if isinstance(a, fx.Node) else None for a in node.args[1:3])
+        rm = rv = None
+        training, momentum, eps = node.args[3], node.args[4], node.args[5]
     mesh = L.mesh
     if not training or not isinstance(x, Val) or x.layout is None or x.ndim < 2 \
-            or rm is None or rv is None:
+            or (stats and (rm is None or rv is None)):
         return fallback_rule(L, node)
     xl = replicate_dims(no_partial(x.layout.clean(mesh)), [1])  # channels whole
     red = [d for d in range(x.ndim) if d != 1]
@@ -204,9 +211,10 @@ def batch_norm_rule(L: Lowering, node: fx.Node) -> Any:
                                         L.emit(aten.mul.Tensor, (o, 1 - momentum), layout=rep, val=cval)),
                       layout=rep, val=cval)
 
-    new_rm = running(rm, mean, 1.0)
-    new_rv = running(rv, var, n / (n - 1) if n > 1 else 1.0)
-    outs = [(y, xl), (mean, rep), (rstd, rep), (new_rm, rep), (new_rv, rep)]
+    outs = [(y, xl), (mean, rep), (rstd, rep)]
+    if rm is not None and rv is not None:
+        outs += [(running(rm, mean, 1.0), rep),
+                 (running(rv, var, n / (n - 1) if n > 1 else 1.0), rep)]
     return [Val(t, lay.clean(mesh), v) for (t, lay), v in zip(outs, vals)]
 
 
