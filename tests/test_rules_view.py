@@ -1,7 +1,7 @@
 """Rule sweep, shape family: view/reshape/flatten/unflatten/expand/squeeze/unsqueeze,
 permute/transpose/t, split/chunk/unbind, cat/stack, slice/select/narrow, flip/roll, pad,
-gather, slice/select_scatter, copy, and (values, indices) ops along one dim (topk, sort,
-max/min over a dim, kthvalue, median, cummax).
+gather, slice/select_scatter, masked writes (``x[mask] = v``), copy, and (values, indices)
+ops along one dim (topk, sort, max/min over a dim, kthvalue, median, cummax).
 See ``rules_sweep.py``."""
 from __future__ import annotations
 
@@ -67,6 +67,13 @@ def specs() -> list[S.OpSpec]:
         V("pad", lambda m, a: aten.pad.default(a, [1, 2], "constant", 0.0), x(4, 6)),
         # torch.cat skips a 1-D empty tensor (transformers' DynamicCache starts from one)
         V("cat.legacy_empty", lambda m, a: torch.cat([a.new_zeros(0), a], 1), x(4, 6)),
+        # x[mask] = v: a boolean mask over the leading dims, v over the trailing ones
+        V("index_put.mask", lambda m, a, k, v: aten.index_put.default(a, [k], v), x(4, 2, 6),
+          idx(4, 2, hi=2) > 0, x(6), two=True),
+        V("index_put.mask_scalar", lambda m, a, k: aten.index_put.default(a, [k], a.new_tensor(0.5)),
+          x(4, 6), idx(4, 6, hi=2) > 0),
+        V("index_put.mask_accumulate", lambda m, a, k, v: aten.index_put.default(a, [k], v, True),
+          x(4, 6, 2), idx(4, 6, hi=2) > 0, x(2)),
         V("gather", lambda m, a, i: torch.gather(a, 1, i), x(4, 6), idx(4, 6, hi=6), two=True),
         V("gather.smaller_index", lambda m, a, i: torch.gather(a, 1, i), x(4, 6), idx(4, 2, hi=6)),
         V("gather.dim0", lambda m, a, i: torch.gather(a, 0, i), x(4, 6), idx(2, 6, hi=4)),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Mapping, cast
 
+import torch
 import torch.fx as fx
 
 from shardc.mesh import Mesh
@@ -346,3 +347,51 @@ def write_lookup_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh
         return Strategy({x: lay, other: src}, lay)
     lay = _shared([x, other], vals, whole)
     return Strategy({x: lay, other: lay}, lay)
+
+
+def _masked_write(node: fx.Node, vals: Mapping[fx.Node, Any]) -> bool:
+    """``x[mask] = v`` (``index_put(x, [mask], v)``): one boolean index over x's leading
+    dims, and a value that broadcasts over the trailing dims alone (its shape does not
+    depend on how many entries the mask selects)."""
+    idx = node.args[1]
+    if not isinstance(idx, (list, tuple)) or len(idx) != 1 or not isinstance(idx[0], fx.Node):
+        return False
+    x, m, v = vals.get(node.args[0]), vals.get(idx[0]), vals.get(node.args[2])
+    if not all(isinstance(t, Val) and t.layout is not None for t in (x, m)) or m.val.dtype != torch.bool:
+        return False
+    k = m.ndim
+    if k > x.ndim or list(m.shape) != list(x.shape[:k]):
+        return False
+    vshape = list(v.shape) if isinstance(v, Val) else []
+    return len(vshape) <= x.ndim - k and all(
+        a in (1, b) for a, b in zip(reversed(vshape), reversed(list(x.shape[k:]))))
+
+
+@register_rule(aten.index_put.default)
+def masked_write_rule(L: Lowering, node: fx.Node) -> Any:
+    if not _masked_write(node, {a: L.env[a] for a in node.all_input_nodes}):
+        return fallback_rule(L, node)
+    return apply_strategy(L, node, masked_write_strategy)
+
+
+@strategy(aten.index_put.default)
+def masked_write_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    """``x[mask] = v`` (or ``+=`` with accumulate): the mask picks entries of x's leading
+    dims one by one, so x and the mask keep the same cuts there (whichever of them is cut)
+    and every rank writes its own entries; the trailing dims, which ``v`` fills, whole, and
+    ``v`` whole."""
+    x = cast(fx.Node, node.args[0])
+    m = cast(fx.Node, node.args[1][0])
+    xv, mv = vals[x], vals[m]
+    k = mv.ndim
+    xl = no_partial(replicate_dims(xv.layout, list(range(k, xv.ndim))))
+    ml = no_partial(mv.layout)
+    lead = Layout(k, xl.dims[:k], (), xl.interleave[:k])
+    if not any(lead.dims) and any(ml.dims):  # x is whole there: follow the mask's cuts
+        lead = ml
+        xl = Layout(xv.ndim, ml.dims + xl.dims[k:], (), ml.interleave + xl.interleave[k:])
+    needs = {x: xl, m: lead}
+    v = node.args[2]
+    if isinstance(v, fx.Node) and isinstance(vals.get(v), Val):
+        needs[v] = Layout.replicate(vals[v].ndim)
+    return Strategy(needs, xl)
