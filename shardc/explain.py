@@ -187,6 +187,18 @@ def _eager_buckets(sm: Any) -> list[str]:
     return out
 
 
+def _written_by_gemm(link: Any) -> int:
+    """How many of a bucket's members their GEMM wrote into it (``passes/into_bucket.py``):
+    the links of the chain that fills the buffer."""
+    from shardc.runtime import functional as F
+
+    count = 0
+    while isinstance(link, fx.Node) and link.target in (F.pack_into, F.mm_into):
+        count += link.target is F.mm_into
+        link = link.args[0]
+    return count
+
+
 def _step_section(sm: Any) -> list[str]:
     """The whole-step program's collectives in the order they run, with what the step
     passes did: each collective's compute overlap and each bucket's members."""
@@ -228,6 +240,9 @@ def _step_section(sm: Any) -> list[str]:
             b = n.meta.get(BUCKET)
             if b:
                 text += f"  bucket of {b['members']} gradients"
+                into = _written_by_gemm(n.args[0])
+                if into:
+                    text += f" ({into} written there by the GEMM that makes them)"
             cz = n.meta.get(COALESCED)
             if cz:
                 text += f"  {cz['members']} tensors of {block_of(c.get('module', '')) or 'the root'}"

@@ -160,6 +160,8 @@ def _one(name: str, spec: str) -> list[str]:
             # them write there (into_bucket.py), under the comparisons below
             if not any(n.target is mm_into for n in jp.backward.graph.nodes):
                 out.append(f"{label}: no weight-gradient GEMM writes into its bucket")
+            elif "written there by the GEMM that makes them" not in shardc.explain(sm):
+                out.append(f"{label}: explain does not say which gradients their GEMM wrote")
         deferred = any(d.index == 0 for d in jp.forward.meta[DEFERRED])
         if deferred != (kw.get("overlap", True) and (deferred or mesh.size("data") > 1)):
             out.append(f"{label}: the loss's wait deferred: {deferred}")
