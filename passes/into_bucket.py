@@ -73,8 +73,6 @@ def into_bucket_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         with g.inserting_before(pack):
             into = g.call_function(F.mm_into, (buf, a, b, offset, list(mm.meta["val"].shape)))
         into.meta.update(pack.meta)
-        if "shardc_gemm" in mm.meta:
-            into.meta["shardc_gemm"] = mm.meta["shardc_gemm"]
         pack.replace_all_uses_with(into)
         g.erase_node(pack)
         # the GEMM and its views now have no reader

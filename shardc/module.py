@@ -21,7 +21,7 @@ from shardc.runtime import collectives as C
 from shardc.runtime import zero
 from shardc.runtime.grad_buckets import ALL_REDUCE, REDUCE_SCATTER, GradBuckets, Spec
 from shardc.runtime.groups import axis_groups
-from shardc.runtime.pending import settle_all
+from shardc.runtime.pending import PendingOutput, settle_all
 
 
 def _check_same(name: str, new: torch.Tensor, old: torch.Tensor) -> None:
@@ -378,8 +378,6 @@ class ShardedModule(nn.Module):
                 args.append(x.contiguous() if isinstance(x, torch.Tensor) else x)
         out = list(self._run(args))
         if self._mutations:
-            from shardc.runtime.pending import PendingOutput
-
             for i, target in self._mutations:
                 new = out[i].value() if isinstance(out[i], PendingOutput) else out[i]
                 # the new value takes the buffer's place rather than being copied into it:

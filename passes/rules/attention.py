@@ -106,7 +106,7 @@ def sdpa_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Str
             ql = replicate_dims(ql, [1])
     kl = Layout(4, ql.dims[:2] + ((), ()), (), ql.interleave[:2] + (1, 1))
     need = {node.args[0]: ql, node.args[1]: kl, node.args[2]: kl}
-    mask_node = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    mask_node = _sdpa_arg(node, "attn_mask", None)
     if isinstance(mask_node, fx.Node):
         m = vals[mask_node]
         off = 4 - m.ndim
