@@ -63,6 +63,23 @@ class NoParams(nn.Module):
         return (x * x).mean()
 
 
+class WritesItsInputInPlace(nn.Module):
+    """Every op has a rule, so the trace keeps the write as an in-place op (no
+    USER_INPUT_MUTATION): the rank's program would write into its own piece."""
+
+    def __init__(self, through_view: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.through_view = through_view
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.through_view:
+            x.narrow(1, 0, 2).mul_(0.5)
+        else:
+            x.mul_(2.0)
+        return self.fc(x).mean()
+
+
 class WritesItsInput(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -284,6 +301,18 @@ def _(e: Env) -> None:
       r"mutates state during forward \(USER_INPUT_MUTATION of 'x'\); shardc writes back only buffers")
 def _(e: Env) -> None:
     shardc.compile(WritesItsInput(), MESH, (e.x.clone(),))
+
+
+@case("forward writes into its input in place", shardc.ShardcError,
+      r"writes into its input 'x' during forward \(aten\.mul_\.Tensor .*test_bad_inputs_gloo\.py")
+def _(e: Env) -> None:
+    shardc.compile(WritesItsInputInPlace(through_view=False), MESH, (e.x.clone(),))
+
+
+@case("forward writes into a view of its input", shardc.ShardcError,
+      r"writes into its input 'x' during forward \(aten\.mul_\.Tensor")
+def _(e: Env) -> None:
+    shardc.compile(WritesItsInputInPlace(through_view=True), MESH, (e.x.clone(),))
 
 
 @case("option of the wrong type", shardc.ShardcError, r"option overlap='no' must be a bool, got str")
