@@ -75,6 +75,26 @@ class T5(torch.nn.Module):
         return self.m(input_ids=ids, labels=labels).loss
 
 
+class DebertaV2(torch.nn.Module):
+    """DeBERTa-v2's masked LM: disentangled attention over log-bucketed relative
+    positions, whose code casts a 0-d scalar by a matrix (``type_as``: the lowering once
+    broadcast the matrix into the scalar and failed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.DebertaV2Config(
+            vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, max_position_embeddings=32, relative_attention=True,
+            position_buckets=8, max_relative_positions=16, pos_att_type=["p2c", "c2p"],
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        self.m = transformers.DebertaV2ForMaskedLM(cfg)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.m(input_ids=ids, labels=labels).loss
+
+
 class ViT(torch.nn.Module):
     def __init__(self, labels: int = 10) -> None:
         super().__init__()
@@ -249,7 +269,8 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "odd": (_odd, "x2y2z1d1"),
           "batchnorm": (lambda: _images(BNNet), "x1y1z2d2"), "batchnorm-x": (lambda: _images(BNNet), "x2y1z1d2"),
           "resnet": (lambda: _images(ResNet), "x1y1z1d4"),
-          "gpt2-dropout": (lambda: _tokens(_gpt2_dropout), "x2y1z1d2")}
+          "gpt2-dropout": (lambda: _tokens(_gpt2_dropout), "x2y1z1d2"),
+          "deberta-v2": (lambda: _tokens(DebertaV2), "x2y1z1d2")}
 
 
 def _gathers_nothing(f) -> bool:

@@ -213,6 +213,12 @@ def handwritten_specs() -> list[S.OpSpec]:
         _H("to.device", lambda m, a: aten.to.device(a, torch.device("cpu"), torch.float32), x()),
         _H("type_as", lambda m, a, b: a.type_as(b), x(), x()),
         _H("view_as", lambda m, a, b: aten.view_as.default(a, b) + b, x(), x()),
+        # other gives only its dtype: any shape, never broadcast into x (DeBERTa-v2 casts a
+        # 0-d scalar by a matrix)
+        _H("type_as.other_shape", lambda m, a, b: a.type_as(b) * b, x(1), x(4, 6)),
+        _H("type_as.scalar_by_matrix", lambda m, a, b: (a.sum() * 2.0).type_as(b) + b, x(4, 6), x()),
+        # a reshape, not elementwise: kept whole (fallback), the values still right
+        _H("view_as.other_shape", lambda m, a, b: aten.view_as.default(a, b) * b, x(4, 6), x(6, 4)),
     ]
     return sp
 

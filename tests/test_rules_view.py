@@ -1,5 +1,5 @@
 """Rule sweep, shape family: view/reshape/flatten/unflatten/expand/squeeze/unsqueeze,
-permute/transpose/t, split/chunk/unbind, cat/stack, slice/select/narrow, flip/roll, pad,
+repeat, permute/transpose/t, split/chunk/unbind, cat/stack, slice/select/narrow, flip/roll, pad,
 gather, slice/select_scatter, masked writes (``x[mask] = v``), copy, and (values, indices)
 ops along one dim (topk, sort, max/min over a dim, kthvalue, median, cummax).
 See ``rules_sweep.py``."""
@@ -59,6 +59,13 @@ def specs() -> list[S.OpSpec]:
         V("select", lambda m, a: a[:, 2], x(4, 6)),
         V("select.dim0", lambda m, a: a[1], x(4, 6)),
         V("narrow", lambda m, a: a.narrow(1, 1, 4), x(4, 6)),
+        # tiling keeps each shard and grows the interleave (DeBERTa-v2 tiles its
+        # relative-position keys, cut by head, over the batch)
+        V("repeat", lambda m, a: a.repeat(2, 3), x(4, 6), two=True),
+        V("repeat.new_dims", lambda m, a: a.repeat(2, 1, 2), x(4, 6)),
+        V("repeat.twice", lambda m, a: a.repeat(2, 1).repeat(3, 1) * 1.0, x(4, 6)),
+        V("repeat.then_add", lambda m, a, b: a.repeat(2, 1) + b, x(4, 6), x(8, 6), two=True),
+        V("repeat.then_sum", lambda m, a: a.repeat(3, 1).sum(0), x(4, 6)),
         V("flip", lambda m, a: torch.flip(a, [1]), x(4, 6)),
         V("roll", lambda m, a: torch.roll(a, 2, 1), x(4, 6)),
         V("roll.flat", lambda m, a: torch.roll(a, 3), x(4, 6)),

@@ -250,6 +250,15 @@ def pointwise_rule(L: Lowering, node: fx.Node) -> Any:
     val = node.meta["val"]
     if not isinstance(val, torch.Tensor):  # several outputs (frexp): no layout rule for that
         return fallback_rule(L, node)
+    if node.target is aten.view_as.default and \
+            list(node.args[0].meta["val"].shape) != list(node.args[1].meta["val"].shape):
+        return fallback_rule(L, node)  # a reshape, not elementwise
+    if node.target is aten.type_as.default:
+        # only the other tensor's dtype is read: cast x, never move the other one
+        s = pointwise_strategy(node, input_vals(L, node), L.mesh)
+        xn = L.to_layout(L.env[node.args[0]], s.needs[node.args[0]])
+        n = L.emit(aten._to_copy.default, (xn,), {"dtype": val.dtype}, layout=s.out, val=val)
+        return Val(n, s.out.clean(L.mesh), val)
     ins_nodes = tensor_inputs(L, node)
     ins = [v for _, v in ins_nodes]
     # a value derived only from parameters: keep it whole (rare: scaled weights)
@@ -292,5 +301,10 @@ def pointwise_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -
     val = node.meta["val"]
     ins = tensor_vals(vals)
     args = [vals[a] if isinstance(a, fx.Node) else a for a in node.args]
+    if node.target is aten.type_as.default:
+        # x.type_as(other) reads other's dtype alone, whatever its shape (DeBERTa-v2 casts a
+        # 0-d scalar by a matrix): other neither broadcasts nor moves
+        ins = [(a, v) for a, v in ins if a is node.args[0]]
+        args = args[:1]
     out, needs = pointwise_layouts(node.target, [v for _, v in ins], list(val.shape), args, val.dtype)
     return Strategy({a: n for (a, _), n in zip(ins, needs) if n is not None}, out)

@@ -11,8 +11,8 @@ from shardc.mesh import Mesh
 from shardc.placement import Layout
 from shardc.passes.lower import Lowering, Val
 from shardc.passes.rules.common import (Strategy, apply_strategy, as_list, aten, drop_dims,
-                                        emit_outputs, fallback_rule, materialise_then, no_partial,
-                                        register_rule, replicate_dims, strategy)
+                                        emit_outputs, fallback_rule, input_vals, materialise_then,
+                                        no_partial, register_rule, replicate_dims, strategy)
 
 
 # ---------------------------------------------------------------- shape-changing
@@ -141,6 +141,38 @@ def permute_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> 
     for new, old in enumerate(_perm(node, x.ndim)):
         keep[old] = new
     return Strategy({node.args[0]: x.layout}, drop_dims(x.layout, keep, x.ndim))
+
+
+@register_rule(aten.repeat.default)
+def repeat_rule(L: Lowering, node: fx.Node) -> Any:
+    if L.env[node.args[0]].layout is None:
+        return materialise_then(L, node)
+    s = repeat_strategy(node, input_vals(L, node), L.mesh)
+    xn = L.to_layout(L.env[node.args[0]], s.needs[node.args[0]])
+    val = node.meta["val"]
+    # the local tensor is tiled as many times as the whole one: each copy of a dim holds
+    # this rank's part of it, which is what the interleaved output layout says
+    n = L.emit(aten.repeat.default, (xn, list(node.args[1])), layout=s.out, val=val)
+    return Val(n, s.out.clean(L.mesh), val)
+
+
+@strategy(aten.repeat.default)
+def repeat_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    """``x.repeat(r0, r1, ...)`` tiles each dim: a dim of n entries, cut into blocks of
+    (k, n/k) with the second factor split (interleave k), becomes r*n entries read as
+    (r*k, n/k), split the same way. So shards stay where they are, the interleave grows
+    by the tile count, leading new dims are whole, and a partial sum stays partial (tiling
+    is linear). DeBERTa tiles its relative-position keys, cut by head, over the batch."""
+    x = vals[node.args[0]]
+    reps = [int(r) for r in node.args[1]]
+    off = len(reps) - x.ndim
+    lay = x.layout
+    dims: list[tuple[str, ...]] = [()] * off
+    il = [1] * off
+    for d in range(x.ndim):
+        dims.append(lay.dims[d])
+        il.append(lay.interleave[d] * reps[d + off] if lay.dims[d] else 1)
+    return Strategy({node.args[0]: lay}, Layout(len(reps), tuple(dims), lay.partial, tuple(il)))
 
 
 @register_rule(aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.cumsum.default,
