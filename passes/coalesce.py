@@ -177,10 +177,17 @@ def _gather_together(g: fx.Graph, members: list[fx.Node]) -> None:
             k = f.meta["val"].numel()
             piece = g.call_function(aten.slice.Tensor, (rows, 1, off, off + k))
             piece.meta["val"] = rows.meta["val"][:, off:off + k]
-            # the member's own result: (G * d0, ...), each rank's shard in turn
+            # the member's own result: (G * d0, ...), each rank's shard in turn, copied
+            # out contiguous as the member's own gather returned it: what follows was
+            # traced on that, and its views (a gather along a later dim) need those
+            # strides. A reshape would return a strided view where d0 is 1 (ConvNeXt-V2's
+            # (1, 1, 1, C) scales gathered along C failed there).
             shape = list(w.meta["val"].shape)
-            out = g.call_function(aten.reshape.default, (piece, shape))
-            out.meta["val"] = piece.meta["val"].reshape(shape)
+            dense = g.call_function(aten.clone.default, (piece,),
+                                    {"memory_format": torch.contiguous_format})
+            dense.meta["val"] = piece.meta["val"].clone(memory_format=torch.contiguous_format)
+            out = g.call_function(aten.view.default, (dense, shape))
+            out.meta["val"] = dense.meta["val"].view(shape)
             w.replace_all_uses_with(out)
             off += k
     for m, w in zip(members, waits):

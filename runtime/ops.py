@@ -37,6 +37,12 @@ def copy_into(x: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) ->
     return torch.empty_like(x).copy_(src, non_blocking)
 
 
+def pick_per_row(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[arange(rows), index]`` on this rank's rows: the row numbers are local, the
+    index (cut with the rows) says which entry of its own row each one takes."""
+    return x[torch.arange(x.shape[0], device=x.device), index]
+
+
 def row_max(x: torch.Tensor) -> torch.Tensor:
     """Max over the class dim (1) of the local logits, detached: it is only a shift that
     keeps exp() finite, and log-sum-exp does not depend on it."""

@@ -1,4 +1,4 @@
-"""Rule sweep, reductions: sum/mean/amax/amin, softmax/log_softmax, cumsum, layer_norm,
+"""Rule sweep, reductions: sum/mean/amax/amin, argmax/argmin, vector norms, softmax/log_softmax, cumsum, layer_norm,
 cross_entropy. See ``rules_sweep.py``."""
 from __future__ import annotations
 
@@ -44,6 +44,18 @@ def specs() -> list[S.OpSpec]:
         Rd("amax.dim0", lambda m, a: a.amax(0), x(4, 6)),
         Rd("amin.dim1", lambda m, a: a.amin(1), x(4, 6)),
         Rd("amin.keepdim", lambda m, a: a.amin(0, keepdim=True), x(4, 6)),
+        # indices of the max/min and vector norms: the reduced dims whole, the rest keep
+        # their cuts (CLIP's end-of-text position, F.normalize, ConvNeXt-V2's GRN)
+        Rd("argmax.dim1", lambda m, a: a.argmax(1), x(4, 6), two=True),
+        Rd("argmax.all", lambda m, a: a.argmax(), x(4, 6)),
+        Rd("argmin.keepdim", lambda m, a: a.argmin(0, keepdim=True), x(4, 6)),
+        Rd("vector_norm.dim1", lambda m, a: torch.linalg.vector_norm(a, dim=1), x(4, 6), two=True),
+        Rd("vector_norm.all", lambda m, a: torch.linalg.vector_norm(a), x(4, 6)),
+        Rd("vector_norm.ord1_keepdim", lambda m, a: torch.linalg.vector_norm(a, 1, dim=0, keepdim=True),
+           x(4, 6)),
+        Rd("vector_norm.dims", lambda m, a: torch.linalg.vector_norm(a, dim=(1, 2), keepdim=True) * a,
+           x(4, 3, 2), two=True),
+        Rd("normalize", lambda m, a: F.normalize(a, dim=-1), x(4, 6)),
         Rd("softmax.last", lambda m, a: F.softmax(a, -1), x(4, 6), two=True),
         Rd("softmax.dim0", lambda m, a: F.softmax(a, 0), x(4, 6)),
         Rd("_softmax", lambda m, a: aten._softmax.default(a, 1, False), x(4, 6)),

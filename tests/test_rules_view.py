@@ -1,6 +1,6 @@
 """Rule sweep, shape family: view/reshape/flatten/unflatten/expand/squeeze/unsqueeze,
 repeat, permute/transpose/t, split/chunk/unbind, cat/stack, slice/select/narrow, flip/roll, pad,
-gather, slice/select_scatter, masked writes (``x[mask] = v``), copy, and (values, indices)
+index_select and x[index] along one dim, x[arange(n), index], gather, slice/select_scatter, masked writes (``x[mask] = v``), copy, and (values, indices)
 ops along one dim (topk, sort, max/min over a dim, kthvalue, median, cummax).
 See ``rules_sweep.py``."""
 from __future__ import annotations
@@ -81,6 +81,17 @@ def specs() -> list[S.OpSpec]:
           x(4, 6), idx(4, 6, hi=2) > 0),
         V("index_put.mask_accumulate", lambda m, a, k, v: aten.index_put.default(a, [k], v, True),
           x(4, 6, 2), idx(4, 6, hi=2) > 0, x(2)),
+        # lookups along one dim (sinusoidal position tables, Falcon's x[..., [-2], :])
+        V("index_select", lambda m, a, i: torch.index_select(a, 1, i), x(4, 6), idx(5, hi=6), two=True),
+        V("index_select.dim0", lambda m, a, i: torch.index_select(a, 0, i), x(4, 6), idx(6, hi=4)),
+        V("index.one", lambda m, a, i: a[:, i], x(4, 6), idx(3, hi=6), two=True),
+        V("index.one_2d", lambda m, a, i: a[i], x(4, 6), idx(2, 3, hi=4)),
+        V("index.one_middle", lambda m, a, i: a[:, i, :], x(4, 6, 2), idx(4, hi=6)),
+        V("index.negative", lambda m, a: a[:, torch.tensor([-2, 0])], x(4, 6)),
+        # one entry per row: a classifier's last token, CLIP's end-of-text position
+        V("index.per_row", lambda m, a, i: a[torch.arange(4), i], x(4, 6), idx(4, hi=6), two=True),
+        V("index.per_row_3d", lambda m, a, i: a[torch.arange(a.shape[0]), i], x(4, 6, 2),
+          idx(4, hi=6)),
         V("gather", lambda m, a, i: torch.gather(a, 1, i), x(4, 6), idx(4, 6, hi=6), two=True),
         V("gather.smaller_index", lambda m, a, i: torch.gather(a, 1, i), x(4, 6), idx(4, 2, hi=6)),
         V("gather.dim0", lambda m, a, i: torch.gather(a, 0, i), x(4, 6), idx(2, 6, hi=4)),

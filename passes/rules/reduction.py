@@ -20,26 +20,37 @@ from shardc.passes.rules.common import (Strategy, apply_strategy, as_list, aten,
 
 
 # -------------------------------------------------------------------- reductions
-@register_rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default,
-               aten.amax.default, aten.amin.default)
+# Reductions that do not add: the reduced dims must be whole on each rank and a partial
+# input is reduced first (the norm of a sum is not the sum of norms). op -> positions of
+# its dim and keepdim arguments.
+_WHOLE = {aten.amax.default: (1, 2), aten.amin.default: (1, 2), aten.argmax.default: (1, 2),
+          aten.argmin.default: (1, 2), aten.linalg_vector_norm.default: (2, 3)}
+
+
+@register_rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, *_WHOLE)
 def reduce_rule(L: Lowering, node: fx.Node) -> Any:
     if L.env[node.args[0]].layout is None:
         return materialise_then(L, node)
     return apply_strategy(L, node, reduce_strategy)
 
 
-@strategy(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default,
-          aten.amax.default, aten.amin.default)
+@strategy(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, *_WHOLE)
 def reduce_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    """Sums and means over shards leave partial values; the ``_WHOLE`` reductions (max,
+    min, their indices, vector norms: ConvNeXt-V2's global response norm, SwinV2's
+    cosine attention, CLIP's end-of-text position) keep every dim they do not reduce cut
+    as it is, and need only the reduced ones whole. ``dim=None`` reduces every dim (an
+    argmax then indexes the flattened whole tensor)."""
     x = vals[node.args[0]]
     val = node.meta["val"]
     if node.target in (aten.sum.default, aten.mean.default):
         dims, keepdim = list(range(x.ndim)), False
     else:
-        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        dpos, kpos = _WHOLE.get(node.target, (1, 2))
+        dims = node.args[dpos] if len(node.args) > dpos else node.kwargs.get("dim")
         dims = list(range(x.ndim)) if dims is None or dims == [] else [d % x.ndim for d in as_list(dims)]
-        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    is_max = node.target in (aten.amax.default, aten.amin.default)
+        keepdim = node.args[kpos] if len(node.args) > kpos else node.kwargs.get("keepdim", False)
+    is_max = node.target in _WHOLE
     need = x.layout
     if is_max:
         need = no_partial(replicate_dims(need, dims))

@@ -13,6 +13,7 @@ from shardc.passes.lower import Lowering, Val
 from shardc.passes.rules.common import (Strategy, apply_strategy, as_list, aten, drop_dims,
                                         emit_outputs, fallback_rule, input_vals, materialise_then,
                                         no_partial, register_rule, replicate_dims, strategy)
+from shardc.runtime import ops as R
 
 
 # ---------------------------------------------------------------- shape-changing
@@ -379,6 +380,110 @@ def write_lookup_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh
         return Strategy({x: lay, other: src}, lay)
     lay = _shared([x, other], vals, whole)
     return Strategy({x: lay, other: lay}, lay)
+
+
+def _one_index(node: fx.Node, vals: Mapping[fx.Node, Any]) -> tuple[int, fx.Node] | None:
+    """(dim, index) of a lookup along one dim: ``index_select(x, dim, index)``, or
+    ``x[..., index, ...]`` (``aten.index.Tensor`` with one integer index tensor, every
+    other position None). None for anything else (boolean masks, several index tensors),
+    which the fallback runs whole."""
+    x = vals.get(node.args[0])
+    if not isinstance(x, Val) or x.layout is None:
+        return None
+    if node.target is aten.index_select.default:
+        d, idx = node.args[1] % max(x.ndim, 1), node.args[2]
+    else:
+        tensors = [(d, i) for d, i in enumerate(node.args[1]) if i is not None]
+        if len(tensors) != 1:
+            return None
+        d, idx = tensors[0]
+    v = vals.get(idx) if isinstance(idx, fx.Node) else None
+    if not isinstance(v, Val) or v.layout is None or v.val.dtype in (torch.bool, torch.uint8):
+        return None
+    return d, idx
+
+
+def _per_row(node: fx.Node, vals: Mapping[fx.Node, Any]) -> fx.Node | None:
+    """The index of ``x[arange(n), index]`` (one entry of each row: a classifier's last
+    token, CLIP's end-of-text position), where ``arange(n)`` counts every row of x and
+    ``index`` holds one integer per row; None for anything else."""
+    if node.target is not aten.index.Tensor:
+        return None
+    x = vals.get(node.args[0])
+    idx = list(node.args[1])
+    if not isinstance(x, Val) or x.layout is None or x.ndim < 2 or len(idx) != 2:
+        return None
+    rows, pick = idx
+    if not (isinstance(rows, fx.Node) and rows.op == "call_function" and isinstance(pick, fx.Node)):
+        return None
+    if rows.target is aten.arange.default:
+        span = (0, rows.args[0], 1)
+    elif rows.target in (aten.arange.start, aten.arange.start_step):
+        span = (rows.args[0], rows.args[1], rows.args[2] if len(rows.args) > 2 else 1)
+    else:
+        return None
+    v = vals.get(pick)
+    if span != (0, x.shape[0], 1) or not isinstance(v, Val) or v.layout is None \
+            or list(v.shape) != [x.shape[0]] or v.val.dtype in (torch.bool, torch.uint8) \
+            or v.val.dtype.is_floating_point:
+        return None
+    return pick
+
+
+@register_rule(aten.index_select.default, aten.index.Tensor)
+def index_along_rule(L: Lowering, node: fx.Node) -> Any:
+    vals = {a: L.env[a] for a in node.all_input_nodes}
+    pick = _per_row(node, vals)
+    if pick is not None:
+        s = per_row_strategy(node, vals, L.mesh)
+        x = L.to_layout(L.env[node.args[0]], s.needs[node.args[0]])
+        i = L.to_layout(L.env[pick], s.needs[pick])
+        val = node.meta["val"]
+        return Val(L.emit(R.pick_per_row, (x, i), layout=s.out, val=val), s.out.clean(L.mesh), val)
+    if _one_index(node, vals) is None:
+        return fallback_rule(L, node)
+    return apply_strategy(L, node, index_along_strategy)
+
+
+def per_row_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    """``x[arange(n), index]``: each row keeps its own entry, so the rows keep their cut
+    (the batch's), the index is cut like them, dim 1 is whole, the rest keep theirs;
+    linear in x, so a partial x stays partial."""
+    pick = _per_row(node, vals)
+    assert pick is not None
+    x = vals[node.args[0]]
+    need_x = replicate_dims(x.layout, [1])
+    need_i = Layout(1, (need_x.dims[0],), (), (need_x.interleave[0],))
+    out = Layout(x.ndim - 1, (need_x.dims[0],) + need_x.dims[2:], need_x.partial,
+                 (need_x.interleave[0],) + need_x.interleave[2:])
+    return Strategy({node.args[0]: need_x, pick: need_i}, out)
+
+
+@strategy(aten.index_select.default, aten.index.Tensor)
+def index_along_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    """A lookup along one dim d: the output is x's dims before d, the index's dims, x's
+    dims after d. So d must be whole, x's other dims keep their cuts, the index keeps its
+    own (position ids cut with the batch: sinusoidal position tables), and the output
+    takes both. A lookup is linear in x, so a partial x stays partial (SwinV2's
+    relative-position bias, a row-parallel GEMM's output, is looked up before its sum).
+    An axis that would cut both (or cut the index and leave x partial) is taken off the
+    index."""
+    if _per_row(node, vals) is not None:
+        return per_row_strategy(node, vals, mesh)
+    found = _one_index(node, vals)
+    assert found is not None
+    d, idx = found
+    x, iv = vals[node.args[0]], vals[idx]
+    need_x = replicate_dims(x.layout, [d])
+    need_i = no_partial(iv.layout)
+    busy = set(need_x.sharded_axes()) | {a for a, _ in need_x.partial}
+    for a in need_i.sharded_axes():
+        if a in busy:
+            need_i = need_i.with_replicated(a)
+    dims = need_x.dims[:d] + need_i.dims + need_x.dims[d + 1:]
+    il = need_x.interleave[:d] + need_i.interleave + need_x.interleave[d + 1:]
+    out = Layout(len(dims), dims, need_x.partial, il)
+    return Strategy({node.args[0]: need_x, idx: need_i}, out)
 
 
 def _masked_write(node: fx.Node, vals: Mapping[fx.Node, Any]) -> bool:
