@@ -114,6 +114,44 @@ def _urgency(g: fx.Graph, blocking: list[fx.Node]) -> dict[fx.Node, int]:
     return urgency
 
 
+def _write_order(g: fx.Graph, body: list[fx.Node]) -> list[tuple[fx.Node, fx.Node]]:
+    """Edges that keep each in-place write where it was among the other uses of the
+    storage it writes (through any view of it). Data edges do not: a write's result is
+    often unused, and its effect reaches readers only through the buffer (make_fx keeps
+    ``copy_(as_strided(new_zeros(...)), grad)`` from adaptive_avg_pool1d's backward; the
+    schedule once moved that copy after the reads of the buffer, and Swin's gradients
+    came out zero)."""
+    root: dict[fx.Node, fx.Node] = {}
+    written: dict[fx.Node, list[fx.Node]] = {}
+    for n in g.nodes:
+        op = n.target
+        if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+            continue
+        schema = op._schema
+        for i, a in enumerate(schema.arguments):
+            v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+            if a.alias_info is not None and a.alias_info.is_write and isinstance(v, fx.Node):
+                written.setdefault(root.get(v, v), []).append(n)
+        rets = schema.returns
+        if rets and rets[0].alias_info is not None and n.args and isinstance(n.args[0], fx.Node):
+            root[n] = root.get(n.args[0], n.args[0])  # a view, or an in-place op's self
+    if not written:
+        return []
+    order = {n: i for i, n in enumerate(g.nodes)}
+    in_body = set(body)
+    edges = []
+    for base, writers in written.items():
+        users = sorted({u for n in [base, *(v for v, r in root.items() if r is base)]
+                        for u in n.users if u in in_body} | set(writers), key=order.__getitem__)
+        users += [v for v, r in root.items() if r is base and v in in_body and v not in users]
+        users.sort(key=order.__getitem__)
+        for w in writers:
+            if w not in in_body:
+                continue
+            edges += [(u, w) if order[u] < order[w] else (w, u) for u in users if u is not w]
+    return edges
+
+
 def schedule_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     g = gm.graph
     if not ctx.options.overlap:
@@ -143,6 +181,7 @@ def schedule_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     # would take the other's random numbers, and the masks would no longer be one device's
     draws = [n for n in body if _draws_random(n)]
     dag.add_edges_from(zip(draws, draws[1:]))
+    dag.add_edges_from(_write_order(g, body))
 
     def key(n: fx.Node) -> tuple[int, int, int]:
         if n.target is F.WAIT:

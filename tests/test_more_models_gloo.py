@@ -11,7 +11,10 @@ gates once put a gradient sum on a tuple) and torch's nn.TransformerEncoder; and
 a mesh axis does not divide (a 3-class ViT head, 3 input features), kept whole on it;
 batch norm in training (a small CNN, transformers' ResNet): the global batch's statistics,
 the running ones and the batch counter written back as one device's; GPT-2 with its
-default dropout, in attention too, drawing one device's masks.
+default dropout, in attention too, drawing one device's masks; DeBERTa-v2 (relative
+positions tiled over the batch), Swin (whose pooling's backward writes in place), ConvNeXt-V2
+(vector norms; per-block gathers on z), Falcon (multi-query lookups), M2M100 (sinusoidal
+positions by index_select) and CLIP (contrastive, the end-of-text token picked per row).
 
 Some run a few ops replicated (BLOOM's alibi ``repeat``, GPT-J's sin/cos table
 ``index``, ``repeat`` and ``gather``): allowed here as long as they gather nothing, that
@@ -93,6 +96,74 @@ class DebertaV2(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.m(input_ids=ids, labels=labels).loss
+
+
+class HFLoss(torch.nn.Module):
+    """A transformers model built from ``config(**kw)`` (dropouts zeroed), whose
+    forward(*batch) passes the batch under ``keys`` and returns the model's loss."""
+
+    def __init__(self, config: str, model: str, keys: tuple[str, ...], **kw) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = getattr(transformers, config)(**kw)
+        for k, v in list(vars(cfg).items()):
+            if "drop" in k and isinstance(v, float):
+                setattr(cfg, k, 0.0)
+        for sub in ("text_config", "vision_config"):
+            if getattr(cfg, sub, None) is not None:
+                for k, v in list(vars(getattr(cfg, sub)).items()):
+                    if "drop" in k and isinstance(v, float):
+                        setattr(getattr(cfg, sub), k, 0.0)
+        self.m = getattr(transformers, model)(cfg)
+        self.keys = keys
+        self.extra = {"return_loss": True} if model == "CLIPModel" else {}
+
+    def forward(self, *batch: torch.Tensor) -> torch.Tensor:
+        return self.m(**dict(zip(self.keys, batch)), **self.extra).loss
+
+
+def _hf_loss(config: str, model: str, keys: tuple[str, ...], **kw):
+    return lambda: HFLoss(config, model, keys, **kw)
+
+
+_IMG = ("pixel_values", "labels")
+_IDS = ("input_ids", "labels")
+_S2S = dict(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+            max_position_embeddings=32, use_cache=False)
+# Swin pools with adaptive_avg_pool1d, whose backward make_fx keeps as a write into a slice
+# of fresh zeros; the schedule once moved that write after the reads of the zeros (every
+# gradient but the head's came out zero)
+_SWIN = _hf_loss("SwinConfig", "SwinForImageClassification", _IMG, image_size=32, patch_size=4,
+                 embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4, num_labels=10)
+# ConvNeXt-V2's global response norm (a vector norm over H and W) and its (1, 1, 1, C)
+# scales, gathered with their block on z
+_CONVNEXTV2 = _hf_loss("ConvNextV2Config", "ConvNextV2ForImageClassification", _IMG,
+                       hidden_sizes=[16, 32], depths=[1, 1], num_stages=2, num_labels=10)
+# multi-query attention picks its shared key and value with fused_qkv[..., [-2], :]
+_FALCON = _hf_loss("FalconConfig", "FalconForCausalLM", _IDS, vocab_size=64, hidden_size=32,
+                   num_hidden_layers=2, num_attention_heads=8, use_cache=False)
+# sinusoidal positions looked up with index_select by batch-cut position ids
+_M2M100 = _hf_loss("M2M100Config", "M2M100ForConditionalGeneration", _IDS, pad_token_id=1,
+                   decoder_start_token_id=2, **_S2S)
+# the text tower pools its end-of-text token: x[arange(B), ids.argmax(-1)]
+_CLIP = _hf_loss("CLIPConfig", "CLIPModel", ("input_ids", "pixel_values"), projection_dim=16,
+                 text_config=dict(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=64,
+                                  max_position_embeddings=16, eos_token_id=3),
+                 vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    intermediate_size=64, image_size=16, patch_size=4))
+
+
+def _clip_batches():
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(3):
+        ids = torch.randint(4, 64, (8, 16), generator=g)
+        ids[:, -1] = 3
+        out.append((ids, torch.randn(8, 3, 16, 16, generator=g)))
+    return _CLIP, out
 
 
 class ViT(torch.nn.Module):
@@ -247,10 +318,10 @@ def _dense():
                     for _ in range(3)]
 
 
-def _images(make, labels: int = 10):
+def _images(make, size: int = 16, labels: int = 10):
     g = torch.Generator().manual_seed(1)
-    return make, [(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, labels, (8,), generator=g))
-                  for _ in range(3)]
+    return make, [(torch.randn(8, 3, size, size, generator=g),
+                   torch.randint(0, labels, (8,), generator=g)) for _ in range(3)]
 
 
 # (model, its batches) for those that are not causal language models
@@ -270,7 +341,12 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "batchnorm": (lambda: _images(BNNet), "x1y1z2d2"), "batchnorm-x": (lambda: _images(BNNet), "x2y1z1d2"),
           "resnet": (lambda: _images(ResNet), "x1y1z1d4"),
           "gpt2-dropout": (lambda: _tokens(_gpt2_dropout), "x2y1z1d2"),
-          "deberta-v2": (lambda: _tokens(DebertaV2), "x2y1z1d2")}
+          "deberta-v2": (lambda: _tokens(DebertaV2), "x2y1z1d2"),
+          "swin": (lambda: _images(_SWIN, 32), "x2y1z1d2"),
+          "convnext-v2": (lambda: _images(_CONVNEXTV2, 32), "x1y1z2d2"),
+          "falcon": (lambda: _tokens(_FALCON), "x1y1z2d2"),
+          "m2m100": (lambda: _tokens(_M2M100), "x1y1z2d2"),
+          "clip": (_clip_batches, "x1y1z1d4")}
 
 
 def _gathers_nothing(f) -> bool:

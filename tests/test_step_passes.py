@@ -141,6 +141,27 @@ def test_schedule_keeps_the_random_draws_in_order() -> None:
                                                    if n.target is aten.mm.default)), order
 
 
+def test_schedule_keeps_in_place_writes_before_the_reads_they_feed() -> None:
+    """make_fx keeps in-place writes whose result nothing reads: adaptive_avg_pool1d's
+    backward writes the gradient into a slice of fresh zeros, then reads the zeros. The
+    read feeds a blocking all-reduce, so "blocking paths first" pulled it ahead of the
+    write (Swin's gradients came out zero); a write keeps its place among the uses of
+    its buffer and of every view of it, and the rest may still move."""
+    b = G()
+    x, y = b.input("x", 8, 16), b.input("y", 8, 8)
+    buf = b.op(aten.new_zeros.default, x, [8, 16])
+    part = b.op(aten.slice.Tensor, buf, 1, 0, 8)
+    write = b.op(aten.copy_.default, part, y)
+    other = b.op(aten.mm.default, x, b.input("w", 16, 16))
+    read = b.op(aten.mul.Tensor, buf, 2.0)
+    ar, wait = b.collective("all_reduce", read, "x", "forward")
+    gm = schedule_pass(b.module(b.op(aten.add.Tensor, wait, other)), _ctx())
+    order = [n.name for n in gm.graph.nodes]
+    assert order.index(part.name) < order.index(write.name) < order.index(read.name), order
+    # the blocking all-reduce still leaves before the GEMM that does not feed it
+    assert order.index(ar.name) < order.index(other.name), order
+
+
 def test_schedule_off_keeps_the_traced_order() -> None:
     b = G()
     g, x, w = b.input("g", 8, 16), b.input("x", 8, 16), b.input("w", 16, 16)
