@@ -397,10 +397,12 @@ def _one_index(node: fx.Node, vals: Mapping[fx.Node, Any]) -> tuple[int, fx.Node
         if len(tensors) != 1:
             return None
         d, idx = tensors[0]
-    v = vals.get(idx) if isinstance(idx, fx.Node) else None
+    if not isinstance(idx, fx.Node):
+        return None
+    v = vals.get(idx)
     if not isinstance(v, Val) or v.layout is None or v.val.dtype in (torch.bool, torch.uint8):
         return None
-    return d, idx
+    return int(cast(int, d)), idx
 
 
 def _per_row(node: fx.Node, vals: Mapping[fx.Node, Any]) -> fx.Node | None:
