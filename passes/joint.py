@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from shardc.context import COMM, GLOBAL_VAL, PLACEMENT, PROGRAM, SOURCE, CompileContext
+from shardc.context import COMM, GLOBAL_VAL, PARAM, PLACEMENT, PROGRAM, SOURCE, CompileContext
 from shardc.placement import Layout
 from shardc.precision import reduce_dtype
 from shardc.runtime import collectives as C
@@ -233,6 +233,11 @@ def _trace(prog: fx.GraphModule, program: fx.GraphModule, ctx: CompileContext,
     modules = {n.name: getattr(n.meta.get(SOURCE), "module", "") or "" for n in program.graph.nodes}
     _point_at_runners(gm, log, ctx, modules)
     grad_of = [i for i in grad_idx if i not in unused]
+    # which primals hold a parameter: a gather computed from those alone makes a weight,
+    # one computed from the batch makes an activation (reshard_pass must tell them apart)
+    for ph, name in zip([n for n in gm.graph.nodes if n.op == "placeholder"], param_names):
+        if name is not None:
+            ph.meta[PARAM] = name
     if ctx.options.reshard_after_forward:
         from shardc.passes.reshard import reshard_pass
 

@@ -3,7 +3,8 @@
 Reads:  the unsplit whole-step graph (``joint.py``, before its split into forward and
         backward; ``gm.meta[N_OUTPUTS]``), its forward weight all-gathers (an all-gather
         whose input is computed from placeholders alone: a parameter shard) and
-        ``ctx.options.reshard_after_forward``
+        ``ctx.options.reshard_after_forward``; placeholders that hold a parameter carry
+        ``meta[PARAM]`` (set by ``joint.py``)
 Writes: for each gathered weight that backward reads, a copy of its gather (issue, wait,
         and the view/cast ops that make the weight from the buffer) placed in backward,
         with phase "backward" and ``meta[REGATHER]`` naming the forward collective it
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from shardc.context import COMM, CompileContext
+from shardc.context import COMM, PARAM, CompileContext
 from shardc.passes.joint import N_OUTPUTS, RUN_FUNCTIONS, collective_nodes, forward_nodes
 from shardc.runtime import functional as F
 
@@ -42,7 +43,12 @@ def _weight_gathers(g: fx.Graph, fwd: set[fx.Node]) -> list[fx.Node]:
         stack, ok = [n.args[0]], True
         while stack and ok:
             a = stack.pop()
-            if not isinstance(a, fx.Node) or a.op == "placeholder":
+            if not isinstance(a, fx.Node):
+                continue
+            if a.op == "placeholder":
+                # a parameter's shard; an input (ViT-MAE's pixels, Hiera's patches) makes
+                # an activation, which forward computes and backward cannot gather again
+                ok = PARAM in a.meta
                 continue
             if a.op != "call_function" or a.target is F.WAIT or a.target in RUN_FUNCTIONS:
                 ok = False

@@ -14,7 +14,8 @@ the running ones and the batch counter written back as one device's; GPT-2 with 
 default dropout, in attention too, drawing one device's masks; DeBERTa-v2 (relative
 positions tiled over the batch), Swin (whose pooling's backward writes in place), ConvNeXt-V2
 (vector norms; per-block gathers on z), Falcon (multi-query lookups), M2M100 (sinusoidal
-positions by index_select) and CLIP (contrastive, the end-of-text token picked per row).
+positions by index_select), CLIP (contrastive, the end-of-text token picked per row) and
+ViT-MAE's pretraining (random masking) with reshard_after_forward.
 
 Some run a few ops replicated (BLOOM's alibi ``repeat``, GPT-J's sin/cos table
 ``index``, ``repeat`` and ``gather``): allowed here as long as they gather nothing, that
@@ -154,6 +155,21 @@ _CLIP = _hf_loss("CLIPConfig", "CLIPModel", ("input_ids", "pixel_values"), proje
                                   max_position_embeddings=16, eos_token_id=3),
                  vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                     intermediate_size=64, image_size=16, patch_size=4))
+
+
+# ViT-MAE's pretraining: each step masks a random half of the patches (torch.rand inside
+# forward) and gathers the kept ones by index. With reshard_after_forward the gather of
+# those patches, computed from the batch alone, was taken for a weight's and copied into
+# backward before its input existed; the whole-step program failed and comm_report raised.
+_VITMAE = _hf_loss("ViTMAEConfig", "ViTMAEForPreTraining", ("pixel_values",), hidden_size=32,
+                   num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16,
+                   patch_size=4, decoder_hidden_size=32, decoder_num_hidden_layers=1,
+                   decoder_num_attention_heads=4, decoder_intermediate_size=64, mask_ratio=0.5)
+
+
+def _pixels():
+    g = torch.Generator().manual_seed(1)
+    return _VITMAE, [(torch.randn(8, 3, 16, 16, generator=g),) for _ in range(3)]
 
 
 def _clip_batches():
@@ -346,7 +362,8 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "convnext-v2": (lambda: _images(_CONVNEXTV2, 32), "x1y1z2d2"),
           "falcon": (lambda: _tokens(_FALCON), "x1y1z2d2"),
           "m2m100": (lambda: _tokens(_M2M100), "x1y1z2d2"),
-          "clip": (_clip_batches, "x1y1z1d4")}
+          "clip": (_clip_batches, "x1y1z1d4"),
+          "vit-mae-reshard": (_pixels, "x2y1z1d2", {"reshard_after_forward": True})}
 
 
 def _gathers_nothing(f) -> bool:
@@ -360,9 +377,10 @@ def _all(rank: int, world_size: int) -> None:
     for name, (make, spec) in MODELS.items():
         T.MODELS[name] = (lambda m: (lambda: T._lm(m)))(make)
         failures += T._case_failures(name, shardc.Mesh.parse(spec), allowed=_gathers_nothing)
-    for name, (batches, spec) in OTHERS.items():
+    for name, (batches, spec, *options) in OTHERS.items():
         T.MODELS[name] = batches
-        failures += T._case_failures(name, shardc.Mesh.parse(spec), allowed=_gathers_nothing)
+        failures += T._case_failures(name, shardc.Mesh.parse(spec), allowed=_gathers_nothing,
+                                     **(options[0] if options else {}))
     if failures:
         raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures))
 
