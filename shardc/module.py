@@ -467,7 +467,17 @@ class ShardedModule(nn.Module):
         if not self.ctx.options.reshard_after_forward:
             return []
         built = [jp for jp in self._joint.values()]
-        jp = built[-1] if built else self.offline_step()
+        if built:
+            jp = built[-1]
+        else:
+            try:
+                jp = self.offline_step()
+            except Exception:  # noqa: BLE001 - then the first step falls back too (below)
+                jp = None
+        if jp is None:
+            # the step program could not be built: the forward program runs with
+            # autograd's backward, which keeps forward's gathered weights
+            return []
         out: list[str] = []
         for n in collective_nodes(jp.backward.graph):
             v = n.meta.get(REGATHER)  # a list where coalesce_pass packed several
