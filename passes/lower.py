@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from shardc.context import (COMM, GLOBAL_VAL, KIND, PARAM, PLACEMENT, PROGRAM, SOURCE,
+from shardc.context import (COMM, FALLBACK, GLOBAL_VAL, KIND, PARAM, PLACEMENT, PROGRAM, SOURCE,
                             CompileContext)
 from shardc.mesh import BATCH_AXES, Mesh
 from shardc.placement import Layout
@@ -491,6 +491,37 @@ def lower_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     ``gm.meta[PROGRAM]`` (a LowerResult)."""
     res = Lowering(gm, ctx).run()
     out = res.graph_module
+    _drop_dead_collectives(out.graph)
+    # an op run whole whose result turned out dead is not run: nor reported
+    alive = {id(n.meta[FALLBACK]) for n in out.graph.nodes if FALLBACK in n.meta}
+    res.fallbacks[:] = [f for f in res.fallbacks if id(f) in alive]
     out.meta[PROGRAM] = res
     out.graph.lint()
     return out
+
+
+def _drop_dead_collectives(g: fx.Graph) -> None:
+    """Collectives whose result nothing reads are not emitted, nor the pure ops between
+    them and nothing: the operand of a check the lowering drops (XLM's ``assert
+    lengths.max().item() <= slen`` gathered the lengths for nothing). The whole-step
+    program's trace drops them anyway, so keeping them made the comm report count bytes
+    no step moves. In-place ops, random draws (the generator's position is part of the
+    result) and the runtime's own functions stay."""
+    import operator
+
+    from shardc.runtime import collectives as C
+
+    issues = {C.all_gather_start, C.all_reduce_start, C.reduce_scatter_start,
+              C.all_to_all_start, C.grad_all_reduce, C.wait, C.concat_gathered,
+              C.concat_gathered_interleaved, C.local_chunk}
+
+    def pure(n: fx.Node) -> bool:
+        t = n.target
+        if t in issues or getattr(t, "__module__", None) in (operator.__name__, "_operator"):
+            return True
+        return (isinstance(t, torch._ops.OpOverload) and not t._schema.is_mutable
+                and torch.Tag.nondeterministic_seeded not in t.tags)
+
+    for n in reversed(list(g.nodes)):
+        if n.op == "call_function" and not n.users and pure(n):
+            g.erase_node(n)

@@ -15,7 +15,8 @@ default dropout, in attention too, drawing one device's masks; DeBERTa-v2 (relat
 positions tiled over the batch), Swin (whose pooling's backward writes in place), ConvNeXt-V2
 (vector norms; per-block gathers on z), Falcon (multi-query lookups), M2M100 (sinusoidal
 positions by index_select), CLIP (contrastive, the end-of-text token picked per row) and
-ViT-MAE's pretraining (random masking) with reshard_after_forward.
+ViT-MAE's pretraining (random masking) with reshard_after_forward; XLM (an assert on its
+lengths, whose operand nothing else reads).
 
 Some run a few ops replicated (BLOOM's alibi ``repeat``, GPT-J's sin/cos table
 ``index``, ``repeat`` and ``gather``): allowed here as long as they gather nothing, that
@@ -165,6 +166,12 @@ _VITMAE = _hf_loss("ViTMAEConfig", "ViTMAEForPreTraining", ("pixel_values",), hi
                    num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16,
                    patch_size=4, decoder_hidden_size=32, decoder_num_hidden_layers=1,
                    decoder_num_attention_heads=4, decoder_intermediate_size=64, mask_ratio=0.5)
+
+
+# checks its lengths with assert lengths.max().item() <= slen: the check is dropped, and
+# the gather of the batch-cut lengths its max once needed was reported but never run
+_XLM = _hf_loss("XLMConfig", "XLMWithLMHeadModel", _IDS, vocab_size=64, emb_dim=32, n_layers=2,
+                n_heads=4, max_position_embeddings=40)
 
 
 def _pixels():
@@ -363,7 +370,8 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "falcon": (lambda: _tokens(_FALCON), "x1y1z2d2"),
           "m2m100": (lambda: _tokens(_M2M100), "x1y1z2d2"),
           "clip": (_clip_batches, "x1y1z1d4"),
-          "vit-mae-reshard": (_pixels, "x2y1z1d2", {"reshard_after_forward": True})}
+          "vit-mae-reshard": (_pixels, "x2y1z1d2", {"reshard_after_forward": True}),
+          "xlm": (lambda: _tokens(_XLM), "x2y1z1d2")}
 
 
 def _gathers_nothing(f) -> bool:

@@ -56,6 +56,8 @@ def specs() -> list[S.OpSpec]:
         Rd("vector_norm.dims", lambda m, a: torch.linalg.vector_norm(a, dim=(1, 2), keepdim=True) * a,
            x(4, 3, 2), two=True),
         Rd("normalize", lambda m, a: F.normalize(a, dim=-1), x(4, 6)),
+        Rd("max.all", lambda m, a: a.max() * a, x(4, 6), two=True),
+        Rd("min.all", lambda m, a: a.min() + a, x(4, 6)),
         Rd("softmax.last", lambda m, a: F.softmax(a, -1), x(4, 6), two=True),
         Rd("softmax.dim0", lambda m, a: F.softmax(a, 0), x(4, 6)),
         Rd("_softmax", lambda m, a: aten._softmax.default(a, 1, False), x(4, 6)),

@@ -24,7 +24,8 @@ from shardc.passes.rules.common import (Strategy, apply_strategy, as_list, aten,
 # input is reduced first (the norm of a sum is not the sum of norms). op -> positions of
 # its dim and keepdim arguments.
 _WHOLE = {aten.amax.default: (1, 2), aten.amin.default: (1, 2), aten.argmax.default: (1, 2),
-          aten.argmin.default: (1, 2), aten.linalg_vector_norm.default: (2, 3)}
+          aten.argmin.default: (1, 2), aten.linalg_vector_norm.default: (2, 3),
+          aten.max.default: (1, 2), aten.min.default: (1, 2)}  # the last two: every dim
 
 
 @register_rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, *_WHOLE)
