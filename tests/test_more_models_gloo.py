@@ -16,7 +16,7 @@ positions tiled over the batch), Swin (whose pooling's backward writes in place)
 (vector norms; per-block gathers on z), Falcon (multi-query lookups), M2M100 (sinusoidal
 positions by index_select), CLIP (contrastive, the end-of-text token picked per row) and
 ViT-MAE's pretraining (random masking) with reshard_after_forward; XLM (an assert on its
-lengths, whose operand nothing else reads).
+lengths, whose operand nothing else reads); FNet (Fourier transforms, complex views).
 
 Some run a few ops replicated (BLOOM's alibi ``repeat``, GPT-J's sin/cos table
 ``index``, ``repeat`` and ``gather``): allowed here as long as they gather nothing, that
@@ -172,6 +172,12 @@ _VITMAE = _hf_loss("ViTMAEConfig", "ViTMAEForPreTraining", ("pixel_values",), hi
 # the gather of the batch-cut lengths its max once needed was reported but never run
 _XLM = _hf_loss("XLMConfig", "XLMWithLMHeadModel", _IDS, vocab_size=64, emb_dim=32, n_layers=2,
                 n_heads=4, max_position_embeddings=40)
+
+
+# mixes tokens with a 2-D FFT over sequence and hidden, per sample: the batch stays cut
+_FNET = _hf_loss("FNetConfig", "FNetForMaskedLM", _IDS, vocab_size=64, hidden_size=32,
+                 num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                 max_position_embeddings=40, use_tpu_fourier_optimizations=False)
 
 
 def _pixels():
@@ -371,7 +377,8 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "m2m100": (lambda: _tokens(_M2M100), "x1y1z2d2"),
           "clip": (_clip_batches, "x1y1z1d4"),
           "vit-mae-reshard": (_pixels, "x2y1z1d2", {"reshard_after_forward": True}),
-          "xlm": (lambda: _tokens(_XLM), "x2y1z1d2")}
+          "xlm": (lambda: _tokens(_XLM), "x2y1z1d2"),
+          "fnet": (lambda: _tokens(_FNET), "x1y1z2d2")}
 
 
 def _gathers_nothing(f) -> bool:

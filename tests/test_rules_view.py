@@ -1,5 +1,5 @@
 """Rule sweep, shape family: view/reshape/flatten/unflatten/expand/squeeze/unsqueeze,
-repeat, permute/transpose/t, split/chunk/unbind, cat/stack, slice/select/narrow, flip/roll, pad,
+repeat, permute/transpose/t, split/chunk/unbind, cat/stack, slice/select/narrow, flip/roll, pad, Fourier transforms and complex views,
 index_select and x[index] along one dim, x[arange(n), index], gather, slice/select_scatter, masked writes (``x[mask] = v``), copy, and (values, indices)
 ops along one dim (topk, sort, max/min over a dim, kthvalue, median, cummax).
 See ``rules_sweep.py``."""
@@ -66,6 +66,15 @@ def specs() -> list[S.OpSpec]:
         V("repeat.twice", lambda m, a: a.repeat(2, 1).repeat(3, 1) * 1.0, x(4, 6)),
         V("repeat.then_add", lambda m, a, b: a.repeat(2, 1) + b, x(4, 6), x(8, 6), two=True),
         V("repeat.then_sum", lambda m, a: a.repeat(3, 1).sum(0), x(4, 6)),
+        # Fourier transforms over some dims: those whole, the rest keep their cuts (FNet)
+        V("fft2.real", lambda m, a: torch.fft.fftn(a, dim=(1, 2)).real, x(4, 3, 6), two=True),
+        V("rfft.irfft", lambda m, a: torch.fft.irfft(torch.fft.rfft(a, dim=1) * 0.5, n=6, dim=1),
+          x(4, 6)),
+        V("fft.abs", lambda m, a: torch.fft.fft(a, dim=0).abs(), x(4, 6)),
+        V("view_as_real", lambda m, a: torch.view_as_real(torch.fft.fft(a, dim=1)) * 1.0, x(4, 6),
+          two=True),
+        V("view_as_complex", lambda m, a: torch.view_as_real(torch.view_as_complex(a) * 2.0),
+          x(4, 3, 2)),
         V("flip", lambda m, a: torch.flip(a, [1]), x(4, 6)),
         V("roll", lambda m, a: torch.roll(a, 2, 1), x(4, 6)),
         V("roll.flat", lambda m, a: torch.roll(a, 3), x(4, 6)),

@@ -206,6 +206,55 @@ def along_dim_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -
     return Strategy({node.args[0]: need}, out)
 
 
+@register_rule(aten._fft_c2c.default, aten._fft_r2c.default, aten._fft_c2r.default)
+def fft_rule(L: Lowering, node: fx.Node) -> Any:
+    if L.env[node.args[0]].layout is None:
+        return materialise_then(L, node)
+    return apply_strategy(L, node, fft_strategy)
+
+
+@strategy(aten._fft_c2c.default, aten._fft_r2c.default, aten._fft_c2r.default)
+def fft_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    """A discrete Fourier transform over some dims: those whole, every other dim keeps
+    its cut (FNet mixes tokens with a 2-D FFT over sequence and hidden, per sample, so
+    the batch stays cut). The one-sided real transforms change the last transformed
+    dim's size, which is whole. Never partial (simpler than tracking a complex sum)."""
+    x = vals[node.args[0]]
+    dims = [d % x.ndim for d in as_list(node.args[1])]
+    need = no_partial(replicate_dims(x.layout, dims))
+    return Strategy({node.args[0]: need}, need)
+
+
+@register_rule(aten.view_as_real.default, aten.view_as_complex.default)
+def complex_view_rule(L: Lowering, node: fx.Node) -> Any:
+    if L.env[node.args[0]].layout is None:
+        return materialise_then(L, node)
+    s = complex_view_strategy(node, input_vals(L, node), L.mesh)
+    xn = L.to_layout(L.env[node.args[0]], s.needs[node.args[0]])
+    if node.target is aten.view_as_complex.default:
+        # pairs gathered along the last dim arrive strided; the view needs them adjacent
+        xn = L.emit(aten.contiguous.default, (xn,), layout=s.needs[node.args[0]],
+                    val=node.args[0].meta["val"])
+    val = node.meta["val"]
+    return Val(L.emit(node.target, (xn,), layout=s.out, val=val), s.out.clean(L.mesh), val)
+
+
+@strategy(aten.view_as_real.default, aten.view_as_complex.default)
+def complex_view_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    """A complex tensor seen as real pairs (a new last dim of 2, whole) and back (that
+    dim, whole, goes away); every other dim keeps its cut, a partial sum stays one."""
+    x = vals[node.args[0]]
+    if node.target is aten.view_as_real.default:
+        lay = x.layout
+        out = Layout(x.ndim + 1, lay.dims + ((),), lay.partial, lay.interleave + (1,))
+        return Strategy({node.args[0]: lay}, out)
+    need = replicate_dims(x.layout, [x.ndim - 1])
+    if any(op not in ("sum", "avg") for _, op in need.partial):
+        need = no_partial(need)  # complex numbers have no max or min
+    out = Layout(x.ndim - 1, need.dims[:-1], need.partial, need.interleave[:-1])
+    return Strategy({node.args[0]: need}, out)
+
+
 # ops along one dim that return (values, indices): the dim whole, the others keep their
 # shards, and an index counts positions along the whole dim, so it is the global one.
 # op -> (position of ``dim`` and its default, whether the dim goes away without keepdim)
