@@ -38,6 +38,7 @@ import torch
 import torch.fx as fx
 
 from shardc.context import COMM, CompileContext
+from shardc.passes import aliases
 from shardc.passes.joint import collective_nodes
 from shardc.runtime import functional as F
 
@@ -124,17 +125,11 @@ def _write_order(g: fx.Graph, body: list[fx.Node]) -> list[tuple[fx.Node, fx.Nod
     root: dict[fx.Node, fx.Node] = {}
     written: dict[fx.Node, list[fx.Node]] = {}
     for n in g.nodes:
-        op = n.target
-        if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
-            continue
-        schema = op._schema
-        for i, a in enumerate(schema.arguments):
-            v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
-            if a.alias_info is not None and a.alias_info.is_write and isinstance(v, fx.Node):
-                written.setdefault(root.get(v, v), []).append(n)
-        rets = schema.returns
-        if rets and rets[0].alias_info is not None and n.args and isinstance(n.args[0], fx.Node):
-            root[n] = root.get(n.args[0], n.args[0])  # a view, or an in-place op's self
+        for v in aliases.written(n):
+            written.setdefault(root.get(v, v), []).append(n)
+        base = aliases.view_of(n)
+        if base is not None:
+            root[n] = root.get(base, base)
     if not written:
         return []
     order = {n: i for i, n in enumerate(g.nodes)}

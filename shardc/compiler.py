@@ -202,31 +202,25 @@ def _refuse_input_writes(ep: torch.export.ExportedProgram, user_inputs: list[str
     output (refused above); a trace whose ops all have rules keeps the op in place, and
     the rank's program would write into its own piece of the input (or into the copy that
     entry makes of it), which is not what the model does on one device."""
+    from shardc.passes import aliases
+
     inputs = set(user_inputs)
     root: dict[torch.fx.Node, str] = {}  # node -> the user input it is a view of
     for n in ep.graph.nodes:
         if n.op == "placeholder" and n.name in inputs:
             root[n] = n.name
             continue
-        op = n.target
-        if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
-            continue
-        schema = op._schema
-        for i, a in enumerate(schema.arguments):
-            val = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
-            if (a.alias_info is not None and a.alias_info.is_write
-                    and isinstance(val, torch.fx.Node) and val in root):
+        for val in aliases.written(n):
+            if val in root:
                 where = n.meta.get("stack_trace", "").strip().splitlines()
                 at = f" ({where[-2].strip()})" if len(where) >= 2 else ""
                 raise ShardcError(
                     f"shardc.compile: the model writes into its input {root[val]!r} during forward "
-                    f"({op}{at}); shardc writes back only buffers (running statistics). Return "
-                    "the new value from forward instead of writing it into an input.")
-        # a view (select, slice, view, transpose, ...) aliases its first argument
-        rets = schema.returns
-        if (rets and rets[0].alias_info is not None and not rets[0].alias_info.is_write
-                and n.args and isinstance(n.args[0], torch.fx.Node) and n.args[0] in root):
-            root[n] = root[n.args[0]]
+                    f"({n.target}{at}); shardc writes back only buffers (running statistics). "
+                    "Return the new value from forward instead of writing it into an input.")
+        base = aliases.view_of(n)  # select, slice, view, transpose, ...
+        if base is not None and base in root:
+            root[n] = root[base]
 
 
 def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
