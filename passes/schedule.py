@@ -132,18 +132,19 @@ def _write_order(g: fx.Graph, body: list[fx.Node]) -> list[tuple[fx.Node, fx.Nod
             root[n] = root.get(base, base)
     if not written:
         return []
+    views: dict[fx.Node, list[fx.Node]] = {}
+    for v, r in root.items():
+        views.setdefault(r, []).append(v)
     order = {n: i for i, n in enumerate(g.nodes)}
     in_body = set(body)
     edges = []
     for base, writers in written.items():
-        users = sorted({u for n in [base, *(v for v, r in root.items() if r is base)]
-                        for u in n.users if u in in_body} | set(writers), key=order.__getitem__)
-        users += [v for v, r in root.items() if r is base and v in in_body and v not in users]
-        users.sort(key=order.__getitem__)
+        family = [base, *views.get(base, [])]
+        # every node that reads the storage or views it, and the writers themselves
+        touch = ({u for n in family for u in n.users} | set(family[1:]) | set(writers)) & in_body
         for w in writers:
-            if w not in in_body:
-                continue
-            edges += [(u, w) if order[u] < order[w] else (w, u) for u in users if u is not w]
+            if w in in_body:
+                edges += [(u, w) if order[u] < order[w] else (w, u) for u in touch if u is not w]
     return edges
 
 

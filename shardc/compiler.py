@@ -195,6 +195,10 @@ def _compile_here(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | li
     return sm
 
 
+_WRITE_BACK = ("shardc writes back only buffers (running statistics). Return the new value "
+               "from forward instead of writing it into an input.")
+
+
 def _refuse_input_writes(ep: torch.export.ExportedProgram, user_inputs: list[str]) -> None:
     """Refuse an in-place op that writes into a user input (or a view of one).
 
@@ -216,8 +220,7 @@ def _refuse_input_writes(ep: torch.export.ExportedProgram, user_inputs: list[str
                 at = f" ({where[-2].strip()})" if len(where) >= 2 else ""
                 raise ShardcError(
                     f"shardc.compile: the model writes into its input {root[val]!r} during forward "
-                    f"({n.target}{at}); shardc writes back only buffers (running statistics). "
-                    "Return the new value from forward instead of writing it into an input.")
+                    f"({n.target}{at}); {_WRITE_BACK}")
         base = aliases.view_of(n)  # select, slice, view, transpose, ...
         if base is not None and base in root:
             root[n] = root[base]
@@ -263,8 +266,7 @@ def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Optio
         if spec.kind.name not in ("USER_OUTPUT", "BUFFER_MUTATION"):
             raise ShardcError(
                 f"shardc.compile: the model mutates state during forward ({spec.kind.name} of "
-                f"{spec.target!r}); shardc writes back only buffers (running statistics). Return "
-                "the new value from forward instead of writing it into an input.")
+                f"{spec.target!r}); {_WRITE_BACK}")
     _refuse_input_writes(ep, user_inputs)
     runtime = Runtime(mesh, rank)
     trainable = frozenset(canonical[n] for n, p in model.named_parameters() if p.requires_grad)
