@@ -19,7 +19,7 @@ differs from gloo's own (a ring's order) only in rounding.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -31,8 +31,9 @@ _native_reduce_scatter = (getattr(dist, "reduce_scatter_single", None)
 
 GLOO_REDUCE_SCATTER = "all_to_all"  # or "native"
 
-_LOCAL = {dist.ReduceOp.SUM: torch.sum, dist.ReduceOp.MAX: torch.amax,
-          dist.ReduceOp.MIN: torch.amin, dist.ReduceOp.PRODUCT: torch.prod}
+_LOCAL: dict[Any, Callable[..., torch.Tensor]] = {
+    dist.ReduceOp.SUM: torch.sum, dist.ReduceOp.MAX: torch.amax,
+    dist.ReduceOp.MIN: torch.amin, dist.ReduceOp.PRODUCT: torch.prod}
 
 
 class _ReduceOnWait:
@@ -42,7 +43,9 @@ class _ReduceOnWait:
     __slots__ = ("_work", "_blocks", "_out", "_op")
 
     def __init__(self, work: Any, blocks: torch.Tensor, out: torch.Tensor, op: Any) -> None:
-        self._work, self._blocks, self._out, self._op = work, blocks, out, op
+        self._work: Any = work
+        self._blocks: torch.Tensor | None = blocks
+        self._out, self._op = out, op
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if self._work is not None:
@@ -50,12 +53,13 @@ class _ReduceOnWait:
                 self._work.wait()
             else:
                 self._work.wait(timeout)
+            blocks, reduce = self._blocks, _LOCAL[self._op]
+            assert blocks is not None
             with torch.no_grad():
-                reduce = _LOCAL[self._op]
                 if self._out.is_contiguous():
-                    reduce(self._blocks, 0, out=self._out.view(self._blocks.shape[1:]))
+                    reduce(blocks, 0, out=self._out.view(blocks.shape[1:]))
                 else:
-                    self._out.copy_(reduce(self._blocks, 0).view(self._out.shape))
+                    self._out.copy_(reduce(blocks, 0).view(self._out.shape))
             self._work = self._blocks = None
         return True
 
