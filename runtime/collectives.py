@@ -37,10 +37,9 @@ import torch.distributed as dist
 
 from shardc.errors import CollectiveError
 from shardc.mesh import Mesh
+from shardc.runtime.algorithms import reduce_scatter_flat  # gloo's by an all-to-all
 from shardc.runtime.groups import axis_groups
 from shardc.runtime.volume import ring_bytes
-
-from shardc.runtime.algorithms import reduce_scatter_flat  # gloo's by an all-to-all
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); older releases
 # have only the old ones. Same semantics, so use whichever this torch has.
@@ -64,7 +63,10 @@ class Runtime:
         # the rank compiled for: what an offline trace (no process group) reads
         self.compiled_rank = rank
         self.key = f"rt{next(_ids)}"
-        self.measured: dict[tuple[str, str, str], Fraction] = defaultdict(Fraction)
+        # bytes handed to torch.distributed per (collective, axis, phase): plain integers,
+        # turned into the ring model's figures only when read (``measured``); a Fraction
+        # per call cost ~20 us, on every collective of every step
+        self.sent: dict[tuple[str, str, str], int] = defaultdict(int)
         self.calls: dict[tuple[str, str, str], int] = defaultdict(int)
         # gradient accumulation (``ShardedModule.no_sync``): while ``sync`` is False the
         # backward skips every gradient reduction. A weight's full, unreduced gradient
@@ -103,12 +105,18 @@ class Runtime:
     def count(self, collective: str, axis: str, phase: str, t: torch.Tensor) -> None:
         if self.recomputing and phase == "forward":
             phase = "backward"
-        nbytes = t.numel() * t.element_size()
-        self.measured[(collective, axis, phase)] += ring_bytes(collective, self.mesh.size(axis), nbytes)
+        self.sent[(collective, axis, phase)] += t.numel() * t.element_size()
         self.calls[(collective, axis, phase)] += 1
 
+    @property
+    def measured(self) -> dict[tuple[str, str, str], Fraction]:
+        """Bytes this rank sent per (collective, axis, phase), by the ring model
+        (``volume.ring_bytes``: linear in the input's bytes, so summing the inputs first is
+        exact)."""
+        return {k: ring_bytes(k[0], self.mesh.size(k[1]), n) for k, n in self.sent.items()}
+
     def reset_counters(self) -> None:
-        self.measured.clear()
+        self.sent.clear()
         self.calls.clear()
 
 

@@ -33,7 +33,6 @@ import torch.distributed as dist
 
 from shardc.runtime.collectives import (REDUCE_OPS, all_gather_flat, get_runtime, guarded,
                                         reduce_scatter_flat)
-from shardc.runtime.volume import ring_bytes
 
 _fc = torch.ops._c10d_functional
 
@@ -389,7 +388,7 @@ ALIASES = {pack_into: 0, mm_into: 0}
 def _count(rt: str, collective: str, axis: str, ph: str, t: torch.Tensor) -> int:
     r = get_runtime(rt)
     nbytes = t.numel() * t.element_size()
-    r.measured[(collective, axis, ph)] += ring_bytes(collective, r.mesh.size(axis), nbytes)
+    r.sent[(collective, axis, ph)] += nbytes
     r.calls[(collective, axis, ph)] += 1
     return nbytes
 
