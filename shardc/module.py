@@ -450,11 +450,10 @@ class ShardedModule(nn.Module):
 
         assert jp is not None
         settle([jp.forward, jp.backward], self.ctx)
-        if self.ctx.options.backend != "eager":
-            from shardc.backend import build_runner
+        from shardc.backend import build_runner
 
-            jp.run_forward = build_runner(jp.forward, self.ctx.options.backend)
-            jp.run_backward = build_runner(jp.backward, self.ctx.options.backend)
+        jp.run_forward = build_runner(jp.forward, self.ctx.options.backend)
+        jp.run_backward = build_runner(jp.backward, self.ctx.options.backend)
         return jp
 
     def regathered(self) -> list[str]:
