@@ -234,16 +234,49 @@ class InductorProgram:
 
 # ---------------------------------------------------------------- the eager backend
 class _FirstOp(TorchDispatchMode):
-    """Records the first ATen overload a call dispatches (on meta tensors: no compute)."""
+    """Records the first ATen call a call dispatches (on meta tensors: no compute)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.op: Any = None
+        self.call: Any = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if self.op is None:
-            self.op = func
+        if self.call is None:
+            self.call = (func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
+
+
+_MISSING = object()
+
+
+def _by_name(op: Any, args: Any, kwargs: dict) -> dict[str, Any]:
+    """A call's arguments by the schema's names, defaults filled in."""
+    out: dict[str, Any] = {}
+    positional = [a for a in op._schema.arguments if not a.kwarg_only]
+    for i, a in enumerate(op._schema.arguments):
+        if not a.kwarg_only and i < len(args) and i < len(positional):
+            out[a.name] = args[i]
+        elif a.name in kwargs:
+            out[a.name] = kwargs[a.name]
+        else:
+            out[a.name] = a.default_value if a.has_default_value() else _MISSING
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The probe's arguments against what the op received: the very tensors, and equal
+    values (a Python number may arrive as the 0-dim tensor the binding wrapped it in, as
+    the boxed call wraps it)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if a is b:
+            return True
+        if isinstance(b, torch.Tensor) and isinstance(a, (bool, int, float)) \
+                and b.dim() == 0 and b.device.type != "meta":
+            return bool(b.item() == a) and type(b.item()) is type(a)
+        return False
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b) if not (a is _MISSING or b is _MISSING) else a is b
 
 
 class _NoProbe(Exception):
@@ -274,7 +307,7 @@ def _binding(node: fx.Node, seen: dict[tuple, Any]) -> Any:
     microseconds less a call. The overload a binding picks depends on the arguments' types
     (``torch.add(x, 2)`` is ``add.Tensor`` with a wrapped number, as the boxed call is), so
     each candidate is tried once on meta tensors of the node's own shapes and dtypes, and
-    kept only if the first op it dispatches is the node's."""
+    kept only if the first op it dispatches is the node's, with the node's arguments."""
     t = node.target
     if not isinstance(t, torch._ops.OpOverload) or t.namespace != "aten":
         return None
@@ -290,7 +323,11 @@ def _binding(node: fx.Node, seen: dict[tuple, Any]) -> Any:
     if args is not None and args and isinstance(args[0], torch.Tensor):
         for fn in (getattr(torch._C._VariableFunctions, name, None),
                    getattr(torch.Tensor, name, None)):
-            if fn is None:
+            # generated bindings only (C functions and method descriptors): a method that
+            # torch writes in Python (Tensor.split, Tensor.norm) may read its arguments
+            # its own way
+            if fn is None or type(fn).__name__ not in ("builtin_function_or_method",
+                                                       "method_descriptor"):
                 continue
             probe = _FirstOp()
             try:
@@ -298,7 +335,10 @@ def _binding(node: fx.Node, seen: dict[tuple, Any]) -> Any:
                     fn(*args, **kwargs)
             except Exception:  # noqa: BLE001 - no such form, or not on meta: keep the op
                 continue
-            if probe.op is t:
+            if probe.call is None or probe.call[0] is not t:
+                continue
+            want, got = _by_name(t, args, kwargs), _by_name(t, *probe.call[1:])
+            if all(_same(want[k], got[k]) for k in want):
                 found = fn
                 break
     seen[key] = found

@@ -40,6 +40,7 @@ def check(rank: int, world_size: int) -> None:
 
     import shardc
     from shardc.models import GPT, lm_batch
+    from shardc.runtime import algorithms as A
     from shardc.runtime import collectives as C
 
     for qualified in NEWER_THAN_FLOOR:
@@ -47,7 +48,10 @@ def check(rank: int, world_size: int) -> None:
         assert not hasattr(importlib.import_module(module), name), qualified
     # the runtime took the fallback every release since 1.13 has
     assert C.all_gather_flat is dist.all_gather_into_tensor
-    assert C.reduce_scatter_flat is dist.reduce_scatter_tensor
+    # (the runtime's reduce-scatter is its own on gloo, an all-to-all; torch's, the
+    # fallback name, on every other backend)
+    assert C.reduce_scatter_flat is A.reduce_scatter_flat
+    assert A._native_reduce_scatter is dist.reduce_scatter_tensor
     torch.manual_seed(0)
     model = GPT()
     ref = copy.deepcopy(model)
