@@ -1,13 +1,14 @@
 """How a reduce-scatter is carried out on each backend.
 
-gloo's own reduce-scatter is slow on CPU ranks: 8 ranks, one buffer of 13.6 MiB, it took
-79-84 ms where an all-to-all of the same buffer followed by each rank summing the eight
-blocks it received took 35 ms, and 1.6 MiB took 30 ms against 11 ms (``python
-benchmarks/collectives.py --world 8``; 2.2-3.4x in every size measured, in CPU time as
-in wall time). Both send the same bytes, (G-1)/G of the input a rank, the ring model's
-figure, so the comm report and the runtime's counters are unchanged: only gloo's
-algorithm is replaced. On every other backend (NCCL's reduce-scatter is already one
-fused ring) torch.distributed's own call runs.
+gloo's own reduce-scatter is slow on CPU ranks, slower than its all-reduce of the same
+buffer: 8 ranks, 13 MiB, 77.7 ms (17.7 ms of CPU a rank) against 68.2 ms for the
+all-reduce, where an all-to-all of the buffer followed by each rank summing the eight
+blocks it received took 38.1 ms (8.8 ms) (``python benchmarks/collectives.py --world 8
+--mb 13 --rounds 7``). Measured faster in every case tried: 2.0-3.4x on 8 ranks from 0.25
+to 13.6 MiB, 1.7-2.1x on groups of 4, 1.2x on pairs. Both send the same bytes, (G-1)/G of
+the input a rank, the ring model's figure, so the comm report and the runtime's counters
+are unchanged: only gloo's algorithm is replaced. On every other backend (NCCL's
+reduce-scatter is already one fused ring) torch.distributed's own call runs.
 
 The received blocks are reduced in rank order 0..G-1 on the rank that keeps them, so the
 result is the same on every run and does not depend on which rank reduces what; it

@@ -288,7 +288,7 @@ def _on_meta(v: Any) -> Any:
     its shape, strides and dtype; anything else as it is."""
     if isinstance(v, fx.Node):
         val = v.meta.get("val")
-        if isinstance(val, torch.Tensor) and not isinstance(val, torch.SymInt):
+        if isinstance(val, torch.Tensor):
             return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
         if isinstance(val, (bool, int, float)):
             return val
