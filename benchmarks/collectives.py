@@ -30,7 +30,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from shardc.runtime.algorithms import all_gather_flat as all_gather
+from shardc.runtime.algorithms import reduce_scatter_flat
+
+# torch's own reduce-scatter (under whichever name this torch has), to time beside shardc's
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -46,8 +49,6 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
     x = torch.randn(n, device=device)
     piece = torch.empty(n // world, device=device)
     full = torch.empty(n, device=device)
-    from shardc.runtime.algorithms import reduce_scatter_flat
-
     calls = {"all_reduce": lambda: dist.all_reduce(x),
              "reduce_scatter": lambda: reduce_scatter(piece, x),
              "reduce_scatter (shardc)": lambda: reduce_scatter_flat(piece, x),

@@ -37,13 +37,11 @@ import torch.distributed as dist
 
 from shardc.errors import CollectiveError
 from shardc.mesh import Mesh
-from shardc.runtime.algorithms import reduce_scatter_flat  # gloo's by an all-to-all
+# reduce-scatter: gloo's by an all-to-all
+from shardc.runtime.algorithms import all_gather_flat, reduce_scatter_flat
 from shardc.runtime.groups import axis_groups
 from shardc.runtime.volume import ring_bytes
 
-# torch 2.13 renamed the flat-tensor collectives (the old names warn); older releases
-# have only the old ones. Same semantics, so use whichever this torch has.
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 # the reduce-op names of torch's functional collectives, as torch.distributed's enum
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
               "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
