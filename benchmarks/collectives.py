@@ -1,6 +1,7 @@
 """What one all-reduce costs against a reduce-scatter plus an all-gather of the same buffer.
 
     python benchmarks/collectives.py --world 8 --mb 13 --rounds 5
+    python benchmarks/collectives.py --world 8 --small [--group 4]
 
 ZeRO over data (``compile(shard_optimizer=True)``) replaces each bucket's all-reduce by a
 reduce-scatter and an all-gather that move the same bytes in the ring model; whether that
@@ -15,6 +16,11 @@ issues (``runtime/algorithms.py``: on gloo an all-to-all, then each rank reduces
 blocks it received; elsewhere the same call as torch's). CPU time a rank (the process's,
 gloo's threads included) is printed beside the wall time: on CPU ranks the bytes a
 collective moves are CPU work.
+
+``--small`` times small all-reduces instead, from 4 B to 1 MiB, over groups of ``--group``
+ranks (all of them at once): torch.distributed's own against the exchange that shardc's
+runtime uses on gloo up to ``GLOO_EXCHANGE_BYTES`` (``runtime/algorithms.py``), forced
+at every size here to show where it stops paying.
 """
 from __future__ import annotations
 
@@ -30,11 +36,50 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardc.runtime import algorithms
 from shardc.runtime.algorithms import all_gather_flat as all_gather
-from shardc.runtime.algorithms import reduce_scatter_flat
+from shardc.runtime.algorithms import all_reduce_flat, reduce_scatter_flat
 
 # torch's own reduce-scatter (under whichever name this torch has), to time beside shardc's
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+SMALL_SIZES = (4, 8, 16, 256, 4096, 65536, 262144, 1048576)  # bytes
+
+
+def _small(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
+    size = args.group or world
+    group = None
+    for first in range(0, world, size):  # every rank takes part in creating every group
+        made = dist.new_group(list(range(first, first + size)))
+        if first <= rank < first + size:
+            group = made
+    # the exchange at every size timed, below and above the sizes the runtime gives it
+    algorithms.GLOO_EXCHANGE_BYTES, algorithms._EXCHANGE_FROM = max(SMALL_SIZES), 0
+    rows = {}
+    for nbytes in SMALL_SIZES:
+        x = torch.randn(max(1, nbytes // 4))
+        reps = 20 if nbytes <= 65536 else 5  # one call of a few bytes is below the timer's noise
+        calls = {"torch": lambda: [dist.all_reduce(x, group=group) for _ in range(reps)],
+                 "exchange": lambda: [all_reduce_flat(x, group=group) for _ in range(reps)]}
+        for name, call in calls.items():
+            ts, cs = [], []
+            for rnd in range(args.rounds + 1):
+                dist.barrier()
+                t, c = time.perf_counter(), time.process_time()
+                call()
+                dist.barrier()
+                if rnd:
+                    ts.append((time.perf_counter() - t) / reps)
+                    cs.append((time.process_time() - c) / reps)
+            rows[(nbytes, name)] = (statistics.median(ts), statistics.median(cs))
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, rows)
+    if rank == 0:
+        with open(out, "w") as f:
+            for (nbytes, name), (t, _) in rows.items():
+                cpu = statistics.mean(e[(nbytes, name)][1] for e in every)
+                f.write(f"{nbytes} B {name}\t{t}\t{cpu}\n")
 
 
 def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
@@ -44,6 +89,10 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}",
                             rank=rank, world_size=world)
+    if args.small:
+        _small(rank, world, args, out)
+        dist.destroy_process_group()
+        return
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     n = int(args.mb * 2 ** 20 / 4) // world * world
     x = torch.randn(n, device=device)
@@ -80,11 +129,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--mb", type=float, default=13.0)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--small", action="store_true",
+                    help="time all-reduces of 4 B to 1 MiB: torch's against the exchange")
+    ap.add_argument("--group", type=int, default=0,
+                    help="with --small: ranks a group (default: all)")
     args = ap.parse_args(argv)
+    if args.small and args.group and args.world % args.group:
+        ap.error(f"--group {args.group} does not divide --world {args.world}")
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "times.tsv")
         mp.spawn(_rank, args=(args.world, os.path.join(d, "store"), args, out), nprocs=args.world)
         rows = [line.rstrip("\n").split("\t") for line in open(out)]
+    if args.small:
+        print(f"all-reduce over groups of {args.group or args.world} of {args.world} ranks, "
+              f"median of {args.rounds} rounds, torch {torch.__version__}")
+        for name, t, cpu in rows:
+            print(f"  {name:18s} {1e3 * float(t):8.2f} ms   CPU a rank {1e3 * float(cpu):6.2f} ms")
+        return 0
     med = {k: float(t) for k, t, _ in rows}
     print(f"{args.world} ranks, {args.mb:g} MiB fp32, median of {args.rounds} rounds, "
           f"torch {torch.__version__}")

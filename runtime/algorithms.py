@@ -1,5 +1,5 @@
 """How the flat collectives are carried out on each backend: all-gather as torch.distributed
-does it; reduce-scatter, on gloo, by an all-to-all.
+does it; reduce-scatter, and all-reduce of small tensors, on gloo, by an all-to-all.
 
 gloo's own reduce-scatter is slow on CPU ranks, slower than its all-reduce of the same
 buffer: 8 ranks, 13 MiB, 77.7 ms (17.7 ms of CPU a rank) against 68.2 ms for the
@@ -17,6 +17,21 @@ differs from gloo's own (a ring's order) only in rounding.
 
 ``GLOO_REDUCE_SCATTER`` picks the algorithm: ``"all_to_all"`` (the default) or
 ``"native"`` (gloo's own, e.g. to measure the difference).
+
+A small all-reduce on gloo (16 B to ``GLOO_EXCHANGE_BYTES``) is an exchange: every rank
+sends its whole tensor to every other in one all-to-all and reduces the G copies it holds,
+in rank order. gloo's own all-reduce of a few dozen bytes or more passes pieces around the
+group in steps that each wait for the next rank, so on ranks that share cores each step
+waits for a process to be scheduled. 8 ranks, 256 B: 17.5 ms (3.2 ms of CPU a rank)
+against 3.9 ms (0.7 ms) for the exchange; 64 KiB: 18.4 against 4.8 ms; groups of 4 and
+pairs gain less; at 256 KiB pairs already lose, and at 1 MiB the exchange loses on every
+group size (``python benchmarks/collectives.py --world 8 --small [--group G]``). One or two
+values (the loss, its token count) are as cheap or cheaper by gloo's own, and stay there.
+What reaches the window: vocabulary-parallel cross-entropy's per-token sums, the NaN
+guard's per-parameter sums of squares, small activations under tensor parallelism. The exchange sends (G-1) times the tensor a rank where the ring model counts
+2(G-1)/G times (at most 7 x 64 KiB more on 8 ranks); the comm report and the runtime's
+counters keep the ring model's figure for every all-reduce, as they do on NCCL, which also
+picks its algorithm by size. ``GLOO_EXCHANGE_BYTES = 0`` gives gloo's own at every size.
 """
 from __future__ import annotations
 
@@ -33,6 +48,8 @@ _native_reduce_scatter = (getattr(dist, "reduce_scatter_single", None)
                           or dist.reduce_scatter_tensor)
 
 GLOO_REDUCE_SCATTER = "all_to_all"  # or "native"
+GLOO_EXCHANGE_BYTES = 64 * 1024  # the largest all-reduce on gloo done as an exchange
+_EXCHANGE_FROM = 16  # bytes: below, gloo's own is as fast (module docstring)
 
 _LOCAL: dict[Any, Callable[..., torch.Tensor]] = {
     dist.ReduceOp.SUM: torch.sum, dist.ReduceOp.MAX: torch.amax,
@@ -41,7 +58,8 @@ _LOCAL: dict[Any, Callable[..., torch.Tensor]] = {
 
 class _ReduceOnWait:
     """The all-to-all in flight; waiting on it reduces the received blocks into ``out``.
-    Stands for the reduce-scatter's Work wherever the runtime keeps one (it only waits)."""
+    Stands for the reduce-scatter's or all-reduce's Work wherever the runtime keeps one
+    (it only waits)."""
 
     __slots__ = ("_work", "_blocks", "_out", "_op")
 
@@ -67,13 +85,36 @@ class _ReduceOnWait:
         return True
 
 
-def _by_all_to_all(x: torch.Tensor, op: Any, group: Any) -> bool:
-    if GLOO_REDUCE_SCATTER != "all_to_all" or x.device.type != "cpu" or op not in _LOCAL:
+def _on_gloo(x: torch.Tensor, op: Any, group: Any) -> bool:
+    if x.device.type != "cpu" or op not in _LOCAL:
         return False
     try:
         return dist.get_backend(group) == "gloo"
     except (RuntimeError, ValueError):  # a group this process is not part of, etc.
         return False
+
+
+def _by_all_to_all(x: torch.Tensor, op: Any, group: Any) -> bool:
+    return GLOO_REDUCE_SCATTER == "all_to_all" and _on_gloo(x, op, group)
+
+
+def all_reduce_flat(x: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None,
+                    async_op: bool = False) -> Any:
+    """``torch.distributed.all_reduce`` of ``x`` in place; on gloo, a contiguous tensor of
+    16 B to ``GLOO_EXCHANGE_BYTES`` by an exchange (module docstring)."""
+    nbytes = x.numel() * x.element_size()
+    if (not _EXCHANGE_FROM <= nbytes <= GLOO_EXCHANGE_BYTES or not x.is_contiguous()
+            or not _on_gloo(x, op, group)):
+        return dist.all_reduce(x, op=op, group=group, async_op=async_op)
+    g = dist.get_world_size(group)
+    copies = x.reshape(1, -1).expand(g, -1).contiguous()
+    received = torch.empty_like(copies)
+    work = dist.all_to_all_single(received, copies, group=group, async_op=True)
+    pending = _ReduceOnWait(work, received, x, op)
+    if async_op:
+        return pending
+    pending.wait()
+    return None
 
 
 def reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, op: Any = dist.ReduceOp.SUM,

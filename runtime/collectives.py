@@ -38,7 +38,7 @@ import torch.distributed as dist
 from shardc.errors import CollectiveError
 from shardc.mesh import Mesh
 # reduce-scatter: gloo's by an all-to-all
-from shardc.runtime.algorithms import all_gather_flat, reduce_scatter_flat
+from shardc.runtime.algorithms import all_gather_flat, all_reduce_flat, reduce_scatter_flat
 from shardc.runtime.groups import axis_groups
 from shardc.runtime.volume import ring_bytes
 
@@ -325,7 +325,7 @@ class _AllReduce(torch.autograd.Function):
         buf = x.detach().clone(memory_format=torch.contiguous_format)
         r.count("all_reduce", axis, "forward", buf)
         red = REDUCE_OPS.get(op, dist.ReduceOp.SUM)
-        return _issue(buf, rt, "all_reduce", axis, "forward", dist.all_reduce, buf, op=red,
+        return _issue(buf, rt, "all_reduce", axis, "forward", all_reduce_flat, buf, op=red,
                       group=r.group(axis))
 
     @staticmethod
@@ -408,7 +408,7 @@ class _GradAllReduce(torch.autograd.Function):
         g = g.clone(memory_format=torch.contiguous_format)
         r.count("all_reduce", ctx.axis, "backward", g)
         with guarded(ctx.rt, "all_reduce", ctx.axis, "backward"):
-            dist.all_reduce(g, group=r.group(ctx.axis))
+            all_reduce_flat(g, group=r.group(ctx.axis))
         return g, None, None
 
 
@@ -539,7 +539,7 @@ def grad_reduce_hook(rt: str, axis: str, name: str | None = None, dtype: torch.d
         g = g.clone(memory_format=torch.contiguous_format) if dtype is None else g.to(dtype)
         r.count("all_reduce", axis, "step", g)
         with guarded(rt, "all_reduce", axis, "step"):
-            dist.all_reduce(g, group=r.group(axis))
+            all_reduce_flat(g, group=r.group(axis))
         return g.to(own)
 
     return hook
@@ -560,7 +560,7 @@ def grad_reduce_after_accumulate(rt: str, axes: list[str], name: str,
         for axis in axes:
             g = p.grad if dtype is None else p.grad.to(dtype)
             r.count("all_reduce", axis, "step", g)
-            dist.all_reduce(g, group=r.group(axis))
+            all_reduce_flat(g, group=r.group(axis))
             if dtype is not None:
                 p.grad.copy_(g)
 

@@ -31,8 +31,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from shardc.runtime.collectives import (REDUCE_OPS, all_gather_flat, get_runtime, guarded,
-                                        reduce_scatter_flat)
+from shardc.runtime.collectives import (REDUCE_OPS, all_gather_flat, all_reduce_flat,
+                                        get_runtime, guarded, reduce_scatter_flat)
 
 _fc = torch.ops._c10d_functional
 
@@ -322,7 +322,7 @@ def run_all_reduce(x: torch.Tensor, op: str, group_name: str, rt: str, axis: str
     for a buffer nothing else reads, such as a bucket the program just packed (a clone of
     a 13 MiB bucket cost more than the reduction's own copy)."""
     out = x if inplace else x.clone(memory_format=torch.contiguous_format)
-    return _issue(rt, "all_reduce", axis, ph, x, out, lambda: dist.all_reduce(
+    return _issue(rt, "all_reduce", axis, ph, x, out, lambda: all_reduce_flat(
         out, op=REDUCE_OPS[op], group=get_runtime(rt).group(axis), async_op=True))
 
 

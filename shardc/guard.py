@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from shardc.mesh import AXES
+from shardc.runtime.algorithms import all_reduce_flat
 
 __all__ = ["StepGuard", "NonFiniteError"]
 
@@ -83,7 +84,7 @@ class StepGuard:
                 else torch.tensor(float(loss), dtype=torch.float64)
             sq[-1] = lv.to(dev) * 0.0
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(sq)
+            all_reduce_flat(sq)
         vals = sq.cpu().tolist()
         offender = None
         if not math.isfinite(vals[-1]):

@@ -1,7 +1,9 @@
 """The runtime's reduce-scatter on gloo (``runtime/algorithms.py``): an all-to-all, then
 each rank reduces the blocks it received. Checked on 4 real gloo processes against the
 exact reduction of every rank's input, for every op, dtype and call form the runtime
-uses, and against gloo's own reduce-scatter where gloo has one."""
+uses, and against gloo's own reduce-scatter where gloo has one. Then the small all-reduce
+by an exchange: the same checks, which sizes take it, and that every rank ends with the
+same bits."""
 from __future__ import annotations
 
 import torch
@@ -74,8 +76,74 @@ def _cases(rank: int, world: int) -> None:
                for r in range(world))
     if not torch.equal(out, want):
         bad.append(f"strided output: {out} != {want}")
+    _all_reduce_cases(rank, world, pair, bad)
     assert not bad, "\n".join(bad)
 
 
-def test_reduce_scatter_by_all_to_all_on_4_gloo_ranks() -> None:
+def _all_reduce_cases(rank: int, world: int, pair: object, bad: list[str]) -> None:
+    from shardc.runtime import algorithms as A
+
+    exchanges = [0]
+    real = dist.all_to_all_single
+
+    def spy(*args: object, **kwargs: object) -> object:
+        exchanges[0] += 1
+        return real(*args, **kwargs)
+
+    def went(x: torch.Tensor, **kw: object) -> bool:
+        """Reduce ``x`` in place; True if it went by the exchange."""
+        before = exchanges[0]
+        work = A.all_reduce_flat(x, **kw)
+        if kw.get("async_op"):
+            work.wait()
+        return exchanges[0] > before
+
+    dist.all_to_all_single = spy
+    try:
+        for dt in DTYPES:
+            for name in OPS:
+                for async_op in (False, True):
+                    g = torch.Generator().manual_seed(1000 + 100 * rank + len(bad))
+                    x = torch.rand(3, 5, generator=g) * 1.5 + 0.5  # as above: products in range
+                    x = (x.round() if dt == torch.int64 else x).to(dt)
+                    every = [torch.empty_like(x) for _ in range(world)]
+                    dist.all_gather(every, x)
+                    exact = _exact(torch.stack(every), name)
+                    if not went(x, op=getattr(dist.ReduceOp, name), async_op=async_op):
+                        bad.append(f"all-reduce {dt} {name}: {x.numel() * x.element_size()} B "
+                                   "did not go by the exchange")
+                    eps = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10,
+                           torch.float32: 2 ** -23, torch.float64: 2 ** -52}.get(dt, 0.0)
+                    if ((x.double() - exact).abs() > 4 * eps * exact.abs()).any():
+                        bad.append(f"all-reduce {dt} {name} async={async_op}: max error "
+                                   f"{(x.double() - exact).abs().max().item()}")
+                    # every rank reduced the same copies in the same order: the same bits
+                    # (a ring gives every rank the same result too; a model replicated
+                    # over the group must stay identical)
+                    got = [torch.empty_like(x) for _ in range(world)]
+                    dist.all_gather(got, x)
+                    if not all(torch.equal(t, got[0]) for t in got):
+                        bad.append(f"all-reduce {dt} {name}: ranks disagree")
+        # outside the window: gloo's own, same sums
+        for n, by_exchange in ((1, False), (2, False), (4, True),
+                               (A.GLOO_EXCHANGE_BYTES // 4, True),
+                               (A.GLOO_EXCHANGE_BYTES // 4 + 1, False)):
+            x = torch.full((n,), float(rank + 1))
+            if went(x) != by_exchange:
+                bad.append(f"all-reduce of {n} fp32: exchange={not by_exchange}, "
+                           f"want {by_exchange}")
+            if not torch.equal(x, torch.full((n,), float(sum(range(1, world + 1))))):
+                bad.append(f"all-reduce of {n} fp32: wrong sum {x[:4]}")
+        strided = torch.ones(8, 4).t()  # not contiguous: gloo's own, reduced in place
+        if went(strided) or not torch.equal(strided, torch.full((4, 8), float(world))):
+            bad.append("all-reduce of a strided tensor")
+        if rank in (0, 2):  # a subgroup: the pair's two tensors only
+            x = torch.full((16,), float(rank))
+            if not went(x, group=pair) or not torch.equal(x, torch.full((16,), 2.0)):
+                bad.append(f"all-reduce over the pair: {x}")
+    finally:
+        dist.all_to_all_single = real
+
+
+def test_collectives_by_all_to_all_on_4_gloo_ranks() -> None:
     run_on_ranks(_cases, 4)
