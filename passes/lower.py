@@ -27,9 +27,11 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.fx.experimental import symbolic_shapes
 
 from shardc.context import (COMM, FALLBACK, GLOBAL_VAL, KIND, PARAM, PLACEMENT, PROGRAM, SOURCE,
                             CompileContext)
+from shardc.errors import ShardcError
 from shardc.mesh import BATCH_AXES, Mesh
 from shardc.placement import Layout
 from shardc.precision import reduce_dtype
@@ -79,6 +81,49 @@ class Fallback:
         where = f" in {self.module}" if self.module else ""
         g = f"; gathered {', '.join(self.gathered)}" if self.gathered else ""
         return f"{self.op}{where} at {self.line}: no sharding rule, ran replicated{g}"
+
+
+# torch's error for a decision on a size known only at run time (a rule asking whether an
+# unbacked symbol equals something); torch 2.6 already has it under this name
+_DATA_DEPENDENT: tuple[type[Exception], ...] = tuple(
+    t for t in (getattr(symbolic_shapes, "GuardOnDataDependentSymNode", None),) if t is not None)
+
+
+def _data_dependent_error(node: fx.Node, src: SourceInfo, cause: Exception) -> ShardcError:
+    """What to tell the user when a rule meets a size that depends on the data. The node
+    that made the size is named: the rule that failed is often a few ops later (a
+    ``view(B, -1, H)`` of ``h[mask]``), and the fix belongs at the former."""
+    def unbacked(n: fx.Node) -> bool:
+        v = n.meta.get("val")
+        try:
+            return bool(symbolic_shapes.free_unbacked_symbols(v))
+        except Exception:  # noqa: BLE001 - a value free_unbacked_symbols cannot walk
+            return False
+
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    origin, seen, stack = None, set(), [node]
+    while stack:  # up through data-dependent values to the earliest that none made
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        ins = [a for a in n.all_input_nodes if unbacked(a)]
+        if ins:
+            stack.extend(ins)
+        elif n is not node and (origin is None or order[n] < order[origin]):
+            origin = n
+    made = ""
+    if origin is not None:
+        o = source_of(origin)
+        made = f", made by {origin.target} in {o.module or 'the top module'} at {o.line or '?'}"
+    return ShardcError(
+        f"shardc.compile: {node.target} in {src.module or 'the top module'} at {src.line or '?'} works on a "
+        f"size that depends on the data{made}. shardc lays out every tensor when it "
+        "compiles, so a size known only when the step runs (boolean-mask indexing "
+        "`h[mask]`, `nonzero`, `masked_select`, `unique`) cannot be sharded. Give it a "
+        "fixed size instead: pick the rows by index (`h[torch.arange(B), idx]` with `idx` "
+        "from `argmax` or a count), or keep every row and zero the others (`torch.where`). "
+        f"({type(cause).__name__}: {str(cause).splitlines()[0]})")
 
 
 @dataclass
@@ -403,7 +448,10 @@ class Lowering:
                     rule = RULES.get(node.target.overloadpacket)
                     if rule is None and torch.Tag.pointwise in node.target.tags:
                         rule = RULES["pointwise"]
-                self.env[node] = (rule or fallback_rule)(self, node)
+                try:
+                    self.env[node] = (rule or fallback_rule)(self, node)
+                except _DATA_DEPENDENT as e:
+                    raise _data_dependent_error(node, self.src, e) from e
             elif node.op == "output":
                 outputs = list(node.args[0])
             else:

@@ -190,6 +190,48 @@ def test_error_untraceable_model_names_cause_and_line(fake_world) -> None:
         shardc.compile(_DataDependent(), shardc.Mesh(), (torch.randn(4, 4),))
 
 
+class _MaskedRows(nn.Module):
+    """BART's classification head picks its end-of-sentence rows so: ``h[mask]`` has as
+    many rows as the mask has True values, known only when the step runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h[mask].view(h.size(0), -1, 8)[:, -1, :].pow(2).sum()
+
+
+class _NonzeroRows(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.lin(x[torch.nonzero(mask[:, 0]).squeeze(1)]).sum()
+
+
+@pytest.mark.parametrize("model, op, origin", [
+    (_MaskedRows, "aten.view.default", "aten.index.Tensor"),
+    (_NonzeroRows, "aten.linear.default", "aten.nonzero.default")])
+@pytest.mark.parametrize("spec", ["x1y1z1d4", "x2y1z1d2", "x1y1z4d1"])
+def test_data_dependent_size_is_refused_naming_where_it_was_made(fake_world, model, op, origin,
+                                                                spec) -> None:
+    """A rule that meets a size known only at run time (torch's guard on an unbacked
+    symbol) is a ShardcError naming the op, the op that made the size and both lines,
+    with the fixed-size rewrite; it was a RuntimeError from inside the view or GEMM rule."""
+    fake_world(4)
+    x = torch.randn(4, 6, 8)
+    mask = torch.zeros(4, 6, dtype=torch.bool)
+    mask[:, 2] = mask[:, 4] = True
+    with pytest.raises(shardc.ShardcError, match=rf"{op} in .* at test_compile\.py:\d+ works on "
+                                                 rf"a size that depends on the data, made by "
+                                                 rf"{origin} in .* at test_compile\.py:\d+\. .*"
+                                                 r"h\[torch\.arange\(B\), idx\]"):
+        shardc.compile(model(), shardc.Mesh.parse(spec), (x, mask))
+
+
 def test_wrong_local_batch_is_refused(fake_world) -> None:
     fake_world(2)
     sm = shardc.compile(MLPChain(), shardc.Mesh(data=2), _mlp_inputs())
