@@ -112,12 +112,12 @@ def _data_dependent_error(node: fx.Node, src: SourceInfo, cause: Exception) -> S
             stack.extend(ins)
         elif n is not node and (origin is None or order[n] < order[origin]):
             origin = n
-    made = ""
-    if origin is not None:
-        o = source_of(origin)
-        made = f", made by {origin.target} in {o.module or 'the top module'} at {o.line or '?'}"
+    def where(s: SourceInfo) -> str:
+        return f"in {s.module or 'the top module'} at {s.line or '?'}"
+
+    made = f", made by {origin.target} {where(source_of(origin))}" if origin is not None else ""
     return ShardcError(
-        f"shardc.compile: {node.target} in {src.module or 'the top module'} at {src.line or '?'} works on a "
+        f"shardc.compile: {node.target} {where(src)} works on a "
         f"size that depends on the data{made}. shardc lays out every tensor when it "
         "compiles, so a size known only when the step runs (boolean-mask indexing "
         "`h[mask]`, `nonzero`, `masked_select`, `unique`) cannot be sharded. Give it a "

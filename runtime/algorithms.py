@@ -28,10 +28,11 @@ pairs gain less; at 256 KiB pairs already lose, and at 1 MiB the exchange loses 
 group size (``python benchmarks/collectives.py --world 8 --small [--group G]``). One or two
 values (the loss, its token count) are as cheap or cheaper by gloo's own, and stay there.
 What reaches the window: vocabulary-parallel cross-entropy's per-token sums, the NaN
-guard's per-parameter sums of squares, small activations under tensor parallelism. The exchange sends (G-1) times the tensor a rank where the ring model counts
-2(G-1)/G times (at most 7 x 64 KiB more on 8 ranks); the comm report and the runtime's
-counters keep the ring model's figure for every all-reduce, as they do on NCCL, which also
-picks its algorithm by size. ``GLOO_EXCHANGE_BYTES = 0`` gives gloo's own at every size.
+guard's per-parameter sums of squares, small activations under tensor parallelism. The
+exchange sends (G-1) times the tensor a rank where the ring model counts 2(G-1)/G times (at
+most 7 x 64 KiB more on 8 ranks); the comm report and the runtime's counters keep the ring
+model's figure for every all-reduce, as they do on NCCL, which also picks its algorithm by
+size. ``GLOO_EXCHANGE_BYTES = 0`` gives gloo's own at every size.
 """
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from shardc.errors import CollectiveError
 from shardc.mesh import Mesh
-# reduce-scatter: gloo's by an all-to-all
+# reduce-scatter, and small all-reduces: gloo's by an all-to-all
 from shardc.runtime.algorithms import all_gather_flat, all_reduce_flat, reduce_scatter_flat
 from shardc.runtime.groups import axis_groups
 from shardc.runtime.volume import ring_bytes
