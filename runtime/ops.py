@@ -86,6 +86,22 @@ def mean_over_shards(local_sum: torch.Tensor, global_count: torch.Tensor, shards
     return local_sum * (shards / global_count.to(local_sum.dtype))
 
 
+def global_bernoulli(x: torch.Tensor, p: float, global_shape: list[int], rt: str,
+                     dims: tuple[tuple[str, ...], ...], interleave: tuple[int, ...]) -> torch.Tensor:
+    """``torch.bernoulli(x, p)`` as one device draws it for the global tensor, cut to this
+    rank's piece. ``x``'s values are never read (only its dtype and device): in-place
+    dropout decomposes into ``bernoulli(empty_like(h), 1 - p)``, and drawing on a gathered
+    uninitialised tensor, as the replicated fallback did, moved the whole tensor for
+    nothing. The draw is the same op on the same global shape and dtype, so it consumes
+    the default generator as one device does."""
+    from shardc.placement import Layout, local_slice
+
+    whole = torch.bernoulli(torch.empty(global_shape, dtype=x.dtype, device=x.device), p)
+    r = get_runtime(rt)
+    layout = Layout(len(global_shape), dims, (), interleave)
+    return local_slice(whole, layout, r.mesh.coords(r.rank), r.mesh).contiguous()
+
+
 def global_dropout(x: torch.Tensor, p: float, train: bool, global_shape: list[int],
                    rt: str, dims: tuple[tuple[str, ...], ...], interleave: tuple[int, ...]) -> torch.Tensor:
     """Dropout whose mask is drawn for the whole global tensor from the default generator,

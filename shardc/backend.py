@@ -74,7 +74,7 @@ def is_random(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
     t = node.target
-    if t is R.global_dropout:
+    if t is R.global_dropout or t is R.global_bernoulli:
         return True
     if isinstance(t, torch._ops.OpOverload):
         return torch.Tag.nondeterministic_seeded in t.tags

@@ -23,6 +23,7 @@ _NAMES = {
     C.concat_gathered_interleaved: "concat_gathered",
     R.vocab_parallel_embedding: "vocab_parallel_embedding",
     R.global_dropout: "dropout",
+    R.global_bernoulli: "bernoulli",
 }
 
 
@@ -68,7 +69,7 @@ def _format(n: fx.Node) -> str:
         body = ", ".join(args)
     elif t is R.vocab_parallel_embedding or t is R.target_logit:
         body = f"{_arg(n.args[0])}, {_arg(n.args[1])}, axis={n.args[3]}"
-    elif t is R.global_dropout:
+    elif t is R.global_dropout or t is R.global_bernoulli:
         body = f"{_arg(n.args[0])}, p={n.args[1]:g}"
     else:
         parts = [_arg(a) for a in n.args]

@@ -235,6 +235,34 @@ def test_data_dependent_size_is_refused_naming_where_it_was_made(fake_world, mod
         shardc.compile(model(), shardc.Mesh.parse(spec), (x, mask))
 
 
+class _InPlaceDropoutHead(nn.Module):
+    """torchvision's MobileNet/EfficientNet classifier: in-place dropout before the head,
+    which decomposes into a Bernoulli draw on ``empty_like`` of the features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.body(x))
+        h = h * torch.bernoulli(torch.empty_like(h), 0.8)
+        return F.mse_loss(self.head(F.dropout(h, 0.1, training=True, inplace=True)), t)
+
+
+@pytest.mark.parametrize("spec", ["x1y1z1d2", "x2y1z1d1", "x1y1z2d1"])
+def test_bernoulli_draw_gathers_nothing(fake_world, spec: str) -> None:
+    """The draw is made for the global shape on every rank and cut to the layout of the
+    tensor it was asked on; the replicated fallback gathered that (uninitialised) tensor
+    to draw on it. The draws against one device: tests/test_rules_random.py."""
+    fake_world(2)
+    sm = shardc.compile(_InPlaceDropoutHead(), shardc.Mesh.parse(spec), _mlp_inputs())
+    assert sm.fallbacks == []
+    gathers = [r for r in shardc.comm_report(sm).rows if r.collective == "all_gather"
+               and r.param is None]
+    assert gathers == [], gathers
+
+
 def test_wrong_local_batch_is_refused(fake_world) -> None:
     fake_world(2)
     sm = shardc.compile(MLPChain(), shardc.Mesh(data=2), _mlp_inputs())

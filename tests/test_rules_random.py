@@ -35,6 +35,14 @@ def dropout_specs() -> list[S.OpSpec]:
         S.OpSpec("random", "native_dropout",
                  lambda m, a: torch.ops.aten.native_dropout.default(a, 0.3, True)[0],
                  (S._t((4, 6), g),), meshes=("x2", "d2"), seed=14),
+        # in-place dropout decomposes into bernoulli(empty_permuted(global shape), 1 - p);
+        # a Bernoulli draw on empty_like(a) takes a's layout (passes/rules/random.py)
+        S.OpSpec("random", "dropout.inplace",
+                 lambda m, a: F.dropout(a * 1.0, 0.3, training=True, inplace=True),
+                 (S._t((4, 6), g),), meshes=("x2", "d2"), seed=18),
+        S.OpSpec("random", "bernoulli.p",
+                 lambda m, a: a * torch.bernoulli(torch.empty_like(a), 0.6),
+                 (S._t((4, 2, 6), g),), meshes=("x2", "z2d2", "x2y2"), seed=19),
         S.OpSpec("random", "dropout.eval", lambda m, a: F.dropout(a, 0.3, training=False),
                  (S._t((4, 6), g),), meshes=("y2",), seed=13),
         # attention dropout: the CPU kernel's mask, drawn whole and cut per sample and head

@@ -1,4 +1,5 @@
-"""Dropout: the global mask one device would draw, cut to this rank's piece."""
+"""Dropout and Bernoulli draws: the global mask one device would draw, cut to this rank's
+piece."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,7 +10,7 @@ import torch.fx as fx
 from shardc.placement import Layout
 from shardc.runtime import ops as R
 from shardc.passes.lower import Lowering, Val
-from shardc.passes.rules.common import aten, register_rule
+from shardc.passes.rules.common import aten, fallback_rule, register_rule
 
 
 @register_rule(aten.dropout.default, aten.native_dropout.default)
@@ -32,3 +33,21 @@ def dropout_rule(L: Lowering, node: fx.Node) -> Any:
         m = L.emit(aten.ones_like.default, (n,), {"dtype": torch.bool}, layout=lay, val=mask_val)
         return [out, Val(m, lay, mask_val)]
     return out
+
+
+@register_rule(aten.bernoulli.p)
+def bernoulli_rule(L: Lowering, node: fx.Node) -> Any:
+    """``bernoulli(x, p)`` reads only ``x``'s shape, dtype and device. In-place dropout
+    (``F.dropout(h, p, inplace=True)``: torchvision's MobileNet and EfficientNet heads,
+    MobileViT's) decomposes into ``bernoulli(empty_like(h), 1 - p)``; the draw is made for
+    the global shape and cut to the layout ``x`` has, so nothing is gathered."""
+    x = L.env[node.args[0]]
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    if x.layout is None or node.kwargs.get("generator") is not None:
+        return fallback_rule(L, node)  # a parameter's shape, or the user's own generator
+    # x's values are not read: a partial x needs no reduction first
+    lay = Layout(x.layout.ndim, x.layout.dims, (), x.layout.interleave).clean(L.mesh)
+    gval = node.meta["val"]
+    n = L.emit(R.global_bernoulli, (x.node, float(p), list(gval.shape), L.rt, lay.dims,
+                                    lay.interleave), layout=lay, val=gval)
+    return Val(n, lay, gval)
