@@ -94,12 +94,17 @@ def global_bernoulli(x: torch.Tensor, p: float, global_shape: list[int], rt: str
     uninitialised tensor, as the replicated fallback did, moved the whole tensor for
     nothing. The draw is the same op on the same global shape and dtype, so it consumes
     the default generator as one device does."""
+    whole = torch.bernoulli(torch.empty(global_shape, dtype=x.dtype, device=x.device), p)
+    return _this_ranks_piece(whole, rt, dims, interleave).contiguous()
+
+
+def _this_ranks_piece(whole: torch.Tensor, rt: str, dims: tuple[tuple[str, ...], ...],
+                      interleave: tuple[int, ...]) -> torch.Tensor:
     from shardc.placement import Layout, local_slice
 
-    whole = torch.bernoulli(torch.empty(global_shape, dtype=x.dtype, device=x.device), p)
     r = get_runtime(rt)
-    layout = Layout(len(global_shape), dims, (), interleave)
-    return local_slice(whole, layout, r.mesh.coords(r.rank), r.mesh).contiguous()
+    layout = Layout(whole.dim(), dims, (), interleave)
+    return local_slice(whole, layout, r.mesh.coords(r.rank), r.mesh)
 
 
 def global_dropout(x: torch.Tensor, p: float, train: bool, global_shape: list[int],
@@ -115,11 +120,6 @@ def global_dropout(x: torch.Tensor, p: float, train: bool, global_shape: list[in
     is the mask already scaled by 1/(1-p), as one device multiplies it in."""
     if not train or p == 0.0:
         return x.clone()
-    from shardc.placement import Layout, local_slice
-
     ones = torch.ones(global_shape, dtype=x.dtype, device=x.device)
     scaled_mask = torch.nn.functional.dropout(ones, p, True)
-    r = get_runtime(rt)
-    layout = Layout(len(global_shape), dims, (), interleave)
-    local = local_slice(scaled_mask, layout, r.mesh.coords(r.rank), r.mesh)
-    return x * local
+    return x * _this_ranks_piece(scaled_mask, rt, dims, interleave)

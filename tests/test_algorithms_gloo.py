@@ -13,6 +13,9 @@ from harness import run_on_ranks
 
 OPS = ("SUM", "MAX", "MIN", "PRODUCT")
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64)
+# unit roundoff of each floating dtype (int64 reduces exactly)
+EPS = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 2 ** -23,
+       torch.float64: 2 ** -52}
 
 
 def _exact(blocks: torch.Tensor, op: str) -> torch.Tensor:
@@ -48,8 +51,7 @@ def _cases(rank: int, world: int) -> None:
                 # the four addends are reduced once each in rank order, in the dtype's
                 # own precision (bf16/fp16 sum in float and round once): within one
                 # rounding of the result per addend; max/min/int are exact
-                eps = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10,
-                       torch.float32: 2 ** -23, torch.float64: 2 ** -52}.get(dt, 0.0)
+                eps = EPS.get(dt, 0.0)
                 tol = 4 * eps * exact.abs()
                 if ((out.double() - exact).abs() > tol).any():
                     bad.append(f"{dt} {name} async={async_op}: max error "
@@ -112,8 +114,7 @@ def _all_reduce_cases(rank: int, world: int, pair: object, bad: list[str]) -> No
                     if not went(x, op=getattr(dist.ReduceOp, name), async_op=async_op):
                         bad.append(f"all-reduce {dt} {name}: {x.numel() * x.element_size()} B "
                                    "did not go by the exchange")
-                    eps = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10,
-                           torch.float32: 2 ** -23, torch.float64: 2 ** -52}.get(dt, 0.0)
+                    eps = EPS.get(dt, 0.0)
                     if ((x.double() - exact).abs() > 4 * eps * exact.abs()).any():
                         bad.append(f"all-reduce {dt} {name} async={async_op}: max error "
                                    f"{(x.double() - exact).abs().max().item()}")
