@@ -521,6 +521,11 @@ class ThreadedWorld:
                     self.mtpg.ProcessLocalGroup.exception_handle(e)
         try:
             dist.destroy_process_group()
+        except AttributeError:
+            # torch 2.11's destroy_process_group walks ``_world.comms``, which the
+            # threaded group's thread-local world does not have (seen on the GPU machine;
+            # 2.13 has no such walk): the group goes with its thread either way
+            pass
         finally:
             self.outbox.put((rank, None))
 

@@ -145,14 +145,24 @@ def _attention_masks(f) -> bool:
     return f.op == "aten.index.Tensor" and not f.gathered
 
 
-def _case_failures(name: str, mesh: shardc.Mesh, allowed=_attention_masks, **compile_kw: Any
-                   ) -> list[str]:
+def model_and_batches(name: str, device: str = "cpu") -> tuple[Any, list[tuple]]:
+    """(the builder of ``name``'s one model on ``device``, its three batches there)."""
+    make, batches = MODELS[name]()
+    if device == "cpu":
+        return _same_model(name, make), batches
+    return (_same_model(f"{name}@{device}", lambda: make().to(device)),
+            [tuple(t.to(device) for t in b) for b in batches])
+
+
+def _case_failures(name: str, mesh: shardc.Mesh, allowed=_attention_masks, device: str = "cpu",
+                   **compile_kw: Any) -> list[str]:
     """Every check of one (model, mesh); the failures as lines (empty when it passes).
     ``allowed``: which ops may run replicated (``sm.fallbacks``) without failing the case;
+    ``device``: where the model and batches live (``test_gpu`` runs "cuda");
     ``compile_kw``: options for shardc.compile (named in the failure lines)."""
-    make, batches = MODELS[name]()
-    make = _same_model(name, make)
-    where = f"{name}@{mesh.spec()}" + "".join(f" {k}={v}" for k, v in compile_kw.items())
+    make, batches = model_and_batches(name, device)
+    where = f"{name}@{mesh.spec()}" + (f" on {device}" if device != "cpu" else "") + \
+        "".join(f" {k}={v}" for k, v in compile_kw.items())
     try:
         run = train_side_by_side(make, batches, mesh, lr=LR, eps=EPS, **compile_kw)
     except Exception:  # noqa: BLE001 (a compile or runtime error is this case's failure)
