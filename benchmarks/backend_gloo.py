@@ -14,15 +14,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
 def _rank(rank: int, world: int, store: str, args: argparse.Namespace) -> None:

@@ -18,10 +18,8 @@ compiles that model as it is.
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -30,11 +28,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-import shardc  # noqa: E402
-from shardc.models import GPT, lm_batch  # noqa: E402
-from shardc.throughput import ModelFlops, device_peak_flops, model_flops, throughput  # noqa: E402
+import shardc
+from shardc.models import GPT, lm_batch
+from shardc.throughput import ModelFlops, device_peak_flops, model_flops, throughput
 
 # (layers, hidden, heads, seq, vocab, batch)
 SHAPES = {
