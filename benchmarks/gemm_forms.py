@@ -2,14 +2,15 @@
 GEMMs, and a training step with and without the choice.
 
     python benchmarks/gemm_forms.py                        # CPU, TinyGPT's shapes
-    python benchmarks/gemm_forms.py --shape medium --device cuda
+    python benchmarks/gemm_forms.py --shape large --device cuda --dtype bfloat16
 
 Part 1 times, for each GEMM of one transformer layer (forward x W^T, backward dI = g W
 and dW = g^T x, for the attention and MLP weights) on ``--tokens`` x ``--dim``, the
 product as autograd lays its operands out ("traced") and in each of NN, NT and TN, the
 copy into that form included (``shardc.runtime.gemm.time_forms``, what
 ``gemm_modes="auto"`` measures on the first batch). Part 2 trains ``benchmarks/vs_torch``'s
-TinyGPT on one gloo rank with ``gemm_modes="default"`` and ``"auto"``, interleaved over
+TinyGPT on a world of one (gloo on the CPU, NCCL on a GPU; ``--dtype`` there too) with
+``gemm_modes="default"`` and ``"auto"``, interleaved over
 ``--rounds`` rounds, and prints the median step times, their ratio, and the forms auto
 chose. Figures are for the machine they ran on; compare ratios, not milliseconds.
 """
@@ -67,15 +68,19 @@ def part2(args: argparse.Namespace) -> None:
     import shardc
     from shardc.runtime import gemm as RG
 
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
+        # a world of one: NCCL where the model is on a GPU
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"file://{d}/store", rank=0, world_size=1)
         try:
             s = SHAPES[args.shape]
             mesh = shardc.Mesh()
-            batch = _batch(s)
+            batch = tuple(t.to(device) for t in _batch(s))
             steps = {}
             for mode in ("default", "auto"):
-                sm = shardc.compile(_model(s), mesh, example_inputs=batch, gemm_modes=mode)
+                sm = shardc.compile(_model(s).to(device, dtype), mesh, example_inputs=batch,
+                                    gemm_modes=mode)
                 opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)
 
                 def step(sm=sm, opt=opt) -> float:
@@ -96,8 +101,8 @@ def part2(args: argparse.Namespace) -> None:
                         times.append(time.perf_counter() - t0)
                     med[mode].append(statistics.median(times))
             a, b = statistics.median(med["default"]), statistics.median(med["auto"])
-            print(f"\nTinyGPT {args.shape} {s} on 1 gloo rank, median of {args.rounds} interleaved "
-                  f"rounds of {args.steps} steps:\n")
+            print(f"\nTinyGPT {args.shape} {s}, {args.dtype} on {device}, median of {args.rounds} "
+                  f"interleaved rounds of {args.steps} steps:\n")
             print("| gemm_modes | step (ms) | vs default |")
             print("| --- | --- | --- |")
             print(f"| default | {1e3 * a:.1f} | 1.00x |")
