@@ -162,10 +162,10 @@ def _train_step(model: nn.Module, params: Any, inputs: tuple, after_backward: Ca
     return step
 
 
-def ddp(shape: dict, world: int) -> Step:
+def ddp(shape: dict, world: int, bucket_mb: float = 25.0) -> Step:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = DDP(_model(shape), bucket_cap_mb=25)
+    model = DDP(_model(shape), bucket_cap_mb=bucket_mb)
     r = dist.get_rank()
     x, y = (_slice(t, world, r) for t in _batch(shape))
     return _train_step(model, model.parameters(), (x, y), mean_over=dist.group.WORLD)
@@ -237,35 +237,60 @@ def shardc_mesh(spec: str, **kw: Any) -> Callable[[dict, int], Step]:
     return build
 
 
-def systems(world: int, meshes: list[str] = (), quick: bool = False
+def _value(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"True": True, "False": False, "None": None}.get(text, text)
+
+
+def mesh_and_options(entry: str) -> tuple[str, dict[str, Any]]:
+    """``x1y1z1d8+bucket_mb=4+reshard_after_forward=True`` -> (mesh spec, compile options)."""
+    spec, *opts = entry.split("+")
+    kw = {}
+    for o in opts:
+        key, eq, val = o.partition("=")
+        if not eq:
+            raise ValueError(f"--meshes: {o!r} in {entry!r} is not key=value")
+        kw[key] = _value(val)
+    return spec, kw
+
+
+def systems(world: int, meshes: list[str] = (), quick: bool = False, bucket_mb: float = 25.0
             ) -> list[tuple[str, str | None, Callable[[dict, int], Step]]]:
     """(name, the torch peer it is compared with, builder). ``meshes``: more shardc meshes,
-    compared with the fastest torch system (the issue's "best shardc mesh against the best
-    peer" is over every mesh, not only the three that mirror a torch parallelism);
-    ``quick``: leave out the ``step_graph=False`` and ``shard_optimizer`` rows."""
+    each ``SPEC[+option=value...]`` (compile's options), compared with the fastest torch
+    system (the issue's "best shardc mesh against the best peer" is over every mesh, not
+    only the three that mirror a torch parallelism); ``quick``: leave out the
+    ``step_graph=False`` and ``shard_optimizer`` rows; ``bucket_mb``: DDP's
+    ``bucket_cap_mb`` and shardc's ``bucket_mb`` alike."""
     out: list[tuple[str, str | None, Callable[[dict, int], Step]]] = [
-        ("ddp", None, ddp), ("fsdp2", None, fsdp2)]
+        ("ddp", None, lambda shape, w: ddp(shape, w, bucket_mb)), ("fsdp2", None, fsdp2)]
     if world >= 4 and world % 2 == 0:
         out.append(("tp_dp", None, tp_dp))
     pairs = [("ddp", f"x1y1z1d{world}"), ("fsdp2", f"x1y1z{world}d1")]
     if world >= 4 and world % 2 == 0:
         pairs.append(("tp_dp", f"x{world // 2}y1z1d2"))
-    # every system packs gradients alike: DDP above is given bucket_cap_mb=25, which (an
-    # explicit cap) drops its 1 MiB first bucket, tp_dp reduces one flat buffer, and an
-    # explicit bucket_mb=25 is shardc's same configuration (shardc.context.Options)
+    # every system packs gradients alike: DDP above is given an explicit bucket_cap_mb
+    # (25 by default), which drops its 1 MiB first bucket, tp_dp reduces one flat buffer,
+    # and the same explicit bucket_mb is shardc's same configuration (shardc.context.Options)
     for peer, spec in pairs:
-        out.append((f"shardc {spec}", peer, shardc_mesh(spec, bucket_mb=25)))
+        out.append((f"shardc {spec}", peer, shardc_mesh(spec, bucket_mb=bucket_mb)))
         if not quick:
             out.append((f"shardc {spec} step_graph=False", peer,
-                        shardc_mesh(spec, step_graph=False, bucket_mb=25)))
+                        shardc_mesh(spec, step_graph=False, bucket_mb=bucket_mb)))
     if not quick:
         # ZeRO over data beside DDP: AdamW's state and step are 1/W a rank, for a reduce-
         # scatter and an all-gather a bucket in place of DDP's all-reduce
         out.append((f"shardc x1y1z1d{world} shard_optimizer=True", "ddp",
-                    shardc_mesh(f"x1y1z1d{world}", shard_optimizer=True, bucket_mb=25)))
-    for spec in meshes:
-        if f"shardc {spec}" not in {name for name, _, _ in out}:
-            out.append((f"shardc {spec}", BEST, shardc_mesh(spec, bucket_mb=25)))
+                    shardc_mesh(f"x1y1z1d{world}", shard_optimizer=True, bucket_mb=bucket_mb)))
+    for entry in meshes:
+        spec, kw = mesh_and_options(entry)
+        name = f"shardc {spec}" + "".join(f" {k}={v}" for k, v in kw.items())
+        if name not in {n for n, _, _ in out}:
+            out.append((name, BEST, shardc_mesh(spec, **{"bucket_mb": bucket_mb, **kw})))
     return out
 
 
@@ -278,7 +303,7 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
     cpu: dict[str, list[float]] = {}  # this rank's CPU seconds a step, per round
     losses: dict[str, float] = {}
     for rnd in range(args.rounds):
-        for name, _, build in systems(world, args.meshes, args.quick):
+        for name, _, build in systems(world, args.meshes, args.quick, args.bucket_mb):
             step = build(shape, world)
             for _ in range(2):
                 step()
@@ -304,7 +329,7 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
     dist.all_gather_object(every, {n: statistics.median(v) for n, v in cpu.items()})
     if rank == 0:
         with open(out, "w") as f:
-            for name, peer, _ in systems(world, args.meshes, args.quick):
+            for name, peer, _ in systems(world, args.meshes, args.quick, args.bucket_mb):
                 per_rank = statistics.mean(c[name] for c in every)
                 f.write(f"{name}\t{peer or ''}\t{statistics.median(table[name])}\t{losses[name]}"
                         f"\t{per_rank}\n")
@@ -318,14 +343,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     ap.add_argument("--meshes", default="", type=lambda s: [m for m in s.split(",") if m],
-                    help="more shardc meshes (comma-separated specs, e.g. x2y1z1d4), each "
+                    help="more shardc meshes (comma-separated specs, e.g. x2y1z1d4, each "
+                         "with compile options if wanted: x1y1z1d8+bucket_mb=4), each "
                          "compared with the fastest torch system")
+    ap.add_argument("--bucket-mb", type=float, default=25.0,
+                    help="DDP's bucket_cap_mb and shardc's bucket_mb (default 25)")
     ap.add_argument("--quick", action="store_true",
                     help="leave out the step_graph=False and shard_optimizer rows")
     args = ap.parse_args(argv)
     import shardc
 
-    for spec in args.meshes:
+    for entry in args.meshes:
+        try:
+            spec, kw = mesh_and_options(entry)
+            shardc.context.Options(**kw)  # an unknown or bad option fails here, not on 8 ranks
+        except (ValueError, TypeError) as e:
+            ap.error(str(e))
         if shardc.Mesh.parse(spec).world_size != args.world:
             ap.error(f"--meshes: {spec} is a mesh of {shardc.Mesh.parse(spec).world_size} ranks, "
                      f"not --world {args.world}")
