@@ -9,8 +9,11 @@ and the CPU. Each variant trains the same model (same seed) with AdamW for ``--w
 steps (compilation, allocator) and then ``--steps`` timed steps; the variants take turns
 step by step (eager, compiled, shardc, eager, ...) so that a machine whose speed drifts
 shifts all of them alike. Prints the median step time, tokens/s, MFU (model FLOPs from
-``shardc.throughput`` over the device's peak) and peak memory (CUDA's allocator; on the
-CPU the process's peak RSS, which includes every variant).
+``shardc.throughput`` over the device's peak) and memory. On a GPU that is the most a
+variant's step allocates above what was resident when it began (activations, gradients,
+workspace; CUDA's allocator, its peak reset before each step): the variants share one
+process, so the resident weights and optimizer states of all of them are there throughout
+and are left out. On the CPU it is the process's peak RSS, the same for every row.
 
 Precision on the GPU: parameters in bf16 (``--dtype``), the same for all variants; shardc
 compiles that model as it is.
@@ -44,7 +47,7 @@ SHAPES = {
 class Variant:
     name: str
     step: Callable[[], float]   # one training step; returns the loss
-    memory: Callable[[], int]   # peak bytes so far
+    peak: int = 0               # bytes: see the module docstring
 
 
 def _gpt(shape: str, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, tuple]:
@@ -69,10 +72,23 @@ def _train_step(fn: Callable[..., torch.Tensor], opt: torch.optim.Optimizer, bat
     return step
 
 
-def _memory(device: torch.device) -> Callable[[], int]:
-    if device.type == "cuda":
-        return lambda: torch.cuda.max_memory_allocated(device)
-    return lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _measured_step(v: Variant, device: torch.device) -> tuple[float, float]:
+    """(loss, seconds) of ``v.step()``; raises ``v.peak`` to what this step allocated above
+    what was resident (the bookkeeping outside the timed span)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        resident = torch.cuda.memory_allocated(device)
+    _sync(device)
+    t = time.perf_counter()
+    loss = v.step()
+    _sync(device)
+    seconds = time.perf_counter() - t
+    if cuda:
+        v.peak = max(v.peak, torch.cuda.max_memory_allocated(device) - resident)
+    else:
+        v.peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return loss, seconds
 
 
 def build(shape: str, device: torch.device, dtype: torch.dtype, which: list[str]) -> tuple[list[Variant], ModelFlops]:
@@ -94,7 +110,7 @@ def build(shape: str, device: torch.device, dtype: torch.dtype, which: list[str]
         else:
             raise SystemExit(f"gpu_single: unknown variant {name!r}")
         opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
-        out.append(Variant(name, _train_step(fn, opt, batch), _memory(device)))
+        out.append(Variant(name, _train_step(fn, opt, batch)))
     return out, flops
 
 
@@ -106,24 +122,23 @@ def run(shape: str, device: torch.device, dtype: torch.dtype, which: list[str], 
     losses: dict[str, list[float]] = {v.name: [] for v in variants}
     for i in range(warmup + steps):
         for v in variants:  # interleaved: every variant sees the same machine
-            _sync(device)
-            t = time.perf_counter()
-            losses[v.name].append(v.step())
-            _sync(device)
+            loss, seconds = _measured_step(v, device)
+            losses[v.name].append(loss)
             if i >= warmup:
-                times[v.name].append(time.perf_counter() - t)
+                times[v.name].append(seconds)
     print(f"\n{shape}: {flops.matmul_params / 1e6:.1f}M matmul parameters, {flops.tokens} tokens/step, "
           f"{flops.per_token / 1e6:,.2f} MFLOP/token (6N + 12LSH); {dtype}; {device} "
           f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
           f"torch {torch.__version__}; peak {peak / 1e12:.3f} TFLOP/s ({source})")
-    print(f"{'variant':<18}{'step (ms)':>11}{'vs eager':>10}{'tokens/s':>12}{'MFU':>8}{'peak mem':>12}"
+    mem = "step mem" if device.type == "cuda" else "peak RSS"
+    print(f"{'variant':<18}{'step (ms)':>11}{'vs eager':>10}{'tokens/s':>12}{'MFU':>8}{mem:>12}"
           f"{'last loss':>11}")
     base = statistics.median(times[which[0]])
     for v in variants:
         med = statistics.median(times[v.name])
         tp = throughput(flops, med, 1, peak)
         print(f"{v.name:<18}{med * 1e3:>11.1f}{med / base:>9.3f}x{tp.tokens_per_s_per_rank:>12,.0f}"
-              f"{100 * tp.mfu:>7.2f}%{v.memory() / 2**20:>9.0f} MiB{losses[v.name][-1]:>11.4f}")
+              f"{100 * tp.mfu:>7.2f}%{v.peak / 2**20:>9.0f} MiB{losses[v.name][-1]:>11.4f}")
 
 
 def main() -> None:
