@@ -123,3 +123,20 @@ def global_dropout(x: torch.Tensor, p: float, train: bool, global_shape: list[in
     ones = torch.ones(global_shape, dtype=x.dtype, device=x.device)
     scaled_mask = torch.nn.functional.dropout(ones, p, True)
     return x * _this_ranks_piece(scaled_mask, rt, dims, interleave)
+
+
+def as_strided_on_traced_storage(x: torch.Tensor, base_size: list[int], base_stride: list[int],
+                                 base_offset: int, size: list[int], stride: list[int],
+                                 storage_offset: int | None) -> torch.Tensor:
+    """``as_strided`` as the trace recorded it, on a copy of ``x`` laid out in storage as the
+    traced input was (``base_*``): the recorded strides address that storage, and ``x`` (a
+    gathered or re-laid-out tensor with the traced input's elements) may be laid out
+    otherwise. Storage the traced input did not cover is zero."""
+    def extent(sz: list[int], st: list[int], off: int) -> int:
+        return off + sum((n - 1) * s for n, s in zip(sz, st) if n > 0) + 1
+
+    off = base_offset if storage_offset is None else storage_offset
+    buf = x.new_zeros(max(extent(base_size, base_stride, base_offset), extent(size, stride, off)))
+    base = buf.as_strided(base_size, base_stride, base_offset)
+    base.copy_(x)
+    return base.as_strided(size, stride, off)

@@ -105,6 +105,27 @@ class GroupPackedAttention(nn.Module):
         return F.cross_entropy(self.head(y).reshape(B * T, -1), t.reshape(-1))
 
 
+class StridedChunks(nn.Module):
+    """Longformer's sliding-window chunking: ``as_strided`` over a view whose storage is
+    ordered (seq, batch*heads, head_dim), so the recorded strides address that storage.
+    A gathered (or otherwise re-laid-out) input has other strides: the fallback must lay
+    it out as the trace saw it first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        h = self.q(x.transpose(0, 1)).view(T, B, 4, 4).transpose(0, 1)
+        h = h.transpose(1, 2).reshape(B * 4, T, 4)      # a view: B and heads merge
+        h = h.view(B * 4, T // 4, 4, 4)
+        size, stride = list(h.size()), list(h.stride())
+        size[1], stride[1] = size[1] * 2 - 1, stride[1] // 2
+        c = h.as_strided(size=size, stride=stride)      # overlapping windows of 4 rows
+        return torch.einsum("bcxd,bcyd->bcxy", c, c).tanh().pow(2).mean()
+
+
 def _cases() -> list[tuple[str, nn.Module, tuple]]:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(8, 16, generator=g)
@@ -117,6 +138,7 @@ def _cases() -> list[tuple[str, nn.Module, tuple]]:
     cases.append(("rmsnorm", RMSNet(), (x, t)))
     cases.append(("group-packed-qkv", GroupPackedAttention(), (xs, ts)))
     cases.append(("group-packed-qkv-mha", GroupPackedAttention(groups=4), (xs, ts)))
+    cases.append(("strided-chunks", StridedChunks(), (torch.randn(4, 8, 16, generator=g),)))
     return cases
 
 

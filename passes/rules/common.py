@@ -166,8 +166,23 @@ def fallback_rule(L: Lowering, node: fx.Node) -> Any:
     val = node.meta.get("val")
     repl = {a: L.to_layout(L.env[a], lay) for a, lay in need.items()}
     args, kwargs = local_args(L, node, repl)
+    target = node.target
+    if target is aten.as_strided.default:
+        # as_strided reads its input's storage, not its elements: the trace recorded
+        # strides for the input as the model laid it out (Longformer's chunking: a view
+        # whose storage is ordered (seq, batch*heads, head_dim)), which a gathered or
+        # otherwise re-laid-out input does not have. Rebuild that storage first.
+        from shardc.runtime.ops import as_strided_on_traced_storage
+
+        base = node.args[0].meta["val"]
+        size, stride = args[1], args[2]
+        offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+        target = as_strided_on_traced_storage
+        args = (args[0], list(base.shape), list(base.stride()), base.storage_offset(), size,
+                stride, offset)
+        kwargs = {}
     if isinstance(val, (list, tuple)):
-        n = L.emit(node.target, args, kwargs, layout=None, val=val)
+        n = L.emit(target, args, kwargs, layout=None, val=val)
         n.meta[FALLBACK] = fb
         outs = []
         for i, v in enumerate(val):
@@ -178,7 +193,7 @@ def fallback_rule(L: Lowering, node: fx.Node) -> Any:
                 outs.append(v)
         return outs
     lay = Layout.replicate(val.dim()) if isinstance(val, torch.Tensor) else None
-    n = L.emit(node.target, args, kwargs, layout=lay, val=val)
+    n = L.emit(target, args, kwargs, layout=lay, val=val)
     n.meta[FALLBACK] = fb
     if lay is None:
         return val
