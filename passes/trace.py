@@ -62,10 +62,24 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
             # it records (a language model's `data[:, :-1]` slice made `targets.flatten()`
             # a view that cannot exist); the program's inputs are made contiguous on
             # entry to match (ShardedModule.forward)
-            ep = torch.export.export(root, tuple(a.contiguous() if isinstance(a, torch.Tensor) else a
-                                                 for a in example_inputs), strict=False)
+            args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a
+                         for a in example_inputs)
+            specialized = ""
+            ep = torch.export.export(root, args, strict=False)
         except Exception as e:  # noqa: BLE001 - re-raised with the cause named
-            raise TraceError(_explain_trace_failure(model, e)) from e
+            if not _data_dependent(e):
+                raise TraceError(_explain_trace_failure(model, e)) from e
+            ep, where = _draft(model, root, args, e)
+            specialized = "; ".join(where)
+            warnings.warn(
+                f"shardc.compile: {type(model).__name__} branches on tensor values at "
+                f"{'; '.join(where)}, which torch.export cannot trace. shardc traced the branch "
+                "the example inputs take (torch.export.draft_export) and checks it at every "
+                "step: a batch that would take another branch stops every rank with a "
+                "RuntimeError instead of computing the wrong thing, and the step runs the "
+                "forward program with autograd's backward (no step passes). Branching on "
+                "shapes, or torch.cond, compiles without the check.", ShardcWarning,
+                stacklevel=4)
         if not all(_has_rule(n.target, RULES) for n in ep.graph.nodes if n.op == "call_function"):
             # decompose what has no rule (re-tracing costs about as much as the export)
             table = torch.export.default_decompositions()
@@ -73,9 +87,82 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
                 if _has_rule(op, RULES):
                     table.pop(op)
             ep = ep.run_decompositions(table)
+    if specialized:
+        # after the decompositions, which trace the graph anew: these are the checks
+        # draft_export inserted for the branches it fixed (passes/rules/common.py keeps
+        # them; the checks of an ordinary export are the model's own asserts, dropped)
+        for n in ep.graph.nodes:
+            if n.op == "call_function" and n.target is torch.ops.aten._assert_scalar.default:
+                n.meta[KEEP_CHECK] = specialized
     CHECKPOINTED[ep] = tuple(unique(found))
     per_model[key] = ep
     return ep
+
+
+# node meta: an ``_assert_scalar`` that guards a branch draft_export fixed (its value: where)
+KEEP_CHECK = "shardc_keep_check"
+
+
+def _data_dependent(e: BaseException) -> bool:
+    """Did export fail on a branch on tensor values (a guard on a data-dependent value)?"""
+    from torch.fx.experimental import symbolic_shapes
+
+    kind = getattr(symbolic_shapes, "GuardOnDataDependentSymNode", None)
+    seen = set()
+    while e is not None and id(e) not in seen and kind is not None:
+        if isinstance(e, kind):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return False
+
+
+def _draft(model: torch.nn.Module, root: torch.nn.Module, args: tuple, cause: Exception
+           ) -> tuple[torch.export.ExportedProgram, list[str]]:
+    """``torch.export.draft_export`` of ``root``: the branches export could not decide are
+    fixed to the ones ``args`` take, each with runtime checks (``_assert_scalar``) that a
+    later input takes it too. Accepted only when every problem it reports is such a branch
+    (not, say, an op without a fake kernel); otherwise the export's own error stands.
+    Returns the program and where each fixed branch is in the model's code."""
+    import logging
+
+    draft = getattr(torch.export, "draft_export", None)
+    if draft is None:  # torch < 2.7
+        raise TraceError(_explain_trace_failure(model, cause)) from cause
+    # its report is a page long, and it logs each branch it fixes: the warning says it once
+    logs = [logging.getLogger(n) for n in ("torch.export._draft_export",
+                                           "torch.fx.experimental.symbolic_shapes")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
+    try:
+        ep = draft(root, args)
+    except Exception as e:  # noqa: BLE001 - the export's error is the one to show
+        raise TraceError(_explain_trace_failure(model, cause)) from e
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
+    failures = list(getattr(getattr(ep, "_report", None), "failures", None) or [])
+    kinds = {getattr(getattr(f, "failure_type", None), "name", None) for f in failures}
+    if not failures or kinds != {"DATA_DEPENDENT_ERROR"}:
+        raise TraceError(_explain_trace_failure(model, cause)) from cause
+    return ep, sorted({_user_line(f) for f in failures})
+
+
+def _user_line(failure: Any) -> str:
+    """``file:line (code)`` of the model's line that a draft_export failure points at."""
+    frames = (getattr(failure, "data", None) or {}).get("user_stack") or []
+    if not frames:
+        return "an unknown line"
+    f = frames[-1]
+    try:  # the report names files by their index in torch's structured-log table
+        from torch._logging.structured import INTERN_TABLE
+
+        files = {v: k for k, v in INTERN_TABLE.items()}
+        name = files.get(f.get("filename"), "?")
+    except ImportError:
+        name = "?"
+    return f"{name}:{f.get('line', '?')} ({str(f.get('loc', '')).strip()})"
 
 
 @contextlib.contextmanager
@@ -143,5 +230,8 @@ def _explain_trace_failure(model: torch.nn.Module, e: Exception) -> str:
     first = msg[0] if msg else type(e).__name__
     return (f"shardc.compile: torch.export could not trace {type(model).__name__}{where}: "
             f"{type(e).__name__}: {first}\nshardc needs a model torch.export can trace "
-            "(non-strict): data-dependent Python control flow on tensor values is the usual "
-            "cause; use torch.cond or make the branch depend on shapes.")
+            "(non-strict; a branch on tensor values is traced on the example inputs' side "
+            "with torch.export.draft_export, which could not help here). The usual causes: "
+            "Python work on tensor data (.numpy(), a NumPy or Python library called on a "
+            "tensor), an op with no fake (meta) kernel, or, with torch < 2.7 (no draft_export), "
+            "a branch on tensor values; use torch.cond or make it depend on shapes.")

@@ -125,6 +125,19 @@ def global_dropout(x: torch.Tensor, p: float, train: bool, global_shape: list[in
     return x * _this_ranks_piece(scaled_mask, rt, dims, interleave)
 
 
+def check_branch(cond: bool, expression: str, where: str) -> None:
+    """A check draft_export put on a branch it fixed to the one the example inputs took
+    (passes/trace.py): ``cond`` is false when this batch takes another one. Every rank
+    computes ``cond`` from the same replicated value, so every rank stops, none waits."""
+    if not cond:
+        raise RuntimeError(
+            f"shardc: this batch takes a branch the compiled program does not have. The model "
+            f"branches on tensor values at {where}; compile traced the branch its example "
+            f"inputs took, and this batch fails that branch's condition ({expression}). "
+            "Compile with an example batch that takes this branch, or make the branch depend "
+            "on shapes or use torch.cond.")
+
+
 def as_strided_on_traced_storage(x: torch.Tensor, base_size: list[int], base_stride: list[int],
                                  base_offset: int, size: list[int], stride: list[int],
                                  storage_offset: int | None) -> torch.Tensor:

@@ -150,6 +150,12 @@ class ShardedModule(nn.Module):
         # step program does it inside its backward graph, so the hooks stand aside then.
         self._joint: dict[tuple, Any] = {}
         self._joint_failed: str | None = None
+        from shardc.runtime.ops import check_branch
+
+        if any(n.target is check_branch for n in program.graph.nodes):
+            # the checks read a value (``.item()``) that make_fx's fake tensors do not have
+            self._joint_failed = ("the program checks, each step, a branch on tensor values "
+                                  "that compile fixed (draft_export)")
         self._offline: Any = None  # the step program traced for the report (reshard)
         self._hooks_active = True
         # a gradient summed over one axis goes into a bucket (runtime/grad_buckets.py), and

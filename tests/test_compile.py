@@ -172,22 +172,49 @@ def test_error_compile_before_process_group() -> None:
         shardc.compile(MLPChain(), shardc.Mesh(), _mlp_inputs())
 
 
+class _NumPy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = float(x.detach().numpy().std())  # Python work on the data: cannot be traced
+        return (self.lin(x) * scale).sum()
+
+
+def test_error_untraceable_model_names_cause_and_line(fake_world) -> None:
+    fake_world(1)
+    with pytest.raises(shardc.TraceError, match=r"could not trace _NumPy at .*test_compile"
+                                                r"\.py:\d+: RuntimeError: \.numpy\(\)"):
+        shardc.compile(_NumPy(), shardc.Mesh(), (torch.randn(4, 4),))
+
+
 class _DataDependent(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.sum() > 0:  # a branch on a tensor's value: cannot be traced
+        if x.sum() > 0:  # a branch on a tensor's value: export cannot decide it
             return self.lin(x).sum()
         return x.sum()
 
 
-def test_error_untraceable_model_names_cause_and_line(fake_world) -> None:
-    fake_world(1)
-    with pytest.raises(shardc.TraceError, match=r"could not trace _DataDependent at .*test_compile"
-                                                r"\.py:\d+"):
-        shardc.compile(_DataDependent(), shardc.Mesh(), (torch.randn(4, 4),))
+@pytest.mark.skipif(not hasattr(torch.export, "draft_export"), reason="torch < 2.7: no draft_export")
+def test_value_branch_is_traced_on_the_examples_side_and_checked(fake_world) -> None:
+    """A branch on tensor values compiles with a warning naming the line, the program
+    checks the branch every step, and the whole-step program stands aside (it traces on
+    fake tensors, which have no value to check); the gloo test runs both sides."""
+    from shardc.runtime.ops import check_branch
+
+    fake_world(2)
+    x = torch.randn(4, 4).abs()  # takes the branch: sum > 0
+    with pytest.warns(shardc.ShardcWarning, match=r"_DataDependent branches on tensor values at "
+                      r".*test_compile\.py:\d+ \(if x\.sum\(\) > 0:"):
+        sm = shardc.compile(_DataDependent(), shardc.Mesh.parse("x1y1z1d2"), (x,))
+    assert any(n.target is check_branch for n in sm.graph_module.graph.nodes)
+    assert sm._joint_failed is not None and "draft_export" in sm._joint_failed
+    assert "could not be built (the program checks, each step, a branch" in shardc.explain(sm)
 
 
 class _MaskedRows(nn.Module):

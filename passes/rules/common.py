@@ -196,8 +196,22 @@ def fallback_rule(L: Lowering, node: fx.Node) -> Any:
     n = L.emit(target, args, kwargs, layout=lay, val=val)
     n.meta[FALLBACK] = fb
     if lay is None:
-        return val
+        # a number known only when the step runs (``x.any().item()`` feeding a check that
+        # draft_export put on a branch) is the node's result; any other number is the
+        # value the trace saw, the same at every step
+        return n if _unbacked(val) else val
     return Val(n, lay, val)
+
+
+def _unbacked(v: Any) -> bool:
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    if not isinstance(v, (torch.SymInt, torch.SymBool, torch.SymFloat)):
+        return False
+    try:
+        return bool(free_unbacked_symbols(v))
+    except Exception:  # noqa: BLE001 - a value it cannot walk is not one of these
+        return False
 
 
 @register_rule(operator.getitem)
@@ -211,6 +225,20 @@ def getitem_rule(L: Lowering, node: fx.Node) -> Any:
 @register_rule(aten._assert_tensor_metadata.default, aten._assert_scalar.default,
                aten.sym_constrain_range_for_size.default)
 def drop_rule(L: Lowering, node: fx.Node) -> Any:
+    """The trace's checks are dropped (the model's own asserts on values: XLM's
+    ``lengths.max().item() <= slen`` would gather the lengths each step for nothing),
+    except those guarding a branch draft_export fixed (passes/trace.py): without them a
+    batch that takes the other branch would be computed on the wrong one."""
+    from shardc.passes.trace import KEEP_CHECK
+    from shardc.runtime.ops import check_branch
+
+    where = node.meta.get(KEEP_CHECK)
+    if where and node.target is aten._assert_scalar.default:
+        cond = local_args(L, node, {})[0][0]
+        if isinstance(cond, fx.Node):
+            expression = str(node.args[1]).removeprefix("Runtime assertion failed for expression ")
+            L.emit(check_branch, (cond, expression.split(" on node ")[0], where), {},
+                   layout=None, val=None)
     return None
 
 
