@@ -28,6 +28,7 @@ import torch
 
 from shardc.errors import ShardcWarning, TraceError
 from shardc.precision import CastAtUse
+from shardc.passes.autograd_functions import check_backwards, record_autograd_functions
 from shardc.passes.checkpoint_calls import record_checkpoint_calls, unique
 
 _CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, dict[Any, torch.export.ExportedProgram]]" = \
@@ -52,10 +53,11 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
     if key in per_model:
         return per_model[key]
     found: list[str] = []
+    functions: dict[type, Any] = {}
     # The trace must not consume the default generator: a compiled model has to draw the
     # same dropout masks as the single-device model seeded identically.
     with torch.random.fork_rng(devices=[]), _host_draws_frozen(model), \
-            record_checkpoint_calls(model, found):
+            record_checkpoint_calls(model, found), record_autograd_functions(functions):
         try:
             root = model if compute == torch.float32 else CastAtUse(model, compute)
             # traced on contiguous copies: export bakes an input's strides into the views
@@ -87,6 +89,8 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
                 if _has_rule(op, RULES):
                     table.pop(op)
             ep = ep.run_decompositions(table)
+    with torch.random.fork_rng(devices=[]):
+        check_backwards(functions, type(model).__name__)
     if specialized:
         # after the decompositions, which trace the graph anew: these are the checks
         # draft_export inserted for the branches it fixed (passes/rules/common.py keeps

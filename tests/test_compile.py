@@ -189,6 +189,55 @@ def test_error_untraceable_model_names_cause_and_line(fake_world) -> None:
         shardc.compile(_NumPy(), shardc.Mesh(), (torch.randn(4, 4),))
 
 
+class _RoundSTE(torch.autograd.Function):
+    """A straight-through estimator: round's value, the identity's gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.round()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return g
+
+
+class _Square(torch.autograd.Function):
+    """A backward written out as the forward's derivative (as Bloom's GeLU is)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+class _WithFunction(nn.Module):
+    def __init__(self, fn: type) -> None:
+        super().__init__()
+        self.fn = fn
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn.apply(self.lin(x)).sum()
+
+
+def test_autograd_function_whose_backward_is_not_its_derivative_is_refused(fake_world) -> None:
+    """torch.export keeps a Function's forward only: a straight-through estimator would get
+    round's zero gradient, silently. A backward that is the derivative compiles."""
+    fake_world(2)
+    with pytest.raises(shardc.ShardcError, match=r"_WithFunction calls the torch.autograd.Function "
+                       r".*_RoundSTE at .*test_compile\.py:\d+, whose backward is not the "
+                       r"derivative of its forward \(they differ by 1 relative"):
+        shardc.compile(_WithFunction(_RoundSTE), shardc.Mesh.parse("x2y1z1d1"), (torch.randn(4, 4),))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", shardc.ShardcWarning)
+        shardc.compile(_WithFunction(_Square), shardc.Mesh.parse("x2y1z1d1"), (torch.randn(4, 4),))
+
+
 class _DataDependent(nn.Module):
     def __init__(self) -> None:
         super().__init__()
