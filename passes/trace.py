@@ -19,6 +19,7 @@ the parameters (an fp32 activation meeting a bf16 weight in a GEMM).
 from __future__ import annotations
 
 import contextlib
+import operator
 import random
 import warnings
 import weakref
@@ -82,6 +83,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
                 "forward program with autograd's backward (no step passes). Branching on "
                 "shapes, or torch.cond, compiles without the check.", ShardcWarning,
                 stacklevel=4)
+        _detach_no_grad_regions(ep.graph_module)
         if not all(_has_rule(n.target, RULES) for n in ep.graph.nodes if n.op == "call_function"):
             # decompose what has no rule (re-tracing costs about as much as the export)
             table = torch.export.default_decompositions()
@@ -101,6 +103,65 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
     CHECKPOINTED[ep] = tuple(unique(found))
     per_model[key] = ep
     return ep
+
+
+def _detach_no_grad_regions(gm: torch.fx.GraphModule) -> None:
+    """Inline each ``torch.no_grad()`` region of the forward (export's
+    ``wrap_with_set_grad_enabled(False, submodule, *args)``) and detach its outputs.
+
+    The region's submodule is otherwise inlined by the decompositions, or by the rank
+    program's own tracing, as plain ops: gradients then flowed through a target computed
+    under no_grad (``with torch.no_grad(): t = self.b(h)``), wrong for every parameter
+    before it. Detaching the outputs is the region's meaning for the gradient: its values
+    are the same, and nothing flows back through them."""
+    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    if hop is None:
+        return
+    g = gm.graph
+    changed = False
+    for n in list(g.nodes):
+        if not (n.op == "call_function" and n.target is hop and n.args[0] is False):
+            continue
+        sub = getattr(gm, n.args[1].target)
+        _detach_no_grad_regions(sub)  # a region inside the region
+        env: dict[torch.fx.Node, Any] = {}
+        args = iter(n.args[2:])
+        out: Any = None
+        with g.inserting_before(n):
+            for sn in sub.graph.nodes:
+                if sn.op == "placeholder":
+                    env[sn] = next(args)
+                elif sn.op == "get_attr":
+                    name = f"_no_grad_{n.name}_{sn.target}".replace(".", "_")
+                    setattr(gm, name, getattr(sub, sn.target))
+                    env[sn] = g.get_attr(name)
+                elif sn.op == "output":
+                    out = sn.args[0]
+                else:
+                    env[sn] = g.node_copy(sn, lambda a: env[a])
+
+            def detached(a: Any) -> Any:
+                if not isinstance(a, torch.fx.Node) or not isinstance(a.meta.get("val"), torch.Tensor):
+                    return a
+                d = g.call_function(torch.ops.aten.detach.default, (a,))
+                d.meta.update(a.meta)
+                return d
+
+            outs = torch.fx.node.map_arg(out, lambda a: detached(env[a]))
+        if isinstance(outs, (tuple, list)):
+            for user in list(n.users):
+                if user.op == "call_function" and user.target is operator.getitem:
+                    user.replace_all_uses_with(outs[user.args[1]])
+                    g.erase_node(user)
+        if n.users:
+            n.replace_all_uses_with(outs)
+        holder = n.args[1]
+        g.erase_node(n)
+        if not holder.users:
+            g.erase_node(holder)
+        changed = True
+    if changed:
+        gm.recompile()
 
 
 # node meta: an ``_assert_scalar`` that guards a branch draft_export fixed (its value: where)

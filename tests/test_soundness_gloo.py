@@ -126,6 +126,22 @@ class StridedChunks(nn.Module):
         return torch.einsum("bcxd,bcyd->bcxy", c, c).tanh().pow(2).mean()
 
 
+class NoGradTarget(nn.Module):
+    """A target computed under ``torch.no_grad()`` inside forward (as a teacher or an EMA
+    copy is): no gradient may flow back through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch.no_grad():
+            target = self.b(h) * 2
+        return ((torch.tanh(self.b(h)) - target) ** 2).mean()
+
+
 class ValueBranch(nn.Module):
     """A branch on tensor values, which torch.export cannot trace: shardc traces the one
     the example inputs take (draft_export) and checks it every step."""
@@ -155,6 +171,7 @@ def _cases() -> list[tuple[str, nn.Module, tuple]]:
     cases.append(("group-packed-qkv", GroupPackedAttention(), (xs, ts)))
     cases.append(("group-packed-qkv-mha", GroupPackedAttention(groups=4), (xs, ts)))
     cases.append(("strided-chunks", StridedChunks(), (torch.randn(4, 8, 16, generator=g),)))
+    cases.append(("no-grad-target", NoGradTarget(), (torch.randn(8, 16, generator=g),)))
     cases.append(("value-branch", ValueBranch(),
                   (torch.randn(8, 16, generator=g), torch.rand(8, 16, generator=g))))
     return cases
