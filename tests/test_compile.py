@@ -238,6 +238,30 @@ def test_autograd_function_whose_backward_is_not_its_derivative_is_refused(fake_
         shardc.compile(_WithFunction(_Square), shardc.Mesh.parse("x2y1z1d1"), (torch.randn(4, 4),))
 
 
+class _AutocastRegion(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.a(x)
+        return self.b(h.float()).pow(2).mean()
+
+
+def test_autocast_region_in_forward_computes_in_its_dtype(fake_world) -> None:
+    """Export leaves a torch.autocast region's casts to autocast at run time, and the
+    trace's decompositions write them out (unlike a no_grad region's meaning, which they
+    lost): the region's GEMM runs in bf16 as on one device, what follows it in fp32."""
+    fake_world(2)
+    sm = shardc.compile(_AutocastRegion(), shardc.Mesh.parse("x2y1z1d1"), (torch.randn(4, 8),))
+    gemms = [n.meta[GLOBAL_VAL].dtype for n in sm.graph_module.graph.nodes
+             if isinstance(n.target, torch._ops.OpOverload)
+             and n.target._schema.name in ("aten::addmm", "aten::mm", "aten::linear")]
+    assert torch.bfloat16 in gemms and torch.float32 in gemms, gemms
+
+
 class _DataDependent(nn.Module):
     def __init__(self) -> None:
         super().__init__()
