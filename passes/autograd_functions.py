@@ -1,5 +1,5 @@
 """Find the custom ``torch.autograd.Function`` calls a model makes while it is traced, and
-check that each one's backward is the derivative of its forward.
+check that each one's backward is the derivative of its forward; refuse gradient hooks.
 
 ``torch.export`` runs a Function's ``forward`` like any other code and keeps only the ops
 it ran: its ``backward`` is gone, and the compiled program's gradient is the derivative of
@@ -158,3 +158,40 @@ def check_backwards(found: dict[type, Call], model_name: str) -> None:
                 "so shardc would differentiate the forward's ops and its gradients would "
                 "silently differ from one device's. Write the estimator with detach, which "
                 "export keeps: x + (f(x) - x).detach() has f's value and x's gradient.")
+
+
+@contextlib.contextmanager
+def record_gradient_hooks(found: list[str]) -> Iterator[None]:
+    """While active, note in ``found`` where forward calls ``tensor.register_hook``."""
+    original = torch.Tensor.register_hook
+
+    def register_hook(self: torch.Tensor, hook: Any) -> Any:
+        found.append(_user_frame())
+        return original(self, hook)
+
+    torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.register_hook = original  # type: ignore[method-assign]
+
+
+def refuse_gradient_hooks(model: torch.nn.Module, found: list[str]) -> None:
+    """A gradient hook changes the gradient where autograd passes it. The compiled
+    program's backward is traced from the forward's ops, and export keeps no hook:
+    forward's ``register_hook`` and a module's backward hooks would be dropped, silently."""
+    from torch.nn.modules import module as M
+
+    modules = [n or "<root>" for n, m in model.named_modules()
+               if getattr(m, "_backward_hooks", None) or getattr(m, "_backward_pre_hooks", None)]
+    if getattr(M, "_global_backward_hooks", None) or getattr(M, "_global_backward_pre_hooks", None):
+        modules.append("every module (torch.nn.modules.module.register_module_full_backward_hook)")
+    where = [f"tensor.register_hook at {w}" for w in dict.fromkeys(found)] + \
+        [f"a backward hook on {m}" for m in modules]
+    if where:
+        raise ShardcError(
+            f"shardc.compile: {type(model).__name__} changes gradients with hooks "
+            f"({'; '.join(where)}). The compiled program's backward is derived from the "
+            "forward's ops, where torch.export keeps no hook, so its gradients would silently "
+            "differ from one device's. Write the change into forward instead: "
+            "h * s + h.detach() * (1 - s) has h's value and s times its gradient.")

@@ -29,7 +29,8 @@ import torch
 
 from shardc.errors import ShardcWarning, TraceError
 from shardc.precision import CastAtUse
-from shardc.passes.autograd_functions import check_backwards, record_autograd_functions
+from shardc.passes.autograd_functions import (check_backwards, record_autograd_functions,
+                                              record_gradient_hooks, refuse_gradient_hooks)
 from shardc.passes.checkpoint_calls import record_checkpoint_calls, unique
 
 _CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, dict[Any, torch.export.ExportedProgram]]" = \
@@ -55,10 +56,12 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
         return per_model[key]
     found: list[str] = []
     functions: dict[type, Any] = {}
+    hooks: list[str] = []
     # The trace must not consume the default generator: a compiled model has to draw the
     # same dropout masks as the single-device model seeded identically.
     with torch.random.fork_rng(devices=[]), _host_draws_frozen(model), \
-            record_checkpoint_calls(model, found), record_autograd_functions(functions):
+            record_checkpoint_calls(model, found), record_autograd_functions(functions), \
+            record_gradient_hooks(hooks):
         try:
             root = model if compute == torch.float32 else CastAtUse(model, compute)
             # traced on contiguous copies: export bakes an input's strides into the views
@@ -91,6 +94,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
                 if _has_rule(op, RULES):
                     table.pop(op)
             ep = ep.run_decompositions(table)
+    refuse_gradient_hooks(model, hooks)
     with torch.random.fork_rng(devices=[]):
         check_backwards(functions, type(model).__name__)
     if specialized:

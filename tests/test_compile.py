@@ -238,6 +238,33 @@ def test_autograd_function_whose_backward_is_not_its_derivative_is_refused(fake_
         shardc.compile(_WithFunction(_Square), shardc.Mesh.parse("x2y1z1d1"), (torch.randn(4, 4),))
 
 
+class _GradHook(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.requires_grad:
+            h.register_hook(lambda g: g * 0.5)  # halves the gradient into a
+        return self.b(h).pow(2).mean()
+
+
+def test_gradient_hooks_are_refused(fake_world) -> None:
+    """Export keeps no hook: a tensor hook registered in forward, or a module's backward
+    hook, would be dropped from the compiled backward, silently."""
+    fake_world(2)
+    mesh = shardc.Mesh.parse("x2y1z1d1")
+    with pytest.raises(shardc.ShardcError, match=r"_GradHook changes gradients with hooks "
+                       r"\(tensor.register_hook at .*test_compile\.py:\d+\)"):
+        shardc.compile(_GradHook(), mesh, (torch.randn(4, 4),))
+    model = _WithFunction(_Square)
+    model.lin.register_full_backward_hook(lambda m, gi, go: None)
+    with pytest.raises(shardc.ShardcError, match=r"\(a backward hook on lin\)"):
+        shardc.compile(model, mesh, (torch.randn(4, 4),))
+
+
 class _AutocastRegion(nn.Module):
     def __init__(self) -> None:
         super().__init__()
