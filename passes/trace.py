@@ -76,16 +76,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
             if not _data_dependent(e):
                 raise TraceError(_explain_trace_failure(model, e)) from e
             ep, where = _draft(model, root, args, e)
-            specialized = "; ".join(where)
-            warnings.warn(
-                f"shardc.compile: {type(model).__name__} branches on tensor values at "
-                f"{'; '.join(where)}, which torch.export cannot trace. shardc traced the branch "
-                "the example inputs take (torch.export.draft_export) and checks it at every "
-                "step: a batch that would take another branch stops every rank with a "
-                "RuntimeError instead of computing the wrong thing, and the step runs the "
-                "forward program with autograd's backward (no step passes). Branching on "
-                "shapes, or torch.cond, compiles without the check.", ShardcWarning,
-                stacklevel=4)
+            specialized, cause = "; ".join(where), e
         _detach_no_grad_regions(ep.graph_module)
         if not all(_has_rule(n.target, RULES) for n in ep.graph.nodes if n.op == "call_function"):
             # decompose what has no rule (re-tracing costs about as much as the export)
@@ -93,11 +84,28 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
             for op in list(table):
                 if _has_rule(op, RULES):
                     table.pop(op)
-            ep = ep.run_decompositions(table)
+            try:
+                ep = ep.run_decompositions(table)
+            except Exception as e:  # noqa: BLE001 - see below
+                if not specialized:
+                    raise
+                # a draft's fixed branch that its own re-trace contradicts (BatchNorm with
+                # momentum=None divides by its step count, which the draft fixed to 1):
+                # the export's error is the one that says what is wrong
+                raise TraceError(_explain_trace_failure(model, cause)) from e
     refuse_gradient_hooks(model, hooks)
     with torch.random.fork_rng(devices=[]):
         check_backwards(functions, type(model).__name__)
     if specialized:
+        warnings.warn(
+            f"shardc.compile: {type(model).__name__} branches on tensor values at "
+            f"{specialized}, which torch.export cannot trace. shardc traced the branch "
+            "the example inputs take (torch.export.draft_export) and checks it at every "
+            "step: a batch that would take another branch stops every rank with a "
+            "RuntimeError instead of computing the wrong thing, and the step runs the "
+            "forward program with autograd's backward (no step passes). Branching on "
+            "shapes, or torch.cond, compiles without the check.", ShardcWarning,
+            stacklevel=4)
         # after the decompositions, which trace the graph anew: these are the checks
         # draft_export inserted for the branches it fixed (passes/rules/common.py keeps
         # them; the checks of an ordinary export are the model's own asserts, dropped)

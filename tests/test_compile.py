@@ -265,6 +265,20 @@ def test_gradient_hooks_are_refused(fake_world) -> None:
         shardc.compile(model, mesh, (torch.randn(4, 4),))
 
 
+def test_a_draft_its_own_retrace_contradicts_is_refused_at_compile(fake_world) -> None:
+    """BatchNorm with momentum=None divides by its step count (float(num_batches_tracked)):
+    draft_export fixes it to the example's, and re-tracing the draft contradicts that. The
+    export's own error is raised, at compile, without the branch warning."""
+    fake_world(1)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, momentum=None), nn.Linear(8, 1))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(shardc.TraceError, match=r"could not trace Sequential .*"
+                                                    r"GuardOnDataDependentSymNode"):
+            shardc.compile(model, shardc.Mesh(), (torch.randn(8, 4),))
+    assert not [w for w in seen if "branches on tensor values" in str(w.message)]
+
+
 class _AutocastRegion(nn.Module):
     def __init__(self) -> None:
         super().__init__()
