@@ -48,9 +48,19 @@ def record_checkpoint_calls(model: nn.Module, found: list[str]) -> Iterator[None
 
     class RecordingFunction(base):  # type: ignore[misc, valid-type]
         @classmethod
-        def apply(cls, function: Any, *args: Any) -> Any:
+        def apply(cls, function: Any, preserve_rng_state: Any, *args: Any) -> Any:
             found.append(_name_of(function, names))
-            return base.apply(function, *args)
+            # A plain call, not the Function: the reentrant form runs ``function`` under
+            # no_grad and gets its gradient from its own backward, which export drops, so
+            # the no_grad region export records would cut the gradient (passes/trace.py
+            # detaches what forward computes under no_grad). The ops and the random draws
+            # are the same. A module's own ``forward`` is called through the module, so
+            # that export attributes its ops to it and the block can be recomputed.
+            owner = getattr(function, "__self__", None)
+            if isinstance(owner, nn.Module) and \
+                    getattr(function, "__func__", None) is getattr(type(owner), "forward", None):
+                function = owner
+            return function(*args)
 
     tuc._checkpoint_without_reentrant_generator = recording_gen  # type: ignore[attr-defined]
     tuc.CheckpointFunction = RecordingFunction  # type: ignore[attr-defined, misc]

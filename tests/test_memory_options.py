@@ -118,16 +118,18 @@ def test_model_checkpoint_calls_are_honoured(fake_world) -> None:
     assert marked == {"inner.blocks.0", "inner.blocks.1"}
 
 
-def test_a_checkpointed_forward_method_is_named(fake_world) -> None:
-    """The reentrant form (an autograd.Function) on module.forward: export does not
-    attribute its ops to the module, so that block cannot be cut out; it is named, the
-    other one is recomputed."""
+def test_both_checkpoint_forms_are_recomputed(fake_world) -> None:
+    """The reentrant form (an autograd.Function that runs its function under no_grad) on
+    module.forward is traced as a call of the module, so its block is cut out and
+    recomputed like the non-reentrant one's, and no no_grad region cuts its gradient."""
     fake_world(4)
     tokens = torch.randint(0, 64, (8, 16))
-    with pytest.warns(shardc.ShardcWarning, match=r"on inner.blocks.1, whose ops the trace"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", shardc.ShardcWarning)
         sm = shardc.compile(Checkpointed(), shardc.Mesh(x=2, z=2), (tokens, tokens))
     marked = {n.meta.get("shardc_recompute") for n in sm.graph_module.graph.nodes} - {None}
-    assert marked == {"inner.blocks.0"}
+    assert marked == {"inner.blocks.0", "inner.blocks.1"}
+    assert not any(n.target is torch.ops.aten.detach.default for n in sm.graph_module.graph.nodes)
 
 
 def test_model_checkpoint_calls_that_cannot_be_honoured_are_named(fake_world) -> None:

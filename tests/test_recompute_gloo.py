@@ -46,6 +46,18 @@ class SelfCheckpointed(GPT):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class SelfCheckpointedReentrant(GPT):
+    """The same with the reentrant form (an autograd.Function running each block under
+    no_grad, its gradient from its own backward): traced as a plain call of the block."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.tok(idx) + self.pos(torch.arange(idx.shape[1])))
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=True)
+        logits = self.head(self.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 def _train_failures(spec: str, policy: str = "blocks", make=lambda: GPT(layers=3, dropout=0.1),
                     name: str = "gpt") -> list[str]:
     mesh = shardc.Mesh.parse(spec)
@@ -164,6 +176,9 @@ def _all(rank: int, world_size: int) -> None:
     # the model's own torch.utils.checkpoint calls, honoured without any option
     failures += _train_failures("x1y1z2d2", "none", lambda: SelfCheckpointed(layers=3, dropout=0.1),
                                 "gpt-own-checkpoint")
+    failures += _train_failures("x2y1z1d2", "none",
+                                lambda: SelfCheckpointedReentrant(layers=3, dropout=0.1),
+                                "gpt-own-checkpoint-reentrant")
     # On data parallelism and with weights gathered over z (recompute re-gathers them,
     # prefetched one ahead inside each block as in forward).
     failures += _memory("x1y1z1d4", rank)
