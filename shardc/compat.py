@@ -20,6 +20,8 @@ TORCH_CEILING = (3, 0)  # exclusive: the next major may break the export and dis
 NEWER_THAN_FLOOR: dict[str, str] = {
     "torch.distributed.all_gather_single": "2.13",
     "torch.distributed.reduce_scatter_single": "2.13",
+    # branches on tensor values (passes/trace.py); without it such a model's TraceError
+    "torch.export.draft_export": "2.7",
 }
 
 
