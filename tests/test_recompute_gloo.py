@@ -38,24 +38,21 @@ def _batches(n: int, batch: int = 8, seq: int = 16) -> list[tuple[torch.Tensor, 
 class SelfCheckpointed(GPT):
     """A GPT that checkpoints its own blocks, as users write it: compile honours it."""
 
+    reentrant = False
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.drop(self.tok(idx) + self.pos(torch.arange(idx.shape[1])))
         for b in self.blocks:
-            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=self.reentrant)
         logits = self.head(self.ln_f(x))
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-class SelfCheckpointedReentrant(GPT):
+class SelfCheckpointedReentrant(SelfCheckpointed):
     """The same with the reentrant form (an autograd.Function running each block under
     no_grad, its gradient from its own backward): traced as a plain call of the block."""
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.drop(self.tok(idx) + self.pos(torch.arange(idx.shape[1])))
-        for b in self.blocks:
-            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=True)
-        logits = self.head(self.ln_f(x))
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    reentrant = True
 
 
 def _train_failures(spec: str, policy: str = "blocks", make=lambda: GPT(layers=3, dropout=0.1),
