@@ -297,15 +297,16 @@ def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Optio
             sm.decisions.append("recompute in backward, as the model's torch.utils.checkpoint "
                                 f"calls ask: {', '.join(done)}")
         if missed:
-            # export records a module only when it is called (module(x)) outside an
-            # autograd.Function: module.forward(x), and the reentrant checkpoint (a
-            # Function), leave its ops with the caller's module, so no segment is its
+            # export records a module only when it is called (module(x)); the trace turns
+            # both checkpoint forms, and a checkpointed module.forward, into such a call
+            # (passes/checkpoint_calls.py), so this is a module whose ops still land with
+            # its caller's (called some other way inside the checkpointed function)
             warnings.warn(
                 f"shardc.compile: {type(model).__name__} calls torch.utils.checkpoint on "
-                f"{', '.join(missed)}, whose ops the trace does not attribute to it (the "
-                "reentrant form, or module.forward?); these activations are kept. Checkpoint "
-                "the module itself, non-reentrant: checkpoint(self.block, x, "
-                "use_reentrant=False).", ShardcWarning, stacklevel=3)
+                f"{', '.join(missed)}, whose ops the trace does not attribute to it (is it "
+                "called other than as module(x)?); these activations are kept. Checkpoint "
+                "the module itself: checkpoint(self.block, x, use_reentrant=False).",
+                ShardcWarning, stacklevel=3)
     if options.backend != "eager":
         from shardc.backend import build_runner  # noqa: PLC0415 - imports torch's compiler stack
 
