@@ -151,5 +151,11 @@ def as_strided_on_traced_storage(x: torch.Tensor, base_size: list[int], base_str
     off = base_offset if storage_offset is None else storage_offset
     buf = x.new_zeros(max(extent(base_size, base_stride, base_offset), extent(size, stride, off)))
     base = buf.as_strided(base_size, base_stride, base_offset)
-    base.copy_(x)
+    dst, src = base, x
+    for d, (n, s) in enumerate(zip(base_size, base_stride)):
+        if s == 0 and n > 1:  # an expanded dim: one storage element holds all its values
+            dst, src = dst.narrow(d, 0, 1), src.narrow(d, 0, 1)
+    dst.copy_(src)
+    # read through the view that was written (the step program's trace follows a write
+    # through a view to the reads of that view)
     return base.as_strided(size, stride, off)

@@ -670,3 +670,21 @@ def test_a_forward_that_draws_from_numpy_is_warned_and_leaves_the_stream_alone(f
     with warnings.catch_warnings():
         warnings.simplefilter("error", shardc.ShardcWarning)
         shardc.compile(MLPChain(), shardc.Mesh(data=2), _mlp_inputs())
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(4, 3, 8).transpose(0, 1),                   # a permuted view
+    lambda: torch.randn(6, 8)[1:, 2:],                             # an offset into storage
+    lambda: torch.randn(3, 1, 8).expand(3, 4, 8),                  # an expanded (overlapping) view
+])
+def test_as_strided_on_traced_storage_reads_what_the_trace_read(make) -> None:
+    """The runtime's as_strided on a re-laid-out copy (contiguous, as a gather makes it)
+    returns what torch's as_strided returned on the tensor the trace saw."""
+    from shardc.runtime.ops import as_strided_on_traced_storage
+
+    x = make()
+    size, stride = [2, 2, 3], [x.stride(0), 1, x.stride(1) or 1]
+    want = x.as_strided(size, stride)
+    got = as_strided_on_traced_storage(x.contiguous(), list(x.shape), list(x.stride()),
+                                       x.storage_offset(), size, stride, None)
+    assert torch.equal(got, want)
