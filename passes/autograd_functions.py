@@ -32,11 +32,16 @@ class Call:
     args: list[Any] = field(default_factory=list)  # a tensor as (shape, dtype, needs grad)
 
 
+def is_user_file(name: str) -> bool:
+    """Is ``name`` the model's code, not torch's or shardc's?"""
+    return "/torch/" not in name and "/shardc/" not in name and "/passes/" not in name
+
+
 def _user_frame() -> str:
     f = sys._getframe(2)
     while f is not None:
         name = f.f_code.co_filename
-        if "/torch/" not in name and "/shardc/" not in name and "/passes/" not in name:
+        if is_user_file(name):
             return f"{name}:{f.f_lineno}"
         f = f.f_back  # type: ignore[assignment]
     return "?"
@@ -126,6 +131,7 @@ def check_backwards(found: dict[type, Call], model_name: str) -> None:
         # backward that is not the derivative (round's zero against an identity) is off
         # by the gradient itself, 1 relative.
         for wide, tolerance in ((True, 1e-6), (False, 1e-3)):
+            inputs = "float64" if wide else "its own dtype's"
             try:
                 with torch.enable_grad():
                     own = _gradients(cls, call, own=True, wide=wide)
@@ -153,7 +159,7 @@ def check_backwards(found: dict[type, Call], model_name: str) -> None:
             raise ShardcError(
                 f"shardc.compile: {model_name} calls the torch.autograd.Function {name} at "
                 f"{call.where}, whose backward is not the derivative of its forward (they "
-                f"differ by {worst:.2g} relative on random float64 inputs: a straight-through "
+                f"differ by {worst:.2g} relative on random {inputs} inputs: a straight-through "
                 "estimator or a gradient reversal, say). torch.export keeps only the forward, "
                 "so shardc would differentiate the forward's ops and its gradients would "
                 "silently differ from one device's. Write the estimator with detach, which "

@@ -29,8 +29,9 @@ import torch
 
 from shardc.errors import ShardcWarning, TraceError
 from shardc.precision import CastAtUse
-from shardc.passes.autograd_functions import (check_backwards, record_autograd_functions,
-                                              record_gradient_hooks, refuse_gradient_hooks)
+from shardc.passes.autograd_functions import (check_backwards, is_user_file,
+                                              record_autograd_functions, record_gradient_hooks,
+                                              refuse_gradient_hooks)
 from shardc.passes.checkpoint_calls import record_checkpoint_calls, unique
 
 _CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, dict[Any, torch.export.ExportedProgram]]" = \
@@ -301,7 +302,7 @@ def _explain_trace_failure(model: torch.nn.Module, e: Exception) -> str:
         tb = tb.tb_next
     for f in reversed(frames):
         fn = f.f_code.co_filename
-        if "/torch/" not in fn and "/shardc/" not in fn and "/passes/" not in fn:
+        if is_user_file(fn):
             where = f" at {fn}:{f.f_lineno}"
             break
     first = msg[0] if msg else type(e).__name__
