@@ -279,6 +279,15 @@ def test_a_draft_its_own_retrace_contradicts_is_refused_at_compile(fake_world) -
     assert not [w for w in seen if "branches on tensor values" in str(w.message)]
 
 
+def test_value_branch_without_draft_export_is_the_export_error(fake_world, monkeypatch) -> None:
+    """torch < 2.7 has no draft_export: a branch on tensor values stays a TraceError
+    (shardc.compat lists draft_export among the names newer than the floor)."""
+    fake_world(1)
+    monkeypatch.delattr(torch.export, "draft_export", raising=False)
+    with pytest.raises(shardc.TraceError, match=r"could not trace _DataDependent at .*test_compile"):
+        shardc.compile(_DataDependent(), shardc.Mesh(), (torch.randn(4, 4).abs(),))
+
+
 class _AutocastRegion(nn.Module):
     def __init__(self) -> None:
         super().__init__()
