@@ -60,7 +60,9 @@ def target_logit(x: torch.Tensor, target: torch.Tensor, rt: str, axis: str) -> t
     local = target - get_runtime(rt).coord(axis) * classes
     inside = (local >= 0) & (local < classes)
     picked = x.gather(1, local.masked_fill(~inside, 0).unsqueeze(1)).squeeze(1)
-    return picked * inside.to(x.dtype)
+    # a select, not a multiply by the mask: the stand-in class 0 read for rows whose
+    # target is elsewhere may hold -inf (a masked vocabulary), and -inf * 0 is nan
+    return torch.where(inside, picked, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def nll_from_parts(sum_exp: torch.Tensor, shift: torch.Tensor, target_logit: torch.Tensor,

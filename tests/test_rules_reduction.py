@@ -30,6 +30,10 @@ def specs() -> list[S.OpSpec]:
     tgt = torch.randint(0, 6, (8,), generator=g)
     tgt_ign = tgt.clone()
     tgt_ign[[1, 4, 5]] = -100
+    vmask = torch.zeros(8, 6, dtype=torch.bool)
+    vmask[:4, 3:] = True
+    vmask[6:, :3] = True
+    tgt_masked = torch.tensor([0, 2, 1, 0, 4, 3, 5, 4])
     ln = {"weight": S._t((6,), g, 0.5, 1.5), "bias": S._t((6,), g)}
     int_only = {1: ("S", "R")}
     _SPECS = [
@@ -79,6 +83,10 @@ def specs() -> list[S.OpSpec]:
            kinds=int_only),
         Rd("cross_entropy.ignore", lambda m, a, t: F.cross_entropy(a, t), x(8, 6), tgt_ign,
            kinds=int_only),
+        # whole blocks of classes at -inf (a masked vocabulary): on x2 or y2 one rank holds
+        # only -inf in those rows, where shifting by its own max would give nan
+        Rd("cross_entropy.masked_block", lambda m, a, t: F.cross_entropy(a.masked_fill(vmask, float("-inf")), t),
+           x(8, 6), tgt_masked, two=True, kinds=int_only),
     ]
     unused = f
     return _SPECS
