@@ -463,7 +463,12 @@ def run_case_on_rank(case: Case, ref: Reference, rank: int, step_graph: bool = T
             got = torch.zeros_like(want)
         _close(f"grad of parameter {name}", got, want, spec.rtol, spec.atol, errs)
     if errs:
-        raise AssertionError(f"rank {rank}: " + "; ".join(errs))
+        raise CheckFailed(f"rank {rank}: " + "; ".join(errs))
+
+
+class CheckFailed(AssertionError):
+    """A rank's results differ from one device's: raised after every collective of the
+    case has completed, so the other ranks are not left waiting and the world goes on."""
 
 
 # ------------------------------------------------------------- threaded world
@@ -512,6 +517,10 @@ class ThreadedWorld:
                 self.outbox.put((rank, None))
             except SystemExit:
                 self.outbox.put((rank, "aborted"))
+            except CheckFailed as e:
+                # not a failure of the group: telling it (exception_handle) would abort
+                # the threads of ranks that are done, and a slow restart follow
+                self.outbox.put((rank, _short_error(e)))
             except BaseException as e:  # noqa: BLE001
                 msg = "".join(traceback.format_exception_only(type(e), e)).strip()
                 if "Test termination event" in msg:
