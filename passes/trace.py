@@ -306,6 +306,12 @@ def _explain_trace_failure(model: torch.nn.Module, e: Exception) -> str:
             where = f" at {fn}:{f.f_lineno}"
             break
     first = msg[0] if msg else type(e).__name__
+    if "fake tensor in the exported program constant" in str(e):
+        # torch's own words name an internal attribute (lifted_tensor_0), not the cause
+        return (f"shardc.compile: torch.export could not trace {type(model).__name__}: "
+                f"{type(e).__name__}: {first}\nThe usual cause is a tensor's `.data` read in "
+                "forward (e.g. `self.weight.data`): export cannot follow it. `.detach()` "
+                "means the same for reading (the value, no gradient) and traces.")
     return (f"shardc.compile: torch.export could not trace {type(model).__name__}{where}: "
             f"{type(e).__name__}: {first}\nshardc needs a model torch.export can trace "
             "(non-strict; a branch on tensor values is traced on the example inputs' side "

@@ -189,6 +189,23 @@ def test_error_untraceable_model_names_cause_and_line(fake_world) -> None:
         shardc.compile(_NumPy(), shardc.Mesh(), (torch.randn(4, 4),))
 
 
+class _ReadsData(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.lin.weight.data.t() + self.lin(x)).sum()
+
+
+def test_error_data_in_forward_names_it_and_the_fix(fake_world) -> None:
+    """export's own message names a lifted constant; ours names `.data` and `.detach()`."""
+    fake_world(1)
+    with pytest.raises(shardc.TraceError, match=r"could not trace _ReadsData(.|\n)*`\.data` read "
+                                                r"in forward(.|\n)*`\.detach\(\)`"):
+        shardc.compile(_ReadsData(), shardc.Mesh(), (torch.randn(4, 4),))
+
+
 class _RoundSTE(torch.autograd.Function):
     """A straight-through estimator: round's value, the identity's gradient."""
 
