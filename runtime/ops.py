@@ -53,6 +53,20 @@ def sum_exp_shifted(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return torch.exp(x - shift.unsqueeze(1)).sum(dim=1)
 
 
+def take_by_aranges(x: torch.Tensor, first: int, positions: list[int], width: int) -> torch.Tensor:
+    """``x[..., arange(n0) at positions[0], arange(n1) at positions[1], ...]`` on this
+    rank's piece: the indexed dims ``first, first+1, ...`` moved to ``first + positions[j]``
+    among ``width`` dims, the rest of size 1 (``passes/rules/view.py: _by_aranges``). Each
+    dim keeps its local length, so a cut dim stays cut. A copy, as indexing returns."""
+    n = len(positions)
+    order = sorted(range(n), key=positions.__getitem__)
+    perm = list(range(first)) + [first + j for j in order] + list(range(first + n, x.dim()))
+    shape = list(x.shape[:first]) + [1] * width + list(x.shape[first + n:])
+    for j, k in enumerate(positions):
+        shape[first + k] = x.shape[first + j]
+    return x.permute(perm).reshape(shape).clone(memory_format=torch.contiguous_format)
+
+
 def target_logit(x: torch.Tensor, target: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
     """The logit of each row's target class if this rank holds that class, else 0: a
     partial sum over ``axis``."""

@@ -158,6 +158,32 @@ _CLIP = _hf_loss("CLIPConfig", "CLIPModel", ("input_ids", "pixel_values"), proje
                                     intermediate_size=64, image_size=16, patch_size=4))
 
 
+# The usual training batch: right padding, attention_mask 0 there, labels -100 there.
+# transformers builds the 4-D attention mask by indexing the padding mask with aranges of
+# the batch and of the keys (masking_utils); run whole, that gathered the batch-cut mask
+_PAD_KEYS = ("input_ids", "attention_mask", "labels")
+_LLAMA_PADDED = _hf_loss("LlamaConfig", "LlamaForCausalLM", _PAD_KEYS, vocab_size=64, hidden_size=32,
+                         num_hidden_layers=2, intermediate_size=64, num_attention_heads=8,
+                         max_position_embeddings=16, pad_token_id=0, use_cache=False)
+_BERT_PADDED = _hf_loss("BertConfig", "BertForSequenceClassification", _PAD_KEYS, vocab_size=64,
+                        hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=32, num_labels=3)
+
+
+def _padded(make, classes: int | None = None):
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(3):
+        ids = torch.randint(3, 64, (8, 16), generator=g)
+        lengths = torch.randint(8, 17, (8,), generator=g)
+        mask = torch.arange(16)[None] < lengths[:, None]
+        ids = ids.masked_fill(~mask, 0)
+        labels = (ids.masked_fill(~mask, -100) if classes is None
+                  else torch.randint(0, classes, (8,), generator=g))
+        batches.append((ids, mask.long(), labels))
+    return make, batches
+
+
 # ViT-MAE's pretraining: each step masks a random half of the patches (torch.rand inside
 # forward) and gathers the kept ones by index. With reshard_after_forward the gather of
 # those patches, computed from the batch alone, was taken for a weight's and copied into
@@ -389,7 +415,9 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "vit-mae-reshard": (_pixels, "x2y1z1d2", {"reshard_after_forward": True}),
           "xlm": (lambda: _tokens(_XLM), "x2y1z1d2"),
           "fnet": (lambda: _tokens(_FNET), "x1y1z2d2"),
-          "longformer": (lambda: _tokens(_LONGFORMER), "x2y1z1d2")}
+          "longformer": (lambda: _tokens(_LONGFORMER), "x2y1z1d2"),
+          "llama-padded": (lambda: _padded(_LLAMA_PADDED), "x1y1z2d2"),
+          "bert-padded": (lambda: _padded(_BERT_PADDED, classes=3), "x2y1z1d2")}
 
 
 def _gathers_nothing(f) -> bool:

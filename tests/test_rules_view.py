@@ -101,6 +101,20 @@ def specs() -> list[S.OpSpec]:
         V("index.per_row", lambda m, a, i: a[torch.arange(4), i], x(4, 6), idx(4, hi=6), two=True),
         V("index.per_row_3d", lambda m, a, i: a[torch.arange(a.shape[0]), i], x(4, 6, 2),
           idx(4, hi=6)),
+        # every index an arange of its whole dim, reshaped apart: transformers' attention
+        # masks (padding_mask[b_arange[:, None, None, None], kv_arange[None, None, None, :]]),
+        # a copy of x with its dims spread out, each keeping its cut; swapped, a transpose
+        V("index.aranges_mask", lambda m, a: a[torch.arange(4)[:, None, None, None],
+                                               (torch.arange(6) + 0)[None, None, None, :]],
+          x(4, 6), two=True),
+        V("index.aranges_swapped", lambda m, a: a[torch.arange(4)[None, :], torch.arange(6)[:, None]],
+          x(4, 6), two=True),
+        V("index.aranges_after_slice", lambda m, a: a[:, torch.arange(6)[:, None], torch.arange(2)],
+          x(4, 6, 2)),
+        # ... and what is not that: a diagonal, an arange of part of its dim (run whole)
+        V("index.aranges_diagonal", lambda m, a: a[torch.arange(4), torch.arange(4)], x(4, 4, 2)),
+        V("index.aranges_short", lambda m, a: a[torch.arange(2)[:, None], torch.arange(6)[None, :]],
+          x(4, 6)),
         V("gather", lambda m, a, i: torch.gather(a, 1, i), x(4, 6), idx(4, 6, hi=6), two=True),
         V("gather.smaller_index", lambda m, a, i: torch.gather(a, 1, i), x(4, 6), idx(4, 2, hi=6)),
         V("gather.dim0", lambda m, a, i: torch.gather(a, 0, i), x(4, 6), idx(2, 6, hi=4)),

@@ -168,6 +168,47 @@ def test_lookups_and_writes_keep_the_cut_either_side_has() -> None:
     assert needs == [Layout.replicate(1), z] and out == z
 
 
+def _index_by_aranges(x_shape: list[int], x_lay: Layout, spans: list[tuple[int, list[int]]],
+                      out_shape: list[int]):
+    """``x[i0, i1, ...]`` where index j is ``arange(n_j)`` unsqueezed at the dims listed:
+    the graph transformers' attention masks trace to."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(x_shape, device="meta")
+    idx = []
+    for n, unsqueeze_at in spans:
+        t = g.call_function(aten.arange.default, (n,))
+        t.meta["val"] = torch.empty([n], dtype=torch.long, device="meta")
+        t = g.call_function(aten.add.Tensor, (t, 0))
+        t.meta["val"] = torch.empty([n], dtype=torch.long, device="meta")
+        shape = [n]
+        for d in unsqueeze_at:
+            t = g.call_function(aten.unsqueeze.default, (t, d))
+            shape.insert(d, 1)
+            t.meta["val"] = torch.empty(shape, dtype=torch.long, device="meta")
+        idx.append(t)
+    node = g.call_function(aten.index.Tensor, (x, idx))
+    node.meta["val"] = torch.empty(out_shape, device="meta")
+    return node, {x: Val(None, x_lay, x.meta["val"])}
+
+
+def test_indexing_by_whole_aranges_keeps_every_cut() -> None:
+    # padding_mask[b[:, None, None, None], kv[None, None, None, :]]: (B, S) -> (B, 1, 1, S)
+    from shardc.passes.rules.view import _by_aranges
+
+    lay = Layout.of(2, {"data": 0, "x": 1})
+    node, vals = _index_by_aranges([4, 6], lay, [(4, [1, 2, 3]), (6, [0, 0, 0])], [4, 1, 1, 6])
+    s = STRATEGIES[aten.index.Tensor](node, vals, MESH)
+    assert s.out == Layout.of(4, {"data": 0, "x": 3}) and s.needs[node.args[0]] == lay
+    # swapped: a transpose, the cuts swap with the dims
+    node, vals = _index_by_aranges([4, 6], lay, [(4, [0]), (6, [1])], [6, 4])
+    assert STRATEGIES[aten.index.Tensor](node, vals, MESH).out == Layout.of(2, {"data": 1, "x": 0})
+    # an arange of part of its dim is a lookup, two along one dim a diagonal: not this
+    # (the fallback runs them whole)
+    assert _by_aranges(*_index_by_aranges([4, 6], lay, [(2, [1]), (6, [0])], [2, 6])) is None
+    assert _by_aranges(*_index_by_aranges([4, 4], lay, [(4, []), (4, [])], [4])) is None
+
+
 def test_value_index_pairs_need_their_dim_whole() -> None:
     x = Layout.of(2, {"data": 0, "x": 1})
     needs, out = _decide(aten.topk.default, [([4, 8], x)], (3, -1), out_shape=[4, 3])

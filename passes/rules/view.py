@@ -481,9 +481,107 @@ def _per_row(node: fx.Node, vals: Mapping[fx.Node, Any]) -> fx.Node | None:
     return pick
 
 
+# ops an index tensor may pass through after ``arange(n)`` and still hold 0..n-1 in order
+# along its one dim longer than 1: the unsqueezes of ``idx[:, None, None]``, views, the
+# ``+ 0`` of an offset that is zero (transformers' kv_arange + kv_offset)
+_ORDER_KEEPING = {aten.unsqueeze.default, aten.view.default, aten.reshape.default,
+                  aten._unsafe_view.default, aten.alias.default, aten.clone.default,
+                  aten.lift_fresh_copy.default, aten.detach.default}
+
+
+def _arange_position(idx: Any, n: int) -> int | None:
+    """The dim of index tensor ``idx`` along which it holds 0, 1, ..., n-1 (every other dim
+    of size 1), if it is ``arange(n)`` reshaped; None otherwise."""
+    if not isinstance(idx, fx.Node) or n < 2:
+        return None
+    val = idx.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point or val.dtype == torch.bool:
+        return None
+    long = [d for d, size in enumerate(val.shape) if size != 1]
+    if len(long) != 1 or val.shape[long[0]] != n:
+        return None
+    t = idx
+    while t.op == "call_function":
+        if t.target in _ORDER_KEEPING or t.target is aten._to_copy.default:
+            t = t.args[0]
+        elif t.target in (aten.add.Tensor, aten.sub.Tensor) and t.args[1] == 0:
+            t = t.args[0]
+        elif t.target is aten.arange.default:
+            return long[0] if t.args[0] == n else None
+        elif t.target in (aten.arange.start, aten.arange.start_step):
+            step = t.args[2] if len(t.args) > 2 else 1
+            return long[0] if (t.args[0], t.args[1], step) == (0, n, 1) else None
+        else:
+            return None
+        if not isinstance(t, fx.Node):
+            return None
+    return None
+
+
+def _by_aranges(node: fx.Node, vals: Mapping[fx.Node, Any]) -> tuple[int, list[int], int] | None:
+    """``x[i0, i1, ...]`` (``aten.index.Tensor``) where every index tensor is ``arange`` of
+    the whole dim it indexes, reshaped to lie along its own dim of the indices' broadcast
+    shape: transformers' attention masks, ``padding_mask[batch_arange[:, None, None, None],
+    kv_arange[None, None, None, :]]``. That is no lookup, only x's dims moved apart by
+    size-1 dims, so each keeps its cut. Returns (first indexed dim, each index's position
+    in the broadcast shape, the broadcast shape's length); None for anything else."""
+    if node.target is not aten.index.Tensor:
+        return None
+    x = vals.get(node.args[0])
+    if not isinstance(x, Val) or x.layout is None:
+        return None
+    idx = list(node.args[1])
+    at = [d for d, i in enumerate(idx) if i is not None]
+    if not at or at != list(range(at[0], at[0] + len(at))):
+        return None  # apart (a slice between them): the broadcast dims go first
+    first = at[0]
+    ranks = [len(idx[d].meta["val"].shape) if isinstance(idx[d], fx.Node) else -1 for d in at]
+    width = max(ranks)
+    positions = []
+    for d, r in zip(at, ranks):
+        k = _arange_position(idx[d], x.shape[d]) if d < x.ndim else None
+        if k is None:
+            return None
+        positions.append(k + width - r)  # broadcasting aligns the index shapes right
+    if len(set(positions)) != len(positions):
+        return None  # two aranges along one dim: a diagonal
+    shape = list(x.shape[:first]) + [1] * width + list(x.shape[first + len(at):])
+    for d, k in zip(at, positions):
+        shape[first + k] = x.shape[d]
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or list(val.shape) != shape:
+        return None
+    return first, positions, width
+
+
+def by_aranges_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    """x as it is (cut, partial); the output's dims are x's, each indexed dim's cut moved
+    to where its arange lies."""
+    found = _by_aranges(node, vals)
+    assert found is not None
+    first, positions, width = found
+    x = vals[node.args[0]]
+    lay = x.layout
+    n = len(positions)
+    dims: list[tuple[str, ...]] = [()] * width
+    il = [1] * width
+    for j, k in enumerate(positions):
+        dims[k], il[k] = lay.dims[first + j], lay.interleave[first + j]
+    out = Layout(x.ndim - n + width, lay.dims[:first] + tuple(dims) + lay.dims[first + n:],
+                 lay.partial, lay.interleave[:first] + tuple(il) + lay.interleave[first + n:])
+    return Strategy({node.args[0]: lay}, out)
+
+
 @register_rule(aten.index_select.default, aten.index.Tensor)
 def index_along_rule(L: Lowering, node: fx.Node) -> Any:
     vals = {a: L.env[a] for a in node.all_input_nodes}
+    if _by_aranges(node, vals) is not None:
+        s = by_aranges_strategy(node, vals, L.mesh)
+        first, positions, width = cast(tuple, _by_aranges(node, vals))
+        x = L.to_layout(L.env[node.args[0]], s.needs[node.args[0]])
+        val = node.meta["val"]
+        out = L.emit(R.take_by_aranges, (x, first, positions, width), layout=s.out, val=val)
+        return Val(out, s.out.clean(L.mesh), val)
     pick = _per_row(node, vals)
     if pick is not None:
         s = per_row_strategy(node, vals, L.mesh)
@@ -521,6 +619,8 @@ def index_along_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh)
     index."""
     if _per_row(node, vals) is not None:
         return per_row_strategy(node, vals, mesh)
+    if _by_aranges(node, vals) is not None:
+        return by_aranges_strategy(node, vals, mesh)
     found = _one_index(node, vals)
     assert found is not None
     d, idx = found
