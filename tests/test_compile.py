@@ -357,6 +357,37 @@ def test_value_branch_is_traced_on_the_examples_side_and_checked(fake_world) -> 
     assert "could not be built (the program checks, each step, a branch" in shardc.explain(sm)
 
 
+class _LabelledRows(nn.Module):
+    """DeBERTa-v2's classification loss: the rows with a label (>= 0), found by nonzero,
+    and a branch on how many there are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.lin(x)
+        rows = (labels >= 0).nonzero()
+        if rows.size(0) > 0:
+            picked = torch.gather(logits, 0, rows.expand(rows.size(0), logits.size(1)))
+            return F.cross_entropy(picked, torch.gather(labels, 0, rows.view(-1)))
+        return logits.sum() * 0
+
+
+@pytest.mark.skipif(not hasattr(torch.export, "draft_export"), reason="torch < 2.7: no draft_export")
+@pytest.mark.filterwarnings("ignore::shardc.ShardcWarning")
+def test_scalar_work_on_data_dependent_sizes_is_not_a_fallback(fake_world) -> None:
+    """The sizes and comparisons draft_export leaves of such a branch (``u0 >= 0``,
+    ``sym_size``) are numbers every rank computes as one device does: sm.fallbacks lists
+    the nonzero, which gathers the batch-cut labels, and not them."""
+    fake_world(2)
+    labels = torch.tensor([0, 2, -100, 1, 1, -100, 0, 2])
+    sm = shardc.compile(_LabelledRows(), shardc.Mesh.parse("x1y1z1d2"), (torch.randn(8, 4), labels))
+    assert [f.op for f in sm.fallbacks if f.gathered] == ["aten.nonzero.default"]
+    assert all(not f.op.startswith("<built-in") and "sym_" not in f.op for f in sm.fallbacks), \
+        sm.fallbacks
+
+
 class _MaskedRows(nn.Module):
     """BART's classification head picks its end-of-sentence rows so: ``h[mask]`` has as
     many rows as the mask has True values, known only when the step runs."""

@@ -162,8 +162,12 @@ def fallback_rule(L: Lowering, node: fx.Node) -> Any:
             gathered.append(f"{a.name} {v.layout}")
         need[a] = rep
     fb = Fallback(str(node.target), L.src.module, L.src.line, gathered)
-    L.fallbacks.append(fb)
     val = node.meta.get("val")
+    if gathered or isinstance(val, (torch.Tensor, list, tuple)):
+        # a number made from numbers or from whole tensors (the size of a nonzero's
+        # result, ``n >= 0`` on it: what draft_export leaves of a branch on values) costs
+        # every rank the same scalar work it costs one device: nothing to report
+        L.fallbacks.append(fb)
     repl = {a: L.to_layout(L.env[a], lay) for a, lay in need.items()}
     args, kwargs = local_args(L, node, repl)
     target = node.target
