@@ -33,6 +33,7 @@ from shardc.passes.autograd_functions import (check_backwards, is_user_file,
                                               record_autograd_functions, record_gradient_hooks,
                                               refuse_gradient_hooks)
 from shardc.passes.checkpoint_calls import record_checkpoint_calls, unique
+from shardc.runtime.ctc import traceable_ctc_loss
 
 _CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, dict[Any, torch.export.ExportedProgram]]" = \
     weakref.WeakKeyDictionary()
@@ -62,7 +63,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
     # same dropout masks as the single-device model seeded identically.
     with torch.random.fork_rng(devices=[]), _host_draws_frozen(model), \
             record_checkpoint_calls(model, found), record_autograd_functions(functions), \
-            record_gradient_hooks(hooks):
+            record_gradient_hooks(hooks), traceable_ctc_loss():
         try:
             root = model if compute == torch.float32 else CastAtUse(model, compute)
             # traced on contiguous copies: export bakes an input's strides into the views

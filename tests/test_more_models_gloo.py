@@ -170,6 +170,27 @@ _BERT_PADDED = _hf_loss("BertConfig", "BertForSequenceClassification", _PAD_KEYS
                         intermediate_size=64, max_position_embeddings=32, num_labels=3)
 
 
+# A speech model's CTC head (HuBERT; Wav2Vec2, WavLM, SEW and Data2VecAudio write it alike):
+# labels padded with -100, concatenated with masked_select, torch's CTC loss. torch.export
+# could not trace aten._ctc_loss (no fake kernel); the trace now sees runtime/ctc.py's op
+_HUBERT_CTC = _hf_loss("HubertConfig", "HubertForCTC", ("input_values", "labels"), vocab_size=16,
+                       hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2),
+                       conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                       num_conv_pos_embedding_groups=4, ctc_loss_reduction="mean", pad_token_id=0,
+                       mask_time_prob=0.0)
+
+
+def _speech(make):
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(3):
+        labels = torch.randint(1, 16, (8, 5), generator=g)
+        labels[1::3, 3:] = -100  # shorter transcripts
+        batches.append((torch.randn(8, 400, generator=g), labels))
+    return make, batches
+
+
 def _padded(make, classes: int | None = None):
     g = torch.Generator().manual_seed(1)
     batches = []
@@ -417,7 +438,8 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "fnet": (lambda: _tokens(_FNET), "x1y1z2d2"),
           "longformer": (lambda: _tokens(_LONGFORMER), "x2y1z1d2"),
           "llama-padded": (lambda: _padded(_LLAMA_PADDED), "x1y1z2d2"),
-          "bert-padded": (lambda: _padded(_BERT_PADDED, classes=3), "x2y1z1d2")}
+          "bert-padded": (lambda: _padded(_BERT_PADDED, classes=3), "x2y1z1d2"),
+          "hubert-ctc": (lambda: _speech(_HUBERT_CTC), "x1y1z2d2")}
 
 
 def _gathers_nothing(f) -> bool:
@@ -426,7 +448,11 @@ def _gathers_nothing(f) -> bool:
 
 # ops a model may run whole on a gathered input without failing its case: as_strided has
 # no sharding rule (the windows it cuts cross the batch-times-heads dim it is cut on)
-_ALLOWED = {"longformer": lambda f: not f.gathered or f.op == "aten.as_strided.default"}
+_ALLOWED = {"longformer": lambda f: not f.gathered or f.op == "aten.as_strided.default",
+            # the transcripts' concatenation (its size is the data's) and the loss over the
+            # gathered (time, batch, classes) log-probabilities run whole
+            "hubert-ctc": lambda f: not f.gathered or f.op in ("aten.masked_select.default",
+                                                               "shardc.ctc_loss.default")}
 
 
 def _all(rank: int, world_size: int) -> None:
