@@ -191,6 +191,20 @@ def _speech(make):
     return make, batches
 
 
+def _ctc_head():
+    """The CTC loss without a branch on values before it: the whole-step program (HuBERT's
+    `labels.max()` check leaves it to autograd's backward) runs the loss's backward op."""
+    from test_ctc import _CTCHead
+
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(3):
+        labels = torch.randint(1, 10, (8, 6), generator=g)
+        labels[1::3, 4:] = -100
+        batches.append((torch.randn(8, 20, 8, generator=g), labels))
+    return _CTCHead, batches
+
+
 def _padded(make, classes: int | None = None):
     g = torch.Generator().manual_seed(1)
     batches = []
@@ -439,7 +453,8 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "longformer": (lambda: _tokens(_LONGFORMER), "x2y1z1d2"),
           "llama-padded": (lambda: _padded(_LLAMA_PADDED), "x1y1z2d2"),
           "bert-padded": (lambda: _padded(_BERT_PADDED, classes=3), "x2y1z1d2"),
-          "hubert-ctc": (lambda: _speech(_HUBERT_CTC), "x1y1z2d2")}
+          "hubert-ctc": (lambda: _speech(_HUBERT_CTC), "x1y1z2d2"),
+          "ctc-head": (_ctc_head, "x2y1z1d2")}
 
 
 def _gathers_nothing(f) -> bool:
@@ -452,7 +467,9 @@ _ALLOWED = {"longformer": lambda f: not f.gathered or f.op == "aten.as_strided.d
             # the transcripts' concatenation (its size is the data's) and the loss over the
             # gathered (time, batch, classes) log-probabilities run whole
             "hubert-ctc": lambda f: not f.gathered or f.op in ("aten.masked_select.default",
-                                                               "shardc.ctc_loss.default")}
+                                                               "shardc.ctc_loss.default"),
+            "ctc-head": lambda f: not f.gathered or f.op in ("aten.masked_select.default",
+                                                             "shardc.ctc_loss.default")}
 
 
 def _all(rank: int, world_size: int) -> None:
