@@ -489,13 +489,20 @@ _ORDER_KEEPING = {aten.unsqueeze.default, aten.view.default, aten.reshape.defaul
                   aten.lift_fresh_copy.default, aten.detach.default}
 
 
+def _static(shape: Any) -> bool:
+    """Every size a plain int: comparing a size known only when the step runs (a
+    ``nonzero``'s) would make torch guard on it, which fails at compile."""
+    return all(type(s) is int for s in shape)
+
+
 def _arange_position(idx: Any, n: int) -> int | None:
     """The dim of index tensor ``idx`` along which it holds 0, 1, ..., n-1 (every other dim
     of size 1), if it is ``arange(n)`` reshaped; None otherwise."""
     if not isinstance(idx, fx.Node) or n < 2:
         return None
     val = idx.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point or val.dtype == torch.bool:
+    if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point or val.dtype == torch.bool \
+            or not _static(val.shape):
         return None
     long = [d for d, size in enumerate(val.shape) if size != 1]
     if len(long) != 1 or val.shape[long[0]] != n:
@@ -528,7 +535,7 @@ def _by_aranges(node: fx.Node, vals: Mapping[fx.Node, Any]) -> tuple[int, list[i
     if node.target is not aten.index.Tensor:
         return None
     x = vals.get(node.args[0])
-    if not isinstance(x, Val) or x.layout is None:
+    if not isinstance(x, Val) or x.layout is None or not _static(x.shape):
         return None
     idx = list(node.args[1])
     at = [d for d, i in enumerate(idx) if i is not None]
@@ -549,7 +556,7 @@ def _by_aranges(node: fx.Node, vals: Mapping[fx.Node, Any]) -> tuple[int, list[i
     for d, k in zip(at, positions):
         shape[first + k] = x.shape[d]
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or list(val.shape) != shape:
+    if not isinstance(val, torch.Tensor) or not _static(val.shape) or list(val.shape) != shape:
         return None
     return first, positions, width
 
