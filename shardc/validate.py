@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import warnings
 import weakref
 from typing import Any, Sequence
@@ -111,9 +112,18 @@ def check_inputs(sm: Any, inputs: tuple, kwargs: dict, flat: list) -> None:
     device = _program_device(sm)
     batch = sm.mesh.size("data") * sm.mesh.size("z")
     for i, (x, (name, gval, lay)) in enumerate(zip(got, traced)):
-        if not isinstance(gval, torch.Tensor):
-            continue
         what = f"ShardedModule: input {i} ({name!r})"
+        if not isinstance(gval, torch.Tensor):
+            if not _same_constant(x, gval):
+                # torch.export specialises a number (or string, flag) argument to the
+                # example's value: the program computes with that one whatever is passed
+                raise ShardcError(
+                    f"{what} is {x!r}, but the program was traced with {gval!r} there, and a "
+                    "number or other non-tensor argument is part of the program (torch.export "
+                    "bakes its value in: the program would compute with "
+                    f"{gval!r}). Pass it as a tensor (torch.tensor({x!r})) to change it from call "
+                    "to call, or compile a program for each value.")
+            continue
         if not isinstance(x, torch.Tensor):
             raise ShardcError(
                 f"{what} is a {type(x).__name__}, but the program was traced with a tensor of "
@@ -139,6 +149,17 @@ def check_inputs(sm: Any, inputs: tuple, kwargs: dict, flat: list) -> None:
                     f"is split over data x z = {batch}). Pass shardc.shard_batch(global_batch, "
                     "mesh) of a global batch shaped like the example; a different shape needs its "
                     "own compile.")
+
+
+def _same_constant(x: Any, traced: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return False
+    if isinstance(x, float) and isinstance(traced, float) and math.isnan(x) and math.isnan(traced):
+        return True
+    try:
+        return x is traced or bool(x == traced)
+    except Exception:  # noqa: BLE001 - an argument that cannot be compared: trust it
+        return True
 
 
 def _dt(dtype: torch.dtype) -> str:

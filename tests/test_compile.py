@@ -206,6 +206,32 @@ def test_error_data_in_forward_names_it_and_the_fix(fake_world) -> None:
         shardc.compile(_ReadsData(), shardc.Mesh(), (torch.randn(4, 4),))
 
 
+class _SumOverCount(nn.Module):
+    """A loss normalised by a count passed in (transformers' ``num_items_in_batch``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, count) -> torch.Tensor:
+        return F.mse_loss(self.lin(x), y, reduction="sum") / count
+
+
+def test_a_number_argument_is_checked_against_the_traced_one(fake_world) -> None:
+    """export bakes a number argument into the program: a call with another number used
+    to compute silently with the example's; it is refused, and a tensor count works."""
+    fake_world(1)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    sm = shardc.compile(_SumOverCount(), shardc.Mesh(), (x, y, 10))
+    sm(x, y, 10)
+    with pytest.raises(shardc.ShardcError, match=r"input 2 \('count'\) is 20, but the program "
+                                                 r"was traced with 10 .*torch\.tensor\(20\)"):
+        sm(x, y, 20)
+    sm = shardc.compile(_SumOverCount(), shardc.Mesh(), (x, y, torch.tensor(10.0)))
+    ten, twenty = (sm(x, y, torch.tensor(c)).item() for c in (10.0, 20.0))
+    assert ten == 2 * twenty
+
+
 class _RoundSTE(torch.autograd.Function):
     """A straight-through estimator: round's value, the identity's gradient."""
 
