@@ -8,8 +8,8 @@ model that trains with CTC. The table never leaves the op: its users read the lo
 alone, whose shape (one per sample, or a scalar) the inputs' shapes give. So while the
 model is traced, ``torch.nn.functional.ctc_loss`` (which ``nn.CTCLoss`` calls) is this
 custom op, whose fake returns that shape, and whose backward is a second custom op that
-runs torch's own CTC backward (autograd through ``F.ctc_loss`` on the saved inputs).
-Both run torch's kernels, so the values are torch's. No rule cuts them: the lowering
+calls torch's CTC backward kernel (``aten._ctc_loss_backward``) with the reduction's
+gradient spelled out. Both run torch's kernels, so the values are torch's. No rule cuts them: the lowering
 runs the loss whole on the gathered log-probabilities, (time, batch, classes) of the
 output layer, which is small beside the model's activations.
 """

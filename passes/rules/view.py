@@ -561,12 +561,11 @@ def _by_aranges(node: fx.Node, vals: Mapping[fx.Node, Any]) -> tuple[int, list[i
     return first, positions, width
 
 
-def by_aranges_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+def by_aranges_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh,
+                        found: tuple[int, list[int], int] | None = None) -> Strategy:
     """x as it is (cut, partial); the output's dims are x's, each indexed dim's cut moved
-    to where its arange lies."""
-    found = _by_aranges(node, vals)
-    assert found is not None
-    first, positions, width = found
+    to where its arange lies. ``found``: ``_by_aranges``'s answer, when the caller has it."""
+    first, positions, width = found or cast(tuple, _by_aranges(node, vals))
     x = vals[node.args[0]]
     lay = x.layout
     n = len(positions)
@@ -582,9 +581,10 @@ def by_aranges_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) 
 @register_rule(aten.index_select.default, aten.index.Tensor)
 def index_along_rule(L: Lowering, node: fx.Node) -> Any:
     vals = {a: L.env[a] for a in node.all_input_nodes}
-    if _by_aranges(node, vals) is not None:
-        s = by_aranges_strategy(node, vals, L.mesh)
-        first, positions, width = cast(tuple, _by_aranges(node, vals))
+    found = _by_aranges(node, vals)
+    if found is not None:
+        s = by_aranges_strategy(node, vals, L.mesh, found)
+        first, positions, width = found
         x = L.to_layout(L.env[node.args[0]], s.needs[node.args[0]])
         val = node.meta["val"]
         out = L.emit(R.take_by_aranges, (x, first, positions, width), layout=s.out, val=val)
@@ -626,8 +626,9 @@ def index_along_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh)
     index."""
     if _per_row(node, vals) is not None:
         return per_row_strategy(node, vals, mesh)
-    if _by_aranges(node, vals) is not None:
-        return by_aranges_strategy(node, vals, mesh)
+    by_aranges = _by_aranges(node, vals)
+    if by_aranges is not None:
+        return by_aranges_strategy(node, vals, mesh, by_aranges)
     found = _one_index(node, vals)
     assert found is not None
     d, idx = found
