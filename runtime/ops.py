@@ -49,10 +49,6 @@ def row_max(x: torch.Tensor) -> torch.Tensor:
     return x.detach().amax(dim=1)
 
 
-def sum_exp_shifted(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    return torch.exp(x - shift.unsqueeze(1)).sum(dim=1)
-
-
 def take_by_aranges(x: torch.Tensor, first: int, positions: list[int], width: int) -> torch.Tensor:
     """``x[..., arange(n0) at positions[0], arange(n1) at positions[1], ...]`` on this
     rank's piece: the indexed dims ``first, first+1, ...`` moved to ``first + positions[j]``
@@ -68,8 +64,8 @@ def take_by_aranges(x: torch.Tensor, first: int, positions: list[int], width: in
 
 
 def target_logit(x: torch.Tensor, target: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
-    """The logit of each row's target class if this rank holds that class, else 0: a
-    partial sum over ``axis``."""
+    """The entry of each row's target class (dim 1) if this rank holds that class, else
+    0: a partial sum over ``axis``. ``target`` has ``x``'s shape without dim 1."""
     classes = x.shape[1]
     local = target - get_runtime(rt).coord(axis) * classes
     inside = (local >= 0) & (local < classes)
@@ -79,19 +75,84 @@ def target_logit(x: torch.Tensor, target: torch.Tensor, rt: str, axis: str) -> t
     return torch.where(inside, picked, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def nll_from_parts(sum_exp: torch.Tensor, shift: torch.Tensor, target_logit: torch.Tensor,
-                   target: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    loss = torch.log(sum_exp) + shift - target_logit
-    return loss.masked_fill(target == ignore_index, 0.0)
+def _per_class(weight: torch.Tensor, ndim: int) -> torch.Tensor:
+    """Class weights shaped to broadcast against logits whose class dim is 1."""
+    return weight.view([1, -1] + [1] * (ndim - 2))
 
 
-def cross_entropy_sum(x: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(x, target, ignore_index=ignore_index, reduction="sum")
+def class_partials(x: torch.Tensor, shift: torch.Tensor, target: torch.Tensor,
+                   weight: torch.Tensor | None, rt: str, axis: str, smoothing: float,
+                   n_classes: int, probs: bool) -> torch.Tensor:
+    """What cross-entropy needs from this rank's classes (dim 1 of ``x``, cut over
+    ``axis``), one value a row each, stacked on a new dim 0: partial sums over ``axis``,
+    so one all-reduce settles them all. ``shift`` is the row's max over every class, so
+    ``xs = x - shift`` is at most 0 and nothing below cancels.
+
+    - always: sum of exp(xs), the log-sum-exp less the shift;
+    - class-index targets: xs at the target class, and with label smoothing the sum of
+      ``weight * xs`` over classes (``weight``: this rank's classes of it);
+    - probability targets (``probs``; smoothing already mixed in here): the sum of
+      ``weight * target`` and of ``weight * target * xs``.
+
+    ``ce_rows`` turns them into each row's loss."""
+    xs = x - shift.unsqueeze(1)
+    parts = [torch.exp(xs).sum(1)]
+    w = None if weight is None else _per_class(weight, x.dim())
+    if probs:
+        t = target if not smoothing else target * (1 - smoothing) + smoothing / n_classes
+        wt = t if w is None else t * w
+        parts += [wt.sum(1), (wt * xs).sum(1)]
+    else:
+        parts.append(target_logit(xs, target, rt, axis))
+        if smoothing:
+            parts.append((xs if w is None else xs * w).sum(1))
+    return torch.stack(parts)
+
+
+def target_weights(target: torch.Tensor, weight: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Each row's class weight ``weight[target]`` (``weight`` whole), 0 where ignored."""
+    ignored = target == ignore_index
+    w = weight.gather(0, target.masked_fill(ignored, 0).flatten()).view(target.shape)
+    return w.masked_fill(ignored, 0)
+
+
+def ce_rows(parts: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+            ignore_index: int, smoothing: float, n_classes: int, probs: bool) -> torch.Tensor:
+    """Each row's cross-entropy, as ``F.cross_entropy(reduction="none")`` gives it, from
+    ``class_partials`` summed over the class axis. ``weight`` is whole here."""
+    log_se = torch.log(parts[0])  # log-sum-exp less the shift
+    if probs:
+        return parts[1] * log_se - parts[2]
+    nll = log_se - parts[1]
+    if weight is not None:
+        nll = nll * target_weights(target, weight, ignore_index)
+    if smoothing:
+        total = n_classes if weight is None else weight.sum()
+        nll = (1 - smoothing) * nll + (smoothing / n_classes) * (total * log_se - parts[2])
+    return nll.masked_fill(target == ignore_index, 0.0)
+
+
+def cross_entropy_sum(x: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                      weight: torch.Tensor | None = None, smoothing: float = 0.0) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(x, target, weight=weight, ignore_index=ignore_index,
+                                             reduction="sum", label_smoothing=smoothing)
 
 
 def valid_count(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """Number of targets that count towards a mean loss, as a float tensor."""
     return (target != ignore_index).sum().to(torch.float32)
+
+
+def target_weight_total(target: torch.Tensor, weight: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """What a mean cross-entropy with class weights divides by (on this rank's rows): the
+    sum of the counted targets' weights."""
+    return target_weights(target, weight, ignore_index).sum()
+
+
+def mean_of_rows(local_sum: torch.Tensor, rows: int, shards: int) -> torch.Tensor:
+    """``local_sum * shards / rows`` for a mean over a known number of rows (probability
+    targets count every row): averaging this over the batch shards gives the mean."""
+    return local_sum * (shards / rows)
 
 
 def mean_over_shards(local_sum: torch.Tensor, global_count: torch.Tensor, shards: int) -> torch.Tensor:

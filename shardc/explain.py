@@ -67,7 +67,7 @@ def _format(n: fx.Node) -> str:
                 args.append(f"send={str(n.kwargs['dtype']).replace('torch.', '')}, "
                             f"reduce={str(red).replace('torch.', '')}")
         body = ", ".join(args)
-    elif t is R.vocab_parallel_embedding or t is R.target_logit:
+    elif t is R.vocab_parallel_embedding:
         body = f"{_arg(n.args[0])}, {_arg(n.args[1])}, axis={n.args[3]}"
     elif t is R.global_dropout or t is R.global_bernoulli:
         body = f"{_arg(n.args[0])}, p={n.args[1]:g}"

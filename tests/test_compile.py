@@ -414,6 +414,40 @@ def test_scalar_work_on_data_dependent_sizes_is_not_a_fallback(fake_world) -> No
         sm.fallbacks
 
 
+class _EveryCrossEntropy(nn.Module):
+    """``F.cross_entropy`` as segmentation and sequence code calls it: classes on dim 1 of
+    (N, C, H, W) and of (N, C, L), with class weights, label smoothing, ignored pixels and
+    probability targets (mixup's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 1)
+        self.seq = nn.Linear(4, 8)
+        self.register_buffer("w", torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, img: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor,
+                soft: torch.Tensor) -> torch.Tensor:
+        seg = F.cross_entropy(self.conv(img), mask, weight=self.w, label_smoothing=0.1,
+                              ignore_index=255)
+        logits = self.seq(tokens).transpose(1, 2)  # (N, L, C) -> (N, C, L)
+        return (seg + F.cross_entropy(logits, soft.transpose(1, 2), label_smoothing=0.05)
+                + F.cross_entropy(logits, mask[:, 0], ignore_index=255, reduction="sum"))
+
+
+@pytest.mark.parametrize("spec", ["x1y1z1d4", "x2y1z1d2"])
+def test_every_cross_entropy_form_keeps_the_batch_on_its_rank(fake_world, spec: str) -> None:
+    """Each of these once ran whole on every rank, the batch (and on x the classes)
+    gathered: numerics of the forms are the rule sweep's (tests/test_rules_reduction.py)."""
+    fake_world(4)
+    mask = torch.randint(0, 8, (8, 4, 4))
+    mask[0, :2] = 255
+    batch = (torch.randn(8, 3, 4, 4), mask, torch.randn(8, 4, 4),
+             torch.softmax(torch.randn(8, 4, 8), -1))
+    sm = shardc.compile(_EveryCrossEntropy(), shardc.Mesh.parse(spec), batch)
+    assert sm.fallbacks == []
+    assert not [r for r in shardc.comm_report(sm).rows if r.collective == "all_gather"]
+
+
 class _MaskedRows(nn.Module):
     """BART's classification head picks its end-of-sentence rows so: ``h[mask]`` has as
     many rows as the mask has True values, known only when the step runs."""

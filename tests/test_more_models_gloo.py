@@ -339,6 +339,36 @@ class ResNet(torch.nn.Module):
         return self.m(pixel_values=pixels, labels=labels).loss
 
 
+class SegNet(torch.nn.Module):
+    """Per-pixel classes, as segmentation trains: ``F.cross_entropy`` over the class dim 1
+    of (N, C, H, W) logits with class weights, label smoothing and an ignored label, plus
+    a mixup-style term against probability targets of the same shape. The head is a
+    linear layer over each pixel's features (SegFormer's decoder), so x cuts the classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.head = torch.nn.Linear(16, 8)
+        self.register_buffer("w", torch.linspace(0.5, 2.0, 8))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.c1(x)).permute(0, 2, 3, 1)  # (N, H, W, features)
+        logits = self.head(h).permute(0, 3, 1, 2)
+        return (F.cross_entropy(logits, mask, weight=self.w, label_smoothing=0.1, ignore_index=255)
+                + 0.5 * F.cross_entropy(logits, soft))
+
+
+def _segmentation():
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(3):
+        mask = torch.randint(0, 8, (8, 6, 6), generator=g)
+        mask[:, :2, :3] = 255  # unlabelled pixels
+        soft = torch.softmax(torch.randn(8, 8, 6, 6, generator=g), 1)
+        batches.append((torch.randn(8, 3, 6, 6, generator=g), mask, soft))
+    return SegNet, batches
+
+
 class LSTMNet(torch.nn.Module):
     """Two LSTM layers (export unrolls them: the gates of each step are one GEMM's output
     chunked in four) between an embedding and a head."""
@@ -454,7 +484,8 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "llama-padded": (lambda: _padded(_LLAMA_PADDED), "x1y1z2d2"),
           "bert-padded": (lambda: _padded(_BERT_PADDED, classes=3), "x2y1z1d2"),
           "hubert-ctc": (lambda: _speech(_HUBERT_CTC), "x1y1z2d2"),
-          "ctc-head": (_ctc_head, "x2y1z1d2")}
+          "ctc-head": (_ctc_head, "x2y1z1d2"),
+          "segmentation": (_segmentation, "x2y1z1d2")}
 
 
 def _gathers_nothing(f) -> bool:

@@ -34,6 +34,13 @@ def specs() -> list[S.OpSpec]:
     vmask[:4, 3:] = True
     vmask[6:, :3] = True
     tgt_masked = torch.tensor([0, 2, 1, 0, 4, 3, 5, 4])
+    tgt3 = torch.randint(0, 6, (4, 3), generator=g)
+    tgt3_ign = tgt3.clone()
+    tgt3_ign[1, 2] = tgt3_ign[3, 0] = -100
+    tgt4 = torch.randint(0, 6, (2, 2, 2), generator=g)
+    cw = S._t((6,), g, 0.5, 1.5).detach()  # class weights, a constant
+    probs = torch.softmax(S._t((8, 6), g), 1).detach()
+    probs3 = torch.softmax(S._t((4, 6, 3), g), 1).detach()
     ln = {"weight": S._t((6,), g, 0.5, 1.5), "bias": S._t((6,), g)}
     int_only = {1: ("S", "R")}
     _SPECS = [
@@ -85,6 +92,30 @@ def specs() -> list[S.OpSpec]:
            kinds=int_only),
         # whole blocks of classes at -inf (a masked vocabulary): on x2 or y2 one rank holds
         # only -inf in those rows, where shifting by its own max would give nan
+        # classes on dim 1 of a sequence or image batch, weights, label smoothing and
+        # probability targets: each once ran whole on a gathered batch
+        Rd("cross_entropy.ncl", lambda m, a, t: F.cross_entropy(a, t), x(4, 6, 3), tgt3, two=True,
+           kinds=int_only),
+        Rd("cross_entropy.nchw.none", lambda m, a, t: F.cross_entropy(a, t, reduction="none"),
+           x(2, 6, 2, 2), tgt4, kinds=int_only),
+        Rd("cross_entropy.smooth", lambda m, a, t: F.cross_entropy(a, t, label_smoothing=0.2),
+           x(8, 6), tgt_ign, two=True, kinds=int_only),
+        Rd("cross_entropy.smooth.none", lambda m, a, t: F.cross_entropy(a, t, reduction="none",
+                                                                         label_smoothing=0.2),
+           x(8, 6), tgt_ign, kinds=int_only),
+        Rd("cross_entropy.weight", lambda m, a, t: F.cross_entropy(a, t, weight=cw), x(8, 6), tgt_ign,
+           two=True, kinds=int_only),
+        Rd("cross_entropy.weight.sum", lambda m, a, t: F.cross_entropy(a, t, weight=cw, reduction="sum"),
+           x(8, 6), tgt, kinds=int_only),
+        Rd("cross_entropy.weight_smooth.ncl",
+           lambda m, a, t: F.cross_entropy(a, t, weight=cw, label_smoothing=0.1), x(4, 6, 3), tgt3_ign,
+           two=True, kinds=int_only),
+        Rd("cross_entropy.probs", lambda m, a, p: F.cross_entropy(a, p), x(8, 6), probs, two=True),
+        Rd("cross_entropy.probs.smooth_weight.none",
+           lambda m, a, p: F.cross_entropy(a, p, weight=cw, label_smoothing=0.1, reduction="none"),
+           x(8, 6), probs),
+        Rd("cross_entropy.probs.ncl.sum", lambda m, a, p: F.cross_entropy(a, p, reduction="sum"),
+           x(4, 6, 3), probs3),
         Rd("cross_entropy.masked_block", lambda m, a, t: F.cross_entropy(a.masked_fill(vmask, float("-inf")), t),
            x(8, 6), tgt_masked, two=True, kinds=int_only),
     ]

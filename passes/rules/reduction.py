@@ -233,67 +233,95 @@ def batch_norm_rule(L: Lowering, node: fx.Node) -> Any:
 # ------------------------------------------------------------------------- losses
 @register_rule(aten.cross_entropy_loss.default)
 def cross_entropy_rule(L: Lowering, node: fx.Node) -> Any:
+    """``F.cross_entropy`` in every form torch takes: classes on dim 1 of a tensor of any
+    rank (``(N, C)``, ``(N, C, L)`` for sequences, ``(N, C, H, W)`` for segmentation),
+    class-index or probability targets, class weights, label smoothing and
+    ``ignore_index``. The other dims keep their cuts (the batch stays on its rank).
+    Classes cut over one axis are Megatron's vocabulary-parallel form: a max and one
+    stacked sum over that axis, never the logits (``runtime/ops.py: class_partials``)."""
     x, tgt = L.env[node.args[0]], L.env[node.args[1]]
-    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
-    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
-    ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
-    smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
+
+    def arg(i: int, name: str, default: Any) -> Any:
+        return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+    weight = arg(2, "weight", None)
+    reduction = arg(3, "reduction", 1)
+    ignore = arg(4, "ignore_index", -100)
+    smoothing = float(arg(5, "label_smoothing", 0.0))
     val = node.meta["val"]
     mesh = L.mesh
-    if weight is not None or smoothing or x.ndim != 2 or tgt.ndim != 1:
-        return fallback_rule(L, node)
+    if x.layout is None or tgt.layout is None:
+        return materialise_then(L, node)
+    probs = tgt.val.dtype.is_floating_point
+    if x.ndim < 2 or tgt.ndim != (x.ndim if probs else x.ndim - 1):
+        return fallback_rule(L, node)  # unbatched (classes on dim 0): rare, left whole
     xl = no_partial(x.layout.clean(mesh))
-    rows = xl.dims[0]
     cls = xl.dims[1]
     if len(cls) > 1 or xl.interleave[1] != 1:
         xl = replicate_dims(xl, [1])
         cls = ()
-    tl = Layout(1, (rows,), (), (xl.interleave[0],))
+    others = [d for d in range(x.ndim) if d != 1]
+    vec = Layout(x.ndim - 1, tuple(xl.dims[d] for d in others), (),
+                 tuple(xl.interleave[d] for d in others))
+    rows = [a for d in others for a in xl.dims[d]]  # the axes that cut the rows
     xn = L.to_layout(x, xl)
-    tn = L.to_layout(tgt, tl)
-    n_rows = x.shape[0]
-    vec_val = torch.empty([n_rows], device="meta", dtype=x.val.dtype)
-    vec = Layout(1, (rows,))
-    if cls:
-        c = cls[0]
-        L.decisions.append(f"{L.src.module or node.name}: vocabulary-parallel cross-entropy over {c} "
-                           f"(2 all-reduces, of {n_rows} and 2 x {n_rows} values, never the logits)")
-        mx = L.emit(R.row_max, (xn,), layout=vec.with_partial(c, "max"), val=vec_val)
-        mx = L._all_reduce(mx, vec.with_partial(c, "max"), c, "max", vec_val)
-        se = L.emit(R.sum_exp_shifted, (xn, mx), layout=vec.with_partial(c, "sum"), val=vec_val)
-        tlg = L.emit(R.target_logit, (xn, tn, L.rt, c), layout=vec.with_partial(c, "sum"), val=vec_val)
-        # both sums in one all-reduce: one collective's fixed cost (and one wait every
-        # rank stands still for) less per step; each entry is the same sum over the ranks
-        pair_val = torch.empty([2, n_rows], device="meta", dtype=x.val.dtype)
-        pair = Layout(2, ((), rows)).with_partial(c, "sum")
-        both = L.emit(aten.stack.default, ([se, tlg],), layout=pair, val=pair_val)
-        both = L._all_reduce(both, pair, c, "sum", pair_val)
-        se = L.emit(aten.select.int, (both, 0, 0), layout=vec, val=vec_val)
-        tlg = L.emit(aten.select.int, (both, 0, 1), layout=vec, val=vec_val)
-        per_row = L.emit(R.nll_from_parts, (se, mx, tlg, tn, ignore), layout=vec, val=vec_val)
-        if reduction == 0:
-            return Val(per_row, vec.clean(mesh), val)
-        total = L.emit(aten.sum.default, (per_row,), layout=Layout(0), val=val)
-    else:
-        if reduction == 0:
-            return emit_like(L, node, {node.args[0]: xl, node.args[1]: tl}, vec)
-        total = L.emit(R.cross_entropy_sum, (xn, tn, ignore), layout=Layout(0), val=val)
+    tn = L.to_layout(tgt, xl if probs else vec)
+    wv = L.env[weight] if weight is not None else None
+    w_whole = L.to_layout(wv, Layout(1)) if wv is not None else None
+    n_classes = x.shape[1]
+    vec_val = torch.empty(x.shape[:1] + x.shape[2:], device="meta", dtype=x.val.dtype)
     part = Layout(0)
     for a in rows:
         part = part.with_partial(a, "sum")
-    total.meta[PLACEMENT] = part.clean(mesh)
+    if cls:
+        c = cls[0]
+        k = 3 if probs or smoothing else 2
+        L.decisions.append(f"{L.src.module or node.name}: vocabulary-parallel cross-entropy over {c} "
+                           f"(2 all-reduces, of {vec_val.numel()} and {k} x {vec_val.numel()} "
+                           f"values, never the logits)")
+        mx = L.emit(R.row_max, (xn,), layout=vec.with_partial(c, "max"), val=vec_val)
+        mx = L._all_reduce(mx, vec.with_partial(c, "max"), c, "max", vec_val)
+        # this rank's classes of the weights, for sums over classes
+        w_cut = (L.to_layout(wv, Layout(1, (cls,)))
+                 if wv is not None and (probs or smoothing) else None)
+        stack_val = torch.empty([k, *vec_val.shape], device="meta", dtype=x.val.dtype)
+        stack = Layout(vec.ndim + 1, ((),) + vec.dims, (), (1,) + vec.interleave)
+        # every per-row sum in one all-reduce: one collective's fixed cost (and one wait
+        # every rank stands still for) less per step for each one folded in
+        sums = L.emit(R.class_partials, (xn, mx, tn, w_cut, L.rt, c, smoothing, n_classes, probs),
+                      layout=stack.with_partial(c, "sum"), val=stack_val)
+        sums = L._all_reduce(sums, stack.with_partial(c, "sum"), c, "sum", stack_val)
+        per_row = L.emit(R.ce_rows, (sums, tn, None if probs else w_whole, ignore, smoothing,
+                                     n_classes, probs), layout=vec, val=vec_val)
+        if reduction == 0:
+            return Val(per_row, vec.clean(mesh), val)
+        total = L.emit(aten.sum.default, (per_row,), layout=part, val=val)
+    else:
+        if reduction == 0:
+            need = {node.args[0]: xl, node.args[1]: xl if probs else vec}
+            if weight is not None:
+                need[weight] = Layout(1)
+            return emit_like(L, node, need, vec)
+        total = L.emit(R.cross_entropy_sum, (xn, tn, ignore, w_whole, smoothing), layout=part, val=val)
     if reduction == 2:
         return Val(total, part.clean(mesh), val)
-    # mean: divide by the number of counted targets over the whole batch
-    cnt_val = torch.empty([], device="meta", dtype=torch.float32)
-    cnt = L.emit(R.valid_count, (tn, ignore), layout=part, val=cnt_val)
-    lay = part
-    for a in rows:
-        cnt = L._all_reduce(cnt, lay, a, "sum", cnt_val)
-        lay = lay.with_replicated(a)
     shards = math.prod(mesh.size(a) for a in rows) if rows else 1
     avg = Layout(0)
     for a in rows:
         avg = avg.with_partial(a, "avg")
+    if probs:  # every row counts: a mean over a number known now
+        n = L.emit(R.mean_of_rows, (total, vec_val.numel(), shards), layout=avg, val=val)
+        return Val(n, avg.clean(mesh), val)
+    # mean: divide by the counted targets (their weights) over the whole batch
+    if wv is None:
+        cnt_val = torch.empty([], device="meta", dtype=torch.float32)
+        cnt = L.emit(R.valid_count, (tn, ignore), layout=part, val=cnt_val)
+    else:
+        cnt_val = torch.empty([], device="meta", dtype=wv.val.dtype)
+        cnt = L.emit(R.target_weight_total, (tn, w_whole, ignore), layout=part, val=cnt_val)
+    lay = part
+    for a in rows:
+        cnt = L._all_reduce(cnt, lay, a, "sum", cnt_val)
+        lay = lay.with_replicated(a)
     n = L.emit(R.mean_over_shards, (total, cnt, shards), layout=avg, val=val)
     return Val(n, avg.clean(mesh), val)
