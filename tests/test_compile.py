@@ -448,6 +448,36 @@ def test_every_cross_entropy_form_keeps_the_batch_on_its_rank(fake_world, spec: 
     assert not [r for r in shardc.comm_report(sm).rows if r.collective == "all_gather"]
 
 
+class _PerSample(nn.Module):
+    """Ops that work within each sample, written as user code writes them: a hand-made
+    norm's ``var``/``var_mean``, ``cumprod`` along the sequence, ``scatter_add`` of
+    messages into their slots, ``F.unfold``'s patches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, img: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        var, mean = torch.var_mean(h, -1, keepdim=True)
+        h = (h - mean) / (var + 1e-5).sqrt() + h.std(-1, keepdim=True)
+        gated = torch.cumprod(torch.sigmoid(h), 1)
+        pooled = torch.zeros_like(h).scatter_add(-1, slots, gated)
+        patches = F.unfold(self.conv(img), 2, stride=2)
+        return pooled.pow(2).mean() + patches.pow(2).mean()
+
+
+@pytest.mark.parametrize("spec", ["x1y1z1d4", "x2y1z1d2"])
+def test_per_sample_ops_keep_the_batch_on_its_rank(fake_world, spec: str) -> None:
+    """Each ran whole on every rank with the batch gathered; numerics are the rule
+    sweep's (tests/test_rules_view.py, tests/test_rules_reduction.py)."""
+    fake_world(4)
+    batch = (torch.randn(8, 6, 16), torch.randn(8, 3, 8, 8), torch.randint(0, 16, (8, 6, 16)))
+    sm = shardc.compile(_PerSample(), shardc.Mesh.parse(spec), batch)
+    assert [f for f in sm.fallbacks if f.gathered] == []
+
+
 class _MaskedRows(nn.Module):
     """BART's classification head picks its end-of-sentence rows so: ``h[mask]`` has as
     many rows as the mask has True values, known only when the step runs."""

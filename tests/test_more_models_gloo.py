@@ -369,6 +369,35 @@ def _segmentation():
     return SegNet, batches
 
 
+class PerSample(torch.nn.Module):
+    """Ops that work within each sample as user code writes them: a hand-made norm's
+    ``var_mean`` and ``std``, ``cumprod`` along the sequence, ``scatter_add`` of values
+    into slots, and ``F.unfold``'s patches of a feature map."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, img: torch.Tensor, slots: torch.Tensor,
+                y: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        var, mean = torch.var_mean(h, -1, keepdim=True)
+        h = (h - mean) / (var + 1e-5).sqrt() * h.std(-1, keepdim=True)
+        gated = torch.cumprod(torch.sigmoid(h), 1)
+        pooled = torch.zeros_like(h).scatter_add(-1, slots, gated)
+        patches = F.unfold(self.conv(img), 2, stride=2)  # (N, 4 * 2 * 2, 16)
+        return F.cross_entropy(self.head(pooled.mean(1) + patches.mean(1)), y)
+
+
+def _per_sample():
+    g = torch.Generator().manual_seed(1)
+    return PerSample, [(torch.randn(8, 6, 16, generator=g), torch.randn(8, 3, 8, 8, generator=g),
+                        torch.randint(0, 16, (8, 6, 16), generator=g),
+                        torch.randint(0, 4, (8,), generator=g)) for _ in range(3)]
+
+
 class LSTMNet(torch.nn.Module):
     """Two LSTM layers (export unrolls them: the gates of each step are one GEMM's output
     chunked in four) between an embedding and a head."""
@@ -485,7 +514,8 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "bert-padded": (lambda: _padded(_BERT_PADDED, classes=3), "x2y1z1d2"),
           "hubert-ctc": (lambda: _speech(_HUBERT_CTC), "x1y1z2d2"),
           "ctc-head": (_ctc_head, "x2y1z1d2"),
-          "segmentation": (_segmentation, "x2y1z1d2")}
+          "segmentation": (_segmentation, "x2y1z1d2"),
+          "per-sample": (_per_sample, "x1y1z1d4")}
 
 
 def _gathers_nothing(f) -> bool:

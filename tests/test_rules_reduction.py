@@ -1,4 +1,4 @@
-"""Rule sweep, reductions: sum/mean/amax/amin, argmax/argmin, vector norms, softmax/log_softmax, cumsum, layer_norm,
+"""Rule sweep, reductions: sum/mean/amax/amin, argmax/argmin, vector norms, softmax/log_softmax, cumsum, cumprod, var/std (and var_mean), layer_norm,
 cross_entropy. See ``rules_sweep.py``."""
 from __future__ import annotations
 
@@ -76,6 +76,12 @@ def specs() -> list[S.OpSpec]:
         Rd("_log_softmax", lambda m, a: aten._log_softmax.default(a, 0, False), x(4, 6)),
         Rd("cumsum", lambda m, a: torch.cumsum(a, 1), x(4, 6)),
         Rd("cumsum.dim0", lambda m, a: torch.cumsum(a, 0), x(4, 6)),
+        Rd("cumprod", lambda m, a: torch.cumprod(a, 1), x(4, 6), two=True),
+        Rd("var.last", lambda m, a: a.var(-1), x(4, 6), two=True),
+        Rd("var.dim0_keepdim", lambda m, a: a.var(0, keepdim=True, correction=0), x(4, 6)),
+        Rd("std.all", lambda m, a: a.std() * a, x(4, 6)),
+        Rd("var_mean", lambda m, a: torch.var_mean(a, -1, keepdim=True), x(4, 3, 6), two=True),
+        Rd("std_mean.dims", lambda m, a: torch.std_mean(a, (1, 2), correction=0), x(4, 3, 6)),
         Rd("layer_norm", lambda m, a: F.layer_norm(a, (6,), m.weight, m.bias), x(4, 6), two=True,
            params=ln),
         Rd("layer_norm.3d", lambda m, a: F.layer_norm(a, (6,), m.weight, m.bias), x(4, 2, 6),

@@ -1,6 +1,6 @@
 """Rule sweep, shape family: view/reshape/flatten/unflatten/expand/squeeze/unsqueeze,
 repeat, permute/transpose/t, split/chunk/unbind, cat/stack, slice/select/narrow, flip/roll, pad, Fourier transforms and complex views,
-index_select and x[index] along one dim, x[arange(n), index], gather, slice/select_scatter, masked writes (``x[mask] = v``), copy, and (values, indices)
+index_select and x[index] along one dim, x[i, j] by several index tensors, x[arange(n), index], gather, scatter, slice/select_scatter, masked writes (``x[mask] = v``), copy, and (values, indices)
 ops along one dim (topk, sort, max/min over a dim, kthvalue, median, cummax).
 See ``rules_sweep.py``."""
 from __future__ import annotations
@@ -115,9 +115,30 @@ def specs() -> list[S.OpSpec]:
         V("index.aranges_diagonal", lambda m, a: a[torch.arange(4), torch.arange(4)], x(4, 4, 2)),
         V("index.aranges_short", lambda m, a: a[torch.arange(2)[:, None], torch.arange(6)[None, :]],
           x(4, 6)),
+        # several index tensors: the indexed dims whole, the others keep their cuts
+        # (F.unfold's patches; adjacent, apart, and with a cut index)
+        V("index.two_adjacent", lambda m, a, i, j: a[:, i, j], x(4, 6, 3), idx(2, 1, hi=6),
+          idx(1, 3, hi=3), two=True),
+        V("index.two_apart", lambda m, a, i, j: a[i, :, j], x(4, 6, 3), idx(5, hi=4), idx(5, hi=3)),
+        V("index.two_cut_index", lambda m, a, i, j: a[:, i, j], x(4, 6, 2), idx(4, 3, hi=6),
+          idx(4, 3, hi=2)),
+        V("index.unfold", lambda m, a: F.unfold(a, 2, stride=2), x(2, 2, 4, 4), two=True),
         V("gather", lambda m, a, i: torch.gather(a, 1, i), x(4, 6), idx(4, 6, hi=6), two=True),
         V("gather.smaller_index", lambda m, a, i: torch.gather(a, 1, i), x(4, 6), idx(4, 2, hi=6)),
         V("gather.dim0", lambda m, a, i: torch.gather(a, 0, i), x(4, 6), idx(2, 6, hi=4)),
+        # writes along a dim: the other dims meet at the same coordinates in all three
+        V("scatter_add", lambda m, a, s_, i: torch.scatter_add(a, 1, i, s_), x(4, 6), x(4, 6),
+          idx(4, 6, hi=6), two=True),
+        V("scatter_add.dim0_smaller", lambda m, a, s_, i: torch.scatter_add(a, 0, i, s_), x(4, 6),
+          x(2, 6), idx(2, 6, hi=4)),
+        V("scatter.src", lambda m, a, s_, i: torch.scatter(a, 1, i, s_), x(4, 6), x(4, 3),
+          idx(4, 3, hi=6)),
+        V("scatter.value", lambda m, a, i: torch.scatter(a, 1, i, 2.5), x(4, 6), idx(4, 2, hi=6)),
+        V("scatter_reduce.amax", lambda m, a, s_, i: torch.scatter_reduce(a, 1, i, s_, "amax"),
+          x(4, 6), x(4, 6), idx(4, 6, hi=6)),
+        V("scatter_reduce.mean", lambda m, a, s_, i: torch.scatter_reduce(a, 1, i, s_, "mean",
+                                                                          include_self=False),
+          x(4, 6), x(4, 6), idx(4, 6, hi=6), two=True),
         V("slice_scatter", lambda m, a, b: torch.slice_scatter(a, b, 1, 2, 6), x(4, 6), x(4, 4),
           two=True),
         V("slice_scatter.dim0", lambda m, a, b: torch.slice_scatter(a, b, 0, 0, 2), x(4, 6), x(2, 6)),

@@ -15,8 +15,9 @@ from shardc.placement import Layout
 from shardc.runtime import ops as R
 from shardc.passes.lower import Lowering, Val
 from shardc.passes.rules.common import (Strategy, apply_strategy, as_list, aten, drop_dims,
-                                        emit_like, fallback_rule, materialise_then, no_partial,
-                                        register_rule, replicate_dims, strategy)
+                                        emit_like, emit_outputs, fallback_rule, input_vals,
+                                        materialise_then, no_partial, register_rule,
+                                        replicate_dims, strategy)
 
 
 # -------------------------------------------------------------------- reductions
@@ -25,13 +26,21 @@ from shardc.passes.rules.common import (Strategy, apply_strategy, as_list, aten,
 # its dim and keepdim arguments.
 _WHOLE = {aten.amax.default: (1, 2), aten.amin.default: (1, 2), aten.argmax.default: (1, 2),
           aten.argmin.default: (1, 2), aten.linalg_vector_norm.default: (2, 3),
-          aten.max.default: (1, 2), aten.min.default: (1, 2)}  # the last two: every dim
+          aten.max.default: (1, 2), aten.min.default: (1, 2),  # these two: every dim
+          # variance and standard deviation (keepdim is keyword-only: position 9 is never
+          # given); var_mean / std_mean below, which return two tensors
+          aten.var.correction: (1, 9), aten.std.correction: (1, 9),
+          aten.var_mean.correction: (1, 9), aten.std_mean.correction: (1, 9)}
+_PAIRS = (aten.var_mean.correction, aten.std_mean.correction)
 
 
 @register_rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, *_WHOLE)
 def reduce_rule(L: Lowering, node: fx.Node) -> Any:
     if L.env[node.args[0]].layout is None:
-        return materialise_then(L, node)
+        return fallback_rule(L, node) if node.target in _PAIRS else materialise_then(L, node)
+    if node.target in _PAIRS:
+        s = reduce_strategy(node, input_vals(L, node), L.mesh)
+        return emit_outputs(L, node, L.to_layout(L.env[node.args[0]], s.needs[node.args[0]]), s.out)
     return apply_strategy(L, node, reduce_strategy)
 
 
@@ -39,11 +48,14 @@ def reduce_rule(L: Lowering, node: fx.Node) -> Any:
 def reduce_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
     """Sums and means over shards leave partial values; the ``_WHOLE`` reductions (max,
     min, their indices, vector norms: ConvNeXt-V2's global response norm, SwinV2's
-    cosine attention, CLIP's end-of-text position) keep every dim they do not reduce cut
-    as it is, and need only the reduced ones whole. ``dim=None`` reduces every dim (an
-    argmax then indexes the flattened whole tensor)."""
+    cosine attention, CLIP's end-of-text position; variance and standard deviation, a
+    hand-written norm's statistics) keep every dim they do not reduce cut as it is, and
+    need only the reduced ones whole (var_mean's two outputs both so). ``dim=None``
+    reduces every dim (an argmax then indexes the flattened whole tensor)."""
     x = vals[node.args[0]]
     val = node.meta["val"]
+    if isinstance(val, (tuple, list)):  # var_mean, std_mean: two outputs of one shape
+        val = val[0]
     if node.target in (aten.sum.default, aten.mean.default):
         dims, keepdim = list(range(x.ndim)), False
     else:

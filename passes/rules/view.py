@@ -177,6 +177,7 @@ def repeat_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> S
 
 
 @register_rule(aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.cumsum.default,
+               aten.cumprod.default,
                aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
                aten._log_softmax.default, aten.flip.default, aten.roll.default)
 def along_dim_rule(L: Lowering, node: fx.Node) -> Any:
@@ -186,6 +187,7 @@ def along_dim_rule(L: Lowering, node: fx.Node) -> Any:
 
 
 @strategy(aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.cumsum.default,
+          aten.cumprod.default,
           aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
           aten._log_softmax.default, aten.flip.default, aten.roll.default)
 def along_dim_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
@@ -381,15 +383,16 @@ def pad_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Stra
 
 # ------------------------------------------------------------- writes and lookups
 def _shared(pair: list[fx.Node], vals: Mapping[fx.Node, Any], whole: list[int]) -> Layout:
-    """One layout for two same-rank tensors that meet elementwise outside the dims in
+    """One layout for same-rank tensors that meet elementwise outside the dims in
     ``whole`` (which must be whole): the shards of whichever of them is cut on such a dim
-    (the other is then cut to match, which costs nothing when it is whole), with every dim
-    whose sizes differ between the two also whole. Never partial: a partial sum's parts
-    could be looked up or written one by one only if both tensors were partial alike,
-    which is not worth a case of its own."""
-    a, b = (vals[n] for n in pair)
-    skip = set(whole) | {d for d in range(a.ndim) if a.shape[d] != b.shape[d]}
-    lays = [no_partial(replicate_dims(v.layout, sorted(skip))) for v in (a, b)]
+    (the others are then cut to match, which costs nothing when they are whole), with
+    every dim whose sizes differ between them also whole. Never partial: a partial sum's
+    parts could be looked up or written one by one only if all were partial alike, which
+    is not worth a case of its own."""
+    vs = [vals[n] for n in pair]
+    skip = set(whole) | {d for d in range(vs[0].ndim)
+                         if any(v.shape[d] != vs[0].shape[d] for v in vs[1:])}
+    lays = [no_partial(replicate_dims(v.layout, sorted(skip))) for v in vs]
     return next((lay for lay in lays if any(lay.dims)), lays[0])
 
 
@@ -400,6 +403,36 @@ def write_lookup_rule(L: Lowering, node: fx.Node) -> Any:
                for a in pair):  # one of them is a parameter itself (rare): run it whole
         return fallback_rule(L, node)
     return apply_strategy(L, node, write_lookup_strategy)
+
+
+# scatter(self, dim, index, src | value): index[p] says where along ``dim`` of self the
+# entry p of src goes; outside ``dim`` all three meet at the same coordinates
+_SCATTERS = (aten.scatter.src, aten.scatter.value, aten.scatter_add.default,
+             aten.scatter_reduce.two)
+
+
+def _scatter_operands(node: fx.Node) -> list[fx.Node]:
+    return [a for a in (node.args[0], node.args[2], node.args[3] if len(node.args) > 3 else None)
+            if isinstance(a, fx.Node)]
+
+
+@register_rule(*_SCATTERS)
+def scatter_rule(L: Lowering, node: fx.Node) -> Any:
+    if not all(isinstance(L.env[a], Val) and L.env[a].layout is not None
+               and L.env[a].ndim == L.env[node.args[0]].ndim for a in _scatter_operands(node)):
+        return fallback_rule(L, node)
+    return apply_strategy(L, node, scatter_strategy)
+
+
+@strategy(*_SCATTERS)
+def scatter_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    """``scatter`` / ``scatter_add`` / ``scatter_reduce`` along ``dim`` (a graph network's
+    messages summed into their nodes, a one-hot written per row): ``dim`` whole in all
+    three, and every other dim cut alike in all three, as ``gather``'s pair is (a dim
+    whose sizes differ is whole). Each rank writes its own rows."""
+    ops = _scatter_operands(node)
+    lay = _shared(ops, vals, [node.args[1] % vals[node.args[0]].ndim])
+    return Strategy({a: lay for a in ops}, lay)
 
 
 @strategy(aten.gather.default, aten.slice_scatter.default, aten.select_scatter.default)
@@ -596,9 +629,51 @@ def index_along_rule(L: Lowering, node: fx.Node) -> Any:
         i = L.to_layout(L.env[pick], s.needs[pick])
         val = node.meta["val"]
         return Val(L.emit(R.pick_per_row, (x, i), layout=s.out, val=val), s.out.clean(L.mesh), val)
-    if _one_index(node, vals) is None:
+    if _one_index(node, vals) is None and _many_index(node, vals) is None:
         return fallback_rule(L, node)
     return apply_strategy(L, node, index_along_strategy)
+
+
+def _many_index(node: fx.Node, vals: Mapping[fx.Node, Any]) -> list[int] | None:
+    """The dims of ``x[..., i, j, ...]`` (``aten.index.Tensor`` with several integer index
+    tensors, broadcast together: ``F.unfold``'s patches, a gather of (row, column) pairs);
+    None for anything else."""
+    if node.target is not aten.index.Tensor:
+        return None
+    x = vals.get(node.args[0])
+    if not isinstance(x, Val) or x.layout is None:
+        return None
+    at = [d for d, i in enumerate(node.args[1]) if i is not None]
+    if len(at) < 2:
+        return None
+    for d in at:
+        v = vals.get(node.args[1][d])
+        if not isinstance(v, Val) or v.layout is None or v.val.dtype in (torch.bool, torch.uint8):
+            return None
+    return at
+
+
+def many_index_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], at: list[int]) -> Strategy:
+    """``x[..., i, j, ...]``: the indexed dims whole (the indices reach anywhere along
+    them) and the index tensors whole; every other dim of x keeps its cut, in torch's
+    order for the result: the indices' broadcast dims where the indexed dims were when
+    those are adjacent, else first. A lookup is linear in x, so a partial x stays
+    partial."""
+    x = vals[node.args[0]]
+    need_x = replicate_dims(x.layout, at)
+    width = len(node.meta["val"].shape) - (x.ndim - len(at))
+    rest = [d for d in range(x.ndim) if d not in at]
+    front = at == list(range(at[0], at[0] + len(at)))
+    before = [d for d in rest if front and d < at[0]]
+    after = [d for d in rest if d not in before]
+    order = before + [None] * width + after
+    out = Layout(len(order), tuple(() if d is None else need_x.dims[d] for d in order),
+                 need_x.partial, tuple(1 if d is None else need_x.interleave[d] for d in order))
+    needs = {node.args[0]: need_x}
+    for d in at:
+        i = node.args[1][d]
+        needs[i] = Layout.replicate(vals[i].ndim)
+    return Strategy(needs, out)
 
 
 def per_row_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
@@ -630,7 +705,10 @@ def index_along_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh)
     if by_aranges is not None:
         return by_aranges_strategy(node, vals, mesh, by_aranges)
     found = _one_index(node, vals)
-    assert found is not None
+    if found is None:
+        many = _many_index(node, vals)
+        assert many is not None
+        return many_index_strategy(node, vals, many)
     d, idx = found
     x, iv = vals[node.args[0]], vals[idx]
     need_x = replicate_dims(x.layout, [d])
