@@ -77,6 +77,11 @@ def specs() -> list[S.OpSpec]:
         Rd("cumsum", lambda m, a: torch.cumsum(a, 1), x(4, 6)),
         Rd("cumsum.dim0", lambda m, a: torch.cumsum(a, 0), x(4, 6)),
         Rd("cumprod", lambda m, a: torch.cumprod(a, 1), x(4, 6), two=True),
+        # any / all leave a partial max / min over the axes that cut the reduced dims
+        Rd("any.all_dims", lambda m, a: a * (a > 1.5).any(), x(4, 6), two=True),
+        Rd("any.dim", lambda m, a: torch.where((a > 1).any(1, keepdim=True), a, -a), x(4, 6), two=True),
+        Rd("all.dims", lambda m, a: a.sum(0) * (a > -1.8).all(0), x(4, 6)),
+        Rd("all.default", lambda m, a: a * (a < 1.9).all(), x(4, 6)),
         Rd("var.last", lambda m, a: a.var(-1), x(4, 6), two=True),
         Rd("var.dim0_keepdim", lambda m, a: a.var(0, keepdim=True, correction=0), x(4, 6)),
         Rd("std.all", lambda m, a: a.std() * a, x(4, 6)),

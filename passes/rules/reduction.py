@@ -32,9 +32,15 @@ _WHOLE = {aten.amax.default: (1, 2), aten.amin.default: (1, 2), aten.argmax.defa
           aten.var.correction: (1, 9), aten.std.correction: (1, 9),
           aten.var_mean.correction: (1, 9), aten.std_mean.correction: (1, 9)}
 _PAIRS = (aten.var_mean.correction, aten.std_mean.correction)
+# any / all: each rank reduces its own piece, and the pieces combine by a max (any) or a
+# min (all) over the axes that cut the reduced dims, so one value a row moves, not the
+# tensor. A bool carries no gradient, so no rule for ties between ranks to keep.
+_LOGICAL = {aten.any.default: "max", aten.any.dim: "max", aten.any.dims: "max",
+            aten.all.default: "min", aten.all.dim: "min", aten.all.dims: "min"}
 
 
-@register_rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, *_WHOLE)
+@register_rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, *_WHOLE,
+               *_LOGICAL)
 def reduce_rule(L: Lowering, node: fx.Node) -> Any:
     if L.env[node.args[0]].layout is None:
         return fallback_rule(L, node) if node.target in _PAIRS else materialise_then(L, node)
@@ -44,13 +50,15 @@ def reduce_rule(L: Lowering, node: fx.Node) -> Any:
     return apply_strategy(L, node, reduce_strategy)
 
 
-@strategy(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, *_WHOLE)
+@strategy(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, *_WHOLE,
+          *_LOGICAL)
 def reduce_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
     """Sums and means over shards leave partial values; the ``_WHOLE`` reductions (max,
     min, their indices, vector norms: ConvNeXt-V2's global response norm, SwinV2's
     cosine attention, CLIP's end-of-text position; variance and standard deviation, a
     hand-written norm's statistics) keep every dim they do not reduce cut as it is, and
-    need only the reduced ones whole (var_mean's two outputs both so). ``dim=None``
+    need only the reduced ones whole (var_mean's two outputs both so); ``any`` / ``all``
+    leave a partial max / min. ``dim=None``
     reduces every dim (an argmax then indexes the flattened whole tensor)."""
     x = vals[node.args[0]]
     val = node.meta["val"]
@@ -64,10 +72,11 @@ def reduce_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> S
         dims = list(range(x.ndim)) if dims is None or dims == [] else [d % x.ndim for d in as_list(dims)]
         keepdim = node.args[kpos] if len(node.args) > kpos else node.kwargs.get("keepdim", False)
     is_max = node.target in _WHOLE
+    logical = _LOGICAL.get(node.target)
     need = x.layout
     if is_max:
         need = no_partial(replicate_dims(need, dims))
-    elif any(p[1] in ("max", "min") for p in need.partial):
+    elif logical or any(p[1] in ("max", "min") for p in need.partial):
         need = no_partial(need)
     mean = node.target in (aten.mean.dim, aten.mean.default)
     # a sum over shards is a partial sum, a mean over equal shards the mean of their
@@ -75,7 +84,7 @@ def reduce_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> S
     out_partial: dict[str, str] = dict(need.partial)
     for d in dims:
         for a in need.dims[d]:
-            out_partial[a] = "avg" if mean else "sum"
+            out_partial[a] = logical or ("avg" if mean else "sum")
     keep = []
     j = 0
     for d in range(x.ndim):
