@@ -38,12 +38,14 @@ pytestmark = pytest.mark.distributed
 _NO_DROPOUT = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")
 
 
-def _hf(config: str, model: str, **kw):
+def _hf(config: str, model: str, experts: str | None = None, **kw):
     def make():
         import transformers
 
         cfg = getattr(transformers, config)(vocab_size=64, hidden_size=32, num_hidden_layers=2,
                                             use_cache=False, tie_word_embeddings=False, **kw)
+        if experts is not None:  # which of transformers' MoE kernels the experts run
+            cfg._experts_implementation = experts
         for k in _NO_DROPOUT:
             if hasattr(cfg, k):
                 setattr(cfg, k, 0.0)
@@ -64,6 +66,11 @@ MODELS = {
     "olmo": (_hf("OlmoConfig", "OlmoForCausalLM", num_key_value_heads=8, **_LLAMA_LIKE), "x1y1z1d4"),
     "qwen3": (_hf("Qwen3Config", "Qwen3ForCausalLM", num_key_value_heads=4, head_dim=4, **_LLAMA_LIKE),
               "x2y2z1d1"),
+    # batched_mm looks each token's experts' weights up by index (gate_up_proj[expert_ids]):
+    # a parameter indexed by a batch-cut tensor, which once gathered the routing
+    "mixtral-batched": (_hf("MixtralConfig", "MixtralForCausalLM", experts="batched_mm",
+                            num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2,
+                            **_LLAMA_LIKE), "x1y1z2d2"),
 }
 
 

@@ -123,6 +123,9 @@ def specs() -> list[S.OpSpec]:
         V("index.two_cut_index", lambda m, a, i, j: a[:, i, j], x(4, 6, 2), idx(4, 3, hi=6),
           idx(4, 3, hi=2)),
         V("index.unfold", lambda m, a: F.unfold(a, 2, stride=2), x(2, 2, 4, 4), two=True),
+        # a parameter looked up by a cut index (MoE experts' weights by token)
+        S.OpSpec("view", "index.parameter_by_index", lambda m, i: m.table[i] * 1.0,
+                 (idx(4, 3, hi=5),), meshes=("d2", "x2y2"), params={"table": x(5, 2, 3)}),
         V("gather", lambda m, a, i: torch.gather(a, 1, i), x(4, 6), idx(4, 6, hi=6), two=True),
         V("gather.smaller_index", lambda m, a, i: torch.gather(a, 1, i), x(4, 6), idx(4, 2, hi=6)),
         V("gather.dim0", lambda m, a, i: torch.gather(a, 0, i), x(4, 6), idx(2, 6, hi=4)),

@@ -11,8 +11,9 @@ from shardc.mesh import Mesh
 from shardc.placement import Layout
 from shardc.passes.lower import Lowering, Val
 from shardc.passes.rules.common import (Strategy, apply_strategy, as_list, aten, drop_dims,
-                                        emit_outputs, fallback_rule, input_vals, materialise_then,
-                                        no_partial, register_rule, replicate_dims, strategy)
+                                        emit_like, emit_outputs, fallback_rule, input_vals,
+                                        materialise_then, no_partial, register_rule,
+                                        replicate_dims, strategy)
 from shardc.runtime import ops as R
 
 
@@ -629,9 +630,16 @@ def index_along_rule(L: Lowering, node: fx.Node) -> Any:
         i = L.to_layout(L.env[pick], s.needs[pick])
         val = node.meta["val"]
         return Val(L.emit(R.pick_per_row, (x, i), layout=s.out, val=val), s.out.clean(L.mesh), val)
+    x = vals.get(node.args[0])
+    if isinstance(x, Val) and x.layout is None:
+        # a parameter looked up by a tensor of indices (MoE experts' weights by each
+        # token's expert): decide as if it were whole, which is where its first use
+        # materialises it; the index keeps its cut
+        vals[node.args[0]] = Val(None, Layout.replicate(x.ndim), x.val, param=x.param)
     if _one_index(node, vals) is None and _many_index(node, vals) is None:
         return fallback_rule(L, node)
-    return apply_strategy(L, node, index_along_strategy)
+    s = index_along_strategy(node, vals, L.mesh)
+    return emit_like(L, node, s.needs, s.out)
 
 
 def _many_index(node: fx.Node, vals: Mapping[fx.Node, Any]) -> list[int] | None:
