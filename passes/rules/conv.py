@@ -1,4 +1,4 @@
-"""Convolutions, pooling, resampling (interpolate) and group norm: ops that work over the
+"""Convolutions, pooling, resampling (interpolate, grid_sample) and group norm: ops that work over the
 trailing (spatial) dims of each sample independently. The leading dims (batch, and
 channels for pooling and resampling) keep their shards; the window's dims, and for a convolution the channels it
 mixes, must be whole on every rank.
@@ -89,6 +89,35 @@ def group_norm_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) 
     xn = node.args[0]
     need = _samples_only(vals[xn], 1)
     return Strategy({**_whole(vals, xn), xn: need}, need)
+
+
+# F.grid_sample: each sample's channels read at that sample's grid of positions
+_GRID = (aten.grid_sampler_2d.default, aten.grid_sampler_3d.default)
+
+
+@strategy(*_GRID)
+def grid_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    """``grid_sampler(x (N, C, *in), grid (N, *out, k))`` -> (N, C, *out): the batch cut
+    alike in both (x's cut, else the grid's), x's channels keep their cut (the grid is the
+    same for every channel), the spatial dims and the grid's last dim whole."""
+    xn, gn = node.args[0], node.args[1]
+    x, g = vals[xn], vals[gn]
+    need_x = _samples_only(x, 2)
+    batch = need_x.dims[0] or tuple(a for a in no_partial(g.layout).dims[0]
+                                    if a not in need_x.dims[1])
+    il = need_x.interleave[0] if need_x.dims[0] else (g.layout.interleave[0] if batch else 1)
+    need_x = Layout(x.ndim, (batch,) + need_x.dims[1:], (), (il,) + need_x.interleave[1:])
+    need_g = Layout(g.ndim, (batch,) + ((),) * (g.ndim - 1), (), (il,) + (1,) * (g.ndim - 1))
+    out = Layout(node.meta["val"].dim(), need_x.dims[:2] + ((),) * (x.ndim - 2), (),
+                 need_x.interleave[:2] + (1,) * (x.ndim - 2))
+    return Strategy({xn: need_x, gn: need_g}, out)
+
+
+@register_rule(*_GRID)
+def grid_rule(L: Lowering, node: fx.Node) -> Any:
+    if L.env[node.args[0]].layout is None or L.env[node.args[1]].layout is None:
+        return materialise_then(L, node)
+    return apply_strategy(L, node, grid_strategy)
 
 
 @register_rule(*_CONV, *_GROUP_NORM)
