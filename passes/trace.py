@@ -84,7 +84,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
             # decompose what has no rule (re-tracing costs about as much as the export)
             table = torch.export.default_decompositions()
             for op in list(table):
-                if _has_rule(op, RULES):
+                if _has_rule(op, RULES) or op in _KEEP_WHOLE:
                     table.pop(op)
             try:
                 ep = ep.run_decompositions(table)
@@ -285,6 +285,24 @@ def _host_draws_frozen(model: torch.nn.Module) -> Iterator[None]:
 def checkpointed_modules(ep: torch.export.ExportedProgram) -> tuple[str, ...]:
     """Modules (or functions) the traced model wraps in ``torch.utils.checkpoint``."""
     return CHECKPOINTED.get(ep, ())
+
+
+def _keep_whole() -> frozenset:
+    """Ops whose decomposition checks its result for errors by a side effect
+    (``_linalg_check_errors``: a singular matrix raises), which export threads through
+    the program as an effect token that no rank program carries: kept whole, they raise
+    as they do on one device."""
+    aten = torch.ops.aten
+    names = [("linalg_solve", "default"), ("linalg_cholesky", "default"),
+             ("linalg_inv", "default"), ("inverse", "default"),
+             ("linalg_matrix_power", "default"), ("linalg_lu_factor", "default"),
+             ("linalg_ldl_factor", "default"), ("linalg_tensorinv", "default"),
+             ("linalg_tensorsolve", "default"), ("cholesky_solve", "default")]
+    return frozenset(getattr(getattr(aten, a), b) for a, b in names
+                     if hasattr(aten, a) and hasattr(getattr(aten, a), b))
+
+
+_KEEP_WHOLE = _keep_whole()
 
 
 def _has_rule(op: Any, rules: dict) -> bool:

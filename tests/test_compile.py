@@ -480,6 +480,31 @@ def test_per_sample_ops_keep_the_batch_on_its_rank(fake_world, spec: str) -> Non
     assert [f for f in sm.fallbacks if f.gathered] == []
 
 
+class _Solves(nn.Module):
+    """torch.linalg on a stack of per-sample matrices, and an inverse of a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.w = nn.Parameter(torch.eye(6) * 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        k = h @ h.transpose(1, 2) + torch.eye(6)
+        return (torch.linalg.solve(k, h).sum() + torch.linalg.cholesky(k).diagonal(dim1=1, dim2=2).sum()
+                + torch.inverse(k).sum() + (h @ torch.inverse(self.w)).sum())
+
+
+@pytest.mark.parametrize("spec", ["x1y1z1d4", "x2y1z1d2"])
+def test_batched_linear_algebra_compiles_and_keeps_the_batch_cut(fake_world, spec: str) -> None:
+    """A solve, Cholesky factor or inverse once failed to compile: their decompositions
+    check for a singular matrix by a side effect, which export carries as a state token.
+    Kept whole, each runs on the rank's own samples."""
+    fake_world(4)
+    sm = shardc.compile(_Solves(), shardc.Mesh.parse(spec), (torch.randn(8, 6, 6),))
+    assert [f for f in sm.fallbacks if f.gathered] == []
+
+
 class _MaskedRows(nn.Module):
     """BART's classification head picks its end-of-sentence rows so: ``h[mask]`` has as
     many rows as the mask has True values, known only when the step runs."""

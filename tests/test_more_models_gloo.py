@@ -405,6 +405,28 @@ def _per_sample():
                         torch.randint(0, 4, (8,), generator=g)) for _ in range(3)]
 
 
+class KernelHead(torch.nn.Module):
+    """A kernel-regression head per sample: a Gram matrix of the sample's tokens, its
+    Cholesky factor, a solve and a log-determinant (as in a Gaussian-process layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)  # (N, 6, 8)
+        k = h @ h.transpose(1, 2) + torch.eye(6)
+        alpha = torch.linalg.solve(k, y)
+        fit = (y * alpha).sum((1, 2)) + torch.linalg.slogdet(k)[1]
+        return fit.mean() + torch.linalg.cholesky(k).diagonal(dim1=1, dim2=2).log().mean()
+
+
+def _kernel_head():
+    g = torch.Generator().manual_seed(1)
+    return KernelHead, [(torch.randn(8, 6, 16, generator=g), torch.randn(8, 6, 2, generator=g))
+                        for _ in range(3)]
+
+
 class LSTMNet(torch.nn.Module):
     """Two LSTM layers (export unrolls them: the gates of each step are one GEMM's output
     chunked in four) between an embedding and a head."""
@@ -522,7 +544,8 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "hubert-ctc": (lambda: _speech(_HUBERT_CTC), "x1y1z2d2"),
           "ctc-head": (_ctc_head, "x2y1z1d2"),
           "segmentation": (_segmentation, "x2y1z1d2"),
-          "per-sample": (_per_sample, "x1y1z1d4")}
+          "per-sample": (_per_sample, "x1y1z1d4"),
+          "kernel-head": (_kernel_head, "x2y1z1d2")}
 
 
 def _gathers_nothing(f) -> bool:

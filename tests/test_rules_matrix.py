@@ -22,6 +22,11 @@ def specs() -> list[S.OpSpec]:
     def Mx(name, fn, *inputs, params=None, meshes=MESHES):
         return S.OpSpec("matrix", name, fn, tuple(inputs), params=params or {}, meshes=meshes)
 
+    LA = ("d2", "x2", "z2d2")
+
+    def spd(a):
+        return a @ a.transpose(-1, -2) + 3 * torch.eye(a.shape[-1], dtype=a.dtype)
+
     W = {"weight": S._t((8, 8), g), "bias": S._t((8,), g)}
     Wkn = {"weight": S._t((8, 4), g)}
     Wkn_b = {"weight": S._t((8, 4), g), "bias": S._t((4,), g)}
@@ -39,6 +44,22 @@ def specs() -> list[S.OpSpec]:
         Mx("matmul.act", lambda m, a, b: torch.matmul(a, b), x(2, 2, 4, 6), x(2, 2, 6, 4),
            meshes=("x2", "d2", "x2y2")),
         Mx("mm.act", lambda m, a, b: torch.mm(a, b), x(4, 6), x(6, 4), meshes=("y2", "z2")),
+        # a solve, factorisation or decomposition per sample (spd(a): a well-conditioned
+        # symmetric positive definite stack made from the input)
+        Mx("linalg.solve", lambda m, a, b: torch.linalg.solve(spd(a), b), x(4, 3, 3), x(4, 3, 2),
+           meshes=LA),
+        Mx("linalg.cholesky", lambda m, a: torch.linalg.cholesky(spd(a)), x(4, 3, 3), meshes=LA),
+        Mx("linalg.inverse", lambda m, a: torch.inverse(spd(a)), x(4, 3, 3), meshes=LA),
+        Mx("linalg.slogdet", lambda m, a: torch.linalg.slogdet(spd(a))[1], x(4, 3, 3), meshes=LA),
+        Mx("linalg.det", lambda m, a: torch.linalg.det(spd(a)), x(4, 3, 3), meshes=LA),
+        Mx("linalg.eigvalsh", lambda m, a: torch.linalg.eigvalsh(spd(a)), x(4, 3, 3), meshes=LA),
+        Mx("linalg.svdvals", lambda m, a: torch.linalg.svdvals(a), x(4, 3, 3), meshes=LA),
+        Mx("linalg.solve_triangular", lambda m, a, b: torch.linalg.solve_triangular(
+            torch.linalg.cholesky(spd(a)), b, upper=False), x(4, 3, 3), x(4, 3, 2), meshes=LA),
+        Mx("linalg.matrix_exp", lambda m, a: torch.linalg.matrix_exp(a * 0.3), x(4, 3, 3), meshes=LA),
+        # one matrix (a parameter's): whole on every rank
+        Mx("linalg.inverse_one", lambda m, a: a @ torch.inverse(spd(m.weight[None]))[0], x(4, 3),
+           params={"weight": x(3, 3)}, meshes=("d2", "x2")),
     ]
     return _SPECS
 

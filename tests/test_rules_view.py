@@ -123,6 +123,8 @@ def specs() -> list[S.OpSpec]:
         V("index.two_cut_index", lambda m, a, i, j: a[:, i, j], x(4, 6, 2), idx(4, 3, hi=6),
           idx(4, 3, hi=2)),
         V("index.unfold", lambda m, a: F.unfold(a, 2, stride=2), x(2, 2, 4, 4), two=True),
+        V("diagonal.batched", lambda m, a: torch.diagonal(a, dim1=1, dim2=2) * 1.0, x(4, 3, 3), two=True),
+        V("diagonal.offset_first", lambda m, a: torch.diagonal(a, 1, 0, 2) * 1.0, x(3, 4, 3)),
         # a parameter looked up by a cut index (MoE experts' weights by token)
         S.OpSpec("view", "index.parameter_by_index", lambda m, i: m.table[i] * 1.0,
                  (idx(4, 3, hi=5),), meshes=("d2", "x2y2"), params={"table": x(5, 2, 3)}),

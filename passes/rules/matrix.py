@@ -1,17 +1,20 @@
 """GEMMs: Algorithm 1's weight blocks, the alternating transposition, fused projections
-(interleaved columns), and products of two activations."""
+(interleaved columns), and products of two activations; batched linear algebra (a solve,
+factorisation or decomposition per sample)."""
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from shardc.errors import ShardcError
 from shardc.placement import Layout
 from shardc.passes.lower import Lowering, Val
-from shardc.passes.rules.common import (aten, emit_like, fallback_rule, no_partial, register_rule,
-                                        replicate_dims)
+from shardc.passes.rules.common import (aten, emit_like, fallback_rule, local_args, no_partial,
+                                        register_rule, replicate_dims)
 from shardc.passes.rules.pointwise import pointwise_layouts
 
 
@@ -188,3 +191,49 @@ def act_gemm_rule(L: Lowering, node: fx.Node) -> Any:
     if a.ndim != nd:
         al = Layout.replicate(a.ndim)
     return emit_like(L, node, {node.args[0]: al, node.args[1]: bl}, out)
+
+
+# ------------------------------------------------------------- batched linear algebra
+def _linalg_ops() -> tuple:
+    names = [("linalg_solve", "default"), ("linalg_cholesky", "default"), ("linalg_inv", "default"),
+             ("inverse", "default"), ("linalg_matrix_power", "default"), ("cholesky_solve", "default"),
+             ("linalg_lu_factor", "default"), ("_linalg_det", "default"), ("_linalg_slogdet", "default"),
+             ("_linalg_eigh", "default"), ("_linalg_svd", "default"), ("linalg_qr", "default"),
+             ("linalg_solve_triangular", "default"), ("linalg_matrix_exp", "default")]
+    return tuple(getattr(getattr(aten, a), b) for a, b in names
+                 if hasattr(aten, a) and hasattr(getattr(aten, a), b))
+
+
+_LINALG = _linalg_ops()
+
+
+@register_rule(*_LINALG)
+def batched_linalg_rule(L: Lowering, node: fx.Node) -> Any:
+    """A solve, factorisation, inverse or decomposition of a stack of matrices (one per
+    sample: ``(N, n, n)``): each rank works on the matrices of its own samples, so dim 0
+    keeps its cut and every other dim is whole. Anything else (a single matrix, a
+    right-hand side without the batch dim) runs whole, as the fallback does."""
+    ins = [a for a in node.all_input_nodes if isinstance(L.env[a], Val)]
+    vals = node.meta["val"]
+    outs = list(vals) if isinstance(vals, (list, tuple)) else [vals]
+    if not ins or any(L.env[a].layout is None or L.env[a].ndim < 3 for a in ins):
+        return fallback_rule(L, node)
+    n = L.env[ins[0]].shape[0]
+    if any(L.env[a].shape[0] != n for a in ins) or any(
+            not isinstance(o, torch.Tensor) or o.dim() < 1 or o.shape[0] != n for o in outs):
+        return fallback_rule(L, node)
+    lay = next((no_partial(L.env[a].layout.clean(L.mesh)) for a in ins
+                if L.env[a].layout.clean(L.mesh).dims[0]), None)
+    axes, il = (lay.dims[0], lay.interleave[0]) if lay is not None else ((), 1)
+
+    def batch_cut(ndim: int) -> Layout:
+        return Layout(ndim, (axes,) + ((),) * (ndim - 1), (), (il,) + (1,) * (ndim - 1))
+
+    need = {a: batch_cut(L.env[a].ndim) for a in ins}
+    if not isinstance(vals, (list, tuple)):
+        return emit_like(L, node, need, batch_cut(vals.dim()))
+    repl = {a: L.to_layout(L.env[a], lay_a) for a, lay_a in need.items()}
+    args, kwargs = local_args(L, node, repl)
+    whole = L.emit(node.target, args, kwargs, layout=None, val=vals)
+    return [Val(L.emit(operator.getitem, (whole, i), layout=batch_cut(v.dim()), val=v),
+                batch_cut(v.dim()).clean(L.mesh), v) for i, v in enumerate(vals)]

@@ -209,6 +209,28 @@ def along_dim_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -
     return Strategy({node.args[0]: need}, out)
 
 
+@register_rule(aten.diagonal.default)
+def diagonal_rule(L: Lowering, node: fx.Node) -> Any:
+    if L.env[node.args[0]].layout is None:
+        return materialise_then(L, node)
+    return apply_strategy(L, node, diagonal_strategy)
+
+
+@strategy(aten.diagonal.default)
+def diagonal_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    """``diagonal(x, offset, dim1, dim2)``: the two dims whole, the others keep their
+    cuts, in order, and the diagonal comes last (a Cholesky factor's diagonal per
+    sample). A view, so a partial x stays partial."""
+    x = vals[node.args[0]]
+    d1 = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim1", 0)) % x.ndim
+    d2 = (node.args[3] if len(node.args) > 3 else node.kwargs.get("dim2", 1)) % x.ndim
+    need = replicate_dims(x.layout, [d1, d2])
+    rest = [d for d in range(x.ndim) if d not in (d1, d2)]
+    out = Layout(len(rest) + 1, tuple(need.dims[d] for d in rest) + ((),), need.partial,
+                 tuple(need.interleave[d] for d in rest) + (1,))
+    return Strategy({node.args[0]: need}, out)
+
+
 @register_rule(aten._fft_c2c.default, aten._fft_r2c.default, aten._fft_c2r.default)
 def fft_rule(L: Lowering, node: fx.Node) -> Any:
     if L.env[node.args[0]].layout is None:
