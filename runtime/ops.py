@@ -5,6 +5,8 @@ them are separate graph nodes (runtime.collectives), so the comm report sees the
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from shardc.runtime.collectives import get_runtime
@@ -172,6 +174,16 @@ def global_bernoulli(x: torch.Tensor, p: float, global_shape: list[int], rt: str
     nothing. The draw is the same op on the same global shape and dtype, so it consumes
     the default generator as one device does."""
     whole = torch.bernoulli(torch.empty(global_shape, dtype=x.dtype, device=x.device), p)
+    return _this_ranks_piece(whole, rt, dims, interleave).contiguous()
+
+
+def global_draw_like(x: torch.Tensor, op: Any, args: list, kwargs: dict, global_shape: list[int],
+                     rt: str, dims: tuple[tuple[str, ...], ...],
+                     interleave: tuple[int, ...]) -> torch.Tensor:
+    """``op(x, *args, **kwargs)``, a draw that reads only ``x``'s shape, dtype and device
+    (``randn_like``, ``exponential``, ...), as one device draws it for the global tensor,
+    cut to this rank's piece (``passes/rules/random.py``)."""
+    whole = op(torch.empty(global_shape, dtype=x.dtype, device=x.device), *args, **kwargs)
     return _this_ranks_piece(whole, rt, dims, interleave).contiguous()
 
 

@@ -505,6 +505,33 @@ def test_batched_linear_algebra_compiles_and_keeps_the_batch_cut(fake_world, spe
     assert [f for f in sm.fallbacks if f.gathered] == []
 
 
+class _Noisy(nn.Module):
+    """Noise shaped like an activation: a VAE's reparameterisation, diffusion's noised
+    input, Gumbel-softmax's exponential draw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(8, 16)
+        self.dec = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mu, logvar = self.enc(x).chunk(2, -1)
+        z = mu + torch.randn_like(mu) * (0.5 * logvar).exp()
+        noised = x + 0.1 * torch.randn_like(x) + torch.rand_like(x)
+        pick = F.gumbel_softmax(self.dec(z), tau=0.5)
+        return (self.dec(noised) - pick).pow(2).mean()
+
+
+@pytest.mark.parametrize("spec", ["x1y1z1d4", "x2y1z1d2"])
+def test_noise_shaped_like_an_activation_gathers_nothing(fake_world, spec: str) -> None:
+    """randn_like and friends read only their input's shape: each ran whole on the
+    gathered input. Drawing as one device does is the gloo sweep's
+    (tests/test_rules_random.py)."""
+    fake_world(4)
+    sm = shardc.compile(_Noisy(), shardc.Mesh.parse(spec), (torch.randn(8, 6, 8),))
+    assert [f for f in sm.fallbacks if f.gathered] == []
+
+
 class _MaskedRows(nn.Module):
     """BART's classification head picks its end-of-sentence rows so: ``h[mask]`` has as
     many rows as the mask has True values, known only when the step runs."""

@@ -1,5 +1,6 @@
-"""Rule sweep on real gloo processes: dropout and attention dropout (against one device
-drawing from the same seed), and a representative subset of every other family.
+"""Rule sweep on real gloo processes: dropout, attention dropout and draws shaped like a
+tensor (randn_like, Gumbel noise, ...: against one device drawing from the same seed), and
+a representative subset of every other family.
 
 Dropout cannot run on the threaded process group: its mask is drawn from the
 process-wide default generator, which the rank threads share, so each would draw a
@@ -43,6 +44,19 @@ def dropout_specs() -> list[S.OpSpec]:
         S.OpSpec("random", "bernoulli.p",
                  lambda m, a: a * torch.bernoulli(torch.empty_like(a), 0.6),
                  (S._t((4, 2, 6), g),), meshes=("x2", "z2d2", "x2y2"), seed=19),
+        # draws shaped like a tensor, drawn for the global shape and cut to its layout
+        S.OpSpec("random", "randn_like", lambda m, a: a + torch.randn_like(a) * a.exp(),
+                 (S._t((4, 2, 6), g),), meshes=("x2", "d2", "x2y2"), seed=21),
+        S.OpSpec("random", "rand_like", lambda m, a: a * torch.rand_like(a),
+                 (S._t((4, 6), g),), meshes=("y2", "z2d2"), seed=22),
+        S.OpSpec("random", "randint_like", lambda m, a: a * torch.randint_like(a, 1, 5),
+                 (S._t((4, 6), g),), meshes=("x2", "d2"), seed=23),
+        S.OpSpec("random", "gumbel_softmax", lambda m, a: F.gumbel_softmax(a, tau=0.5),
+                 (S._t((4, 6), g),), meshes=("d2", "x2y2"), seed=24),
+        S.OpSpec("random", "uniform_", lambda m, a: a * torch.empty_like(a).uniform_(-1, 1),
+                 (S._t((4, 6), g),), meshes=("x2", "d2"), seed=25),
+        S.OpSpec("random", "normal_", lambda m, a: a + torch.empty_like(a).normal_(0, 2),
+                 (S._t((4, 6), g),), meshes=("z2d2",), seed=26),
         S.OpSpec("random", "dropout.eval", lambda m, a: F.dropout(a, 0.3, training=False),
                  (S._t((4, 6), g),), meshes=("y2",), seed=13),
         # attention dropout: the CPU kernel's mask, drawn whole and cut per sample and head

@@ -1,5 +1,7 @@
-"""Dropout and Bernoulli draws: the global mask one device would draw, cut to this rank's
-piece."""
+"""Dropout, Bernoulli and the other draws shaped like a tensor (``randn_like``,
+``rand_like``, ``randint_like``, the functional ``exponential``/``uniform``/``normal``
+that ``Tensor.exponential_()`` and friends become): the global tensor one device would
+draw, cut to this rank's piece."""
 from __future__ import annotations
 
 from typing import Any
@@ -50,4 +52,33 @@ def bernoulli_rule(L: Lowering, node: fx.Node) -> Any:
     gval = node.meta["val"]
     n = L.emit(R.global_bernoulli, (x.node, float(p), list(gval.shape), L.rt, lay.dims,
                                     lay.interleave), layout=lay, val=gval)
+    return Val(n, lay, gval)
+
+
+# draws that read only their first argument's shape, dtype and device: op -> where its
+# generator argument would be (a user's own generator: run whole, as one device would)
+_LIKE = tuple(getattr(getattr(aten, a), b) for a, b in (
+    ("randn_like", "default"), ("rand_like", "default"), ("randint_like", "default"),
+    ("randint_like", "low_dtype"), ("randint_like", "Tensor"), ("exponential", "default"),
+    ("uniform", "default"), ("normal_functional", "default"), ("log_normal", "default"),
+    ("cauchy", "default"), ("geometric", "default"))
+    if hasattr(aten, a) and hasattr(getattr(aten, a), b))
+
+
+@register_rule(*_LIKE)
+def draw_like_rule(L: Lowering, node: fx.Node) -> Any:
+    """A draw shaped like ``x`` (diffusion's ``noise = torch.randn_like(latents)``, a VAE's
+    reparameterisation, Gumbel noise ``empty_like(h).exponential_()``): drawn for the
+    global shape by the same op, so it consumes the default generator as one device
+    does, and cut to the layout ``x`` has. Nothing is gathered: ``x``'s values are not
+    read."""
+    x = L.env[node.args[0]]
+    if x.layout is None or node.kwargs.get("generator") is not None or any(
+            isinstance(a, fx.Node) for a in node.args[1:]):
+        return fallback_rule(L, node)  # a parameter's shape, a generator, a tensor bound
+    lay = Layout(x.layout.ndim, x.layout.dims, (), x.layout.interleave).clean(L.mesh)
+    gval = node.meta["val"]
+    n = L.emit(R.global_draw_like, (x.node, node.target, list(node.args[1:]), dict(node.kwargs),
+                                    list(gval.shape), L.rt, lay.dims, lay.interleave),
+               layout=lay, val=gval)
     return Val(n, lay, gval)
