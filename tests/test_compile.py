@@ -450,8 +450,8 @@ def test_every_cross_entropy_form_keeps_the_batch_on_its_rank(fake_world, spec: 
 
 class _PerSample(nn.Module):
     """Ops that work within each sample, written as user code writes them: a hand-made
-    norm's ``var``/``var_mean``, ``cumprod`` along the sequence, ``scatter_add`` of
-    messages into their slots, ``F.unfold``'s patches, ``any``."""
+    norm's ``var``/``var_mean``, ``cumprod`` along the sequence, ``scatter_add`` and
+    ``index_add`` of messages into their slots, ``F.unfold``'s patches, ``any``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -464,6 +464,7 @@ class _PerSample(nn.Module):
         h = (h - mean) / (var + 1e-5).sqrt() + h.std(-1, keepdim=True)
         gated = torch.cumprod(torch.sigmoid(h), 1)
         pooled = torch.zeros_like(h).scatter_add(-1, slots, gated)
+        pooled = pooled.index_add(1, torch.tensor([0, 2, 2, 1, 5, 4]), gated)
         patches = F.unfold(self.conv(img), 2, stride=2)
         # torch.any, as F.gaussian_nll_loss checks its variances: a partial max, not a gather
         flag = torch.where((h > 3).any(-1, keepdim=True).any(), 2.0, 1.0)

@@ -123,6 +123,16 @@ def specs() -> list[S.OpSpec]:
         V("index.two_cut_index", lambda m, a, i, j: a[:, i, j], x(4, 6, 2), idx(4, 3, hi=6),
           idx(4, 3, hi=2)),
         V("index.unfold", lambda m, a: F.unfold(a, 2, stride=2), x(2, 2, 4, 4), two=True),
+        # writes by integer index tensors: the indexed dims whole, the rest keep their cuts
+        V("index_add.dim1", lambda m, a, s_: a.index_add(1, torch.tensor([0, 2, 2]), s_), x(4, 6),
+          x(4, 3), two=True),
+        V("index_add.into_zeros", lambda m, s_: torch.zeros(4, 6, 2, dtype=s_.dtype).index_add(
+            1, torch.tensor([5, 0, 5, 1]), s_), x(4, 4, 2), two=True),
+        V("index_copy.dim0", lambda m, a, s_: a.index_copy(0, torch.tensor([3, 1]), s_), x(4, 6),
+          x(2, 6)),
+        V("index_put.pairs", lambda m, a, s_: a.index_put((torch.tensor([0, 2]), torch.tensor([1, 1])),
+                                                          s_, accumulate=True), x(4, 6, 2), x(2, 2)),
+        V("index_fill.dim2", lambda m, a: a.index_fill(2, torch.tensor([0, 3]), 0.5), x(4, 2, 6)),
         V("diagonal.batched", lambda m, a: torch.diagonal(a, dim1=1, dim2=2) * 1.0, x(4, 3, 3), two=True),
         V("diagonal.offset_first", lambda m, a: torch.diagonal(a, 1, 0, 2) * 1.0, x(3, 4, 3)),
         # a parameter looked up by a cut index (MoE experts' weights by token)

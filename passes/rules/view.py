@@ -773,9 +773,43 @@ def _masked_write(node: fx.Node, vals: Mapping[fx.Node, Any]) -> bool:
 
 @register_rule(aten.index_put.default)
 def masked_write_rule(L: Lowering, node: fx.Node) -> Any:
-    if not _masked_write(node, {a: L.env[a] for a in node.all_input_nodes}):
+    vals = {a: L.env[a] for a in node.all_input_nodes}
+    if not _masked_write(node, vals) and _indexed_write(node, vals) is None:
         return fallback_rule(L, node)
     return apply_strategy(L, node, masked_write_strategy)
+
+
+def _indexed_write(node: fx.Node, vals: Mapping[fx.Node, Any]) -> list[int] | None:
+    """The indexed dims of ``x[..., i, ...] = v`` (or ``+=``) with integer index tensors
+    (``index_add``, ``index_copy``, ``index_fill`` along a dim, a write at (row, column)
+    pairs), where ``v`` has exactly the shape ``x[..., i, ...]`` has; None otherwise."""
+    idx = node.args[1]
+    x, v = vals.get(node.args[0]), vals.get(node.args[2])
+    if not isinstance(idx, (list, tuple)) or not isinstance(x, Val) or x.layout is None \
+            or not isinstance(v, Val) or v.layout is None:
+        return None
+    at = [d for d, i in enumerate(idx) if i is not None]
+    if not at:
+        return None
+    for d in at:
+        iv = vals.get(idx[d])
+        if not isinstance(iv, Val) or iv.layout is None or iv.val.dtype in (torch.bool, torch.uint8):
+            return None
+    want = _index_result_shape(list(x.shape), at, [list(vals[idx[d]].shape) for d in at])
+    return at if want is not None and list(v.shape) == want else None
+
+
+def _index_result_shape(shape: list[int], at: list[int], index_shapes: list[list[int]]
+                        ) -> list[int] | None:
+    """The shape of ``x[..., i, j, ...]`` with the index tensors at dims ``at``."""
+    try:
+        b = list(torch.broadcast_shapes(*index_shapes))
+    except RuntimeError:
+        return None
+    rest = [d for d in range(len(shape)) if d not in at]
+    if at == list(range(at[0], at[0] + len(at))):
+        return shape[:at[0]] + b + shape[at[-1] + 1:]
+    return b + [shape[d] for d in rest]
 
 
 @strategy(aten.index_put.default)
@@ -785,6 +819,9 @@ def masked_write_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh
     and every rank writes its own entries; the trailing dims, which ``v`` fills, whole, and
     ``v`` whole."""
     x = cast(fx.Node, node.args[0])
+    at = None if _masked_write(node, vals) else _indexed_write(node, vals)
+    if at is not None:
+        return _indexed_write_strategy(node, vals, at)
     m = cast(fx.Node, node.args[1][0])
     xv, mv = vals[x], vals[m]
     k = mv.ndim
@@ -798,4 +835,35 @@ def masked_write_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh
     v = node.args[2]
     if isinstance(v, fx.Node) and isinstance(vals.get(v), Val):
         needs[v] = Layout.replicate(vals[v].ndim)
+    return Strategy(needs, xl)
+
+
+def _indexed_write_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], at: list[int]) -> Strategy:
+    """``x[..., i, ...] = v`` (``+=`` with accumulate) by integer index tensors: the
+    indexed dims whole (an index may point anywhere along them) and the index tensors
+    whole; every other dim of x keeps its cut, and ``v`` is cut as ``x[..., i, ...]``
+    would be (``many_index_strategy``'s order), so each rank writes its own rows."""
+    x = cast(fx.Node, node.args[0])
+    xv = vals[x]
+    xl = no_partial(replicate_dims(xv.layout, at))
+    idx = node.args[1]
+    width = vals[node.args[2]].ndim - (xv.ndim - len(at))
+    rest = [d for d in range(xv.ndim) if d not in at]
+    front = at == list(range(at[0], at[0] + len(at)))
+    before = [d for d in rest if front and d < at[0]]
+    order = before + [None] * width + [d for d in rest if d not in before]
+    src = no_partial(vals[node.args[2]].layout)
+    if not any(xl.dims) and any(src.dims[p] for p, d in enumerate(order) if d is not None):
+        # a fresh whole target (``torch.zeros(...).index_add_(1, i, h)``): take the cuts
+        # of the values written into it, which cost nothing to cut it to
+        dims, il = list(xl.dims), list(xl.interleave)
+        for p, d in enumerate(order):
+            if d is not None:
+                dims[d], il[d] = src.dims[p], src.interleave[p]
+        xl = Layout(xv.ndim, tuple(dims), (), tuple(il))
+    vl = Layout(len(order), tuple(() if d is None else xl.dims[d] for d in order), (),
+                tuple(1 if d is None else xl.interleave[d] for d in order))
+    needs = {x: xl, node.args[2]: vl}
+    for d in at:
+        needs[idx[d]] = Layout.replicate(vals[idx[d]].ndim)
     return Strategy(needs, xl)
