@@ -149,6 +149,9 @@ def handwritten_specs() -> list[S.OpSpec]:
         _H("x+y[bcast]", lambda m, a, b: a + b, x(4, 6), x(6)),
         _H("x*y[bcast]", lambda m, a, b: a * b, x(4, 2, 6), x(2, 1), meshes=("x2", "d2", "x2y2")),
         _H("x+x", lambda m, a: a + a, x()),
+        # complex numbers from magnitude and angle (or parts), back to real before the check
+        _H("polar", lambda m, a, b: torch.view_as_real(torch.polar(a, b)), pos(), x(), meshes=both),
+        _H("complex", lambda m, a, b: torch.view_as_real(torch.complex(a, b)) * 2.0, x(), x()),
         _H("add.Scalar", lambda m, a: aten.add.Scalar(a, 1.5), x()),
         _H("sub.Scalar", lambda m, a: aten.sub.Scalar(a, 1.5), x()),
         _H("mul.Scalar", lambda m, a: aten.mul.Scalar(a, 1.5), x()),

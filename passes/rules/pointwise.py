@@ -245,7 +245,8 @@ def _only_dtype(node: fx.Node) -> bool:
                aten.reciprocal.default, aten.clamp.default, aten.erf.default, aten.sin.default,
                aten.cos.default, aten.maximum.default, aten.minimum.default, aten.add.Scalar,
                aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.pow.Tensor_Tensor,
-               aten.view_as.default, aten.softplus.default, aten.log1p.default, aten.expm1.default)
+               aten.view_as.default, aten.softplus.default, aten.log1p.default, aten.expm1.default,
+               aten.polar.default, aten.complex.default)
 def pointwise_rule(L: Lowering, node: fx.Node) -> Any:
     val = node.meta["val"]
     if not isinstance(val, torch.Tensor):  # several outputs (frexp): no layout rule for that
@@ -296,7 +297,8 @@ def pointwise_rule(L: Lowering, node: fx.Node) -> Any:
                aten.reciprocal.default, aten.clamp.default, aten.erf.default, aten.sin.default,
                aten.cos.default, aten.maximum.default, aten.minimum.default, aten.add.Scalar,
                aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.pow.Tensor_Tensor,
-               aten.view_as.default, aten.softplus.default, aten.log1p.default, aten.expm1.default)
+               aten.view_as.default, aten.softplus.default, aten.log1p.default, aten.expm1.default,
+               aten.polar.default, aten.complex.default)
 def pointwise_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
     val = node.meta["val"]
     ins = tensor_vals(vals)
