@@ -77,6 +77,8 @@ def specs() -> list[S.OpSpec]:
         Rd("cumsum", lambda m, a: torch.cumsum(a, 1), x(4, 6)),
         Rd("cumsum.dim0", lambda m, a: torch.cumsum(a, 0), x(4, 6)),
         Rd("cumprod", lambda m, a: torch.cumprod(a, 1), x(4, 6), two=True),
+        # a histogram over a fixed range: each rank counts its piece, a partial sum
+        Rd("histc", lambda m, a: a.sum(0) * torch.histc(a.detach(), 6, -2, 2), x(4, 6), two=True),
         # any / all leave a partial max / min over the axes that cut the reduced dims
         Rd("any.all_dims", lambda m, a: a * (a > 1.5).any(), x(4, 6), two=True),
         Rd("any.dim", lambda m, a: torch.where((a > 1).any(1, keepdim=True), a, -a), x(4, 6), two=True),

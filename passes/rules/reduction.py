@@ -101,6 +101,24 @@ def reduce_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> S
     return Strategy({node.args[0]: need}, out)
 
 
+@register_rule(aten.histc.default)
+def histc_rule(L: Lowering, node: fx.Node) -> Any:
+    """``histc(x, bins, min, max)`` with a fixed range: counts add up over shards, so each
+    rank counts its own piece and the histogram is a partial sum over the axes that cut
+    ``x`` (MoE routing's tokens per expert). With ``min == max`` the range is the data's
+    own: whole."""
+    x = L.env[node.args[0]]
+    lo = node.args[2] if len(node.args) > 2 else node.kwargs.get("min", 0)
+    hi = node.args[3] if len(node.args) > 3 else node.kwargs.get("max", 0)
+    if x.layout is None or lo == hi:
+        return fallback_rule(L, node)
+    xl = no_partial(x.layout.clean(L.mesh))
+    out = Layout(1)
+    for a in xl.sharded_axes():
+        out = out.with_partial(a, "sum")
+    return emit_like(L, node, {node.args[0]: xl}, out)
+
+
 # ------------------------------------------------------------------ normalisation
 @register_rule(aten.layer_norm.default)
 def layer_norm_rule(L: Lowering, node: fx.Node) -> Any:
