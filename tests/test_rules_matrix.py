@@ -57,6 +57,9 @@ def specs() -> list[S.OpSpec]:
         Mx("linalg.solve_triangular", lambda m, a, b: torch.linalg.solve_triangular(
             torch.linalg.cholesky(spd(a)), b, upper=False), x(4, 3, 3), x(4, 3, 2), meshes=LA),
         Mx("linalg.matrix_exp", lambda m, a: torch.linalg.matrix_exp(a * 0.3), x(4, 3, 3), meshes=LA),
+        # pairwise distances: the batch and a's rows keep their cuts, b whole
+        Mx("cdist", lambda m, a, b: torch.cdist(a, b), x(4, 3, 5), x(4, 2, 5), meshes=LA + ("x2y2",)),
+        Mx("cdist.2d_p1", lambda m, a, b: torch.cdist(a, b, p=1.0), x(4, 5), x(3, 5), meshes=LA),
         # one matrix (a parameter's): whole on every rank
         Mx("linalg.inverse_one", lambda m, a: a @ torch.inverse(spd(m.weight[None]))[0], x(4, 3),
            params={"weight": x(3, 3)}, meshes=("d2", "x2")),

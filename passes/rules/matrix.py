@@ -237,3 +237,30 @@ def batched_linalg_rule(L: Lowering, node: fx.Node) -> Any:
     whole = L.emit(node.target, args, kwargs, layout=None, val=vals)
     return [Val(L.emit(operator.getitem, (whole, i), layout=batch_cut(v.dim()), val=v),
                 batch_cut(v.dim()).clean(L.mesh), v) for i, v in enumerate(vals)]
+
+
+@register_rule(aten._cdist_forward.default)
+def cdist_rule(L: Lowering, node: fx.Node) -> Any:
+    """``torch.cdist(a (*, P, M), b (*, R, M))`` -> (*, P, R): the leading (batch) dims cut
+    alike in both (``a``'s cut, else ``b``'s), ``a``'s rows keep their cut, and ``b``'s rows
+    and the feature dim are whole (every row of ``a`` meets every row of ``b``). Distances
+    are not linear: partial inputs are summed first."""
+    a, b = L.env[node.args[0]], L.env[node.args[1]]
+    if a.layout is None or b.layout is None or a.ndim != b.ndim:
+        return fallback_rule(L, node)
+    k = a.ndim - 2
+    al, bl = no_partial(a.layout.clean(L.mesh)), no_partial(b.layout.clean(L.mesh))
+    lead, il = [], []
+    for d in range(k):
+        src = al if al.dims[d] else bl
+        lead.append(src.dims[d])
+        il.append(src.interleave[d])
+    used = {x for axes in lead for x in axes}
+    rows = tuple(x for x in al.dims[k] if x not in used)
+    rows_il = al.interleave[k] if rows == al.dims[k] else 1
+    if rows != al.dims[k]:
+        rows = ()
+    need_a = Layout(a.ndim, tuple(lead) + (rows, ()), (), tuple(il) + (rows_il, 1))
+    need_b = Layout(b.ndim, tuple(lead) + ((), ()), (), tuple(il) + (1, 1))
+    out = Layout(a.ndim, tuple(lead) + (rows, ()), (), tuple(il) + (rows_il, 1))
+    return emit_like(L, node, {node.args[0]: need_a, node.args[1]: need_b}, out)
