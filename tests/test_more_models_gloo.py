@@ -428,6 +428,26 @@ def _kernel_head():
                         for _ in range(3)]
 
 
+class TorchSeq2Seq(torch.nn.Module):
+    """torch's nn.Transformer (its decoder's cross-attention splits the packed in-projection
+    into a query and a key-value weight in forward) and a weight-normed head
+    (torch.nn.utils.parametrizations.weight_norm): linear layers whose weight is computed
+    in forward. Each once gathered the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.nn.utils.parametrizations import weight_norm
+
+        self.emb = torch.nn.Embedding(64, 32)
+        self.tr = torch.nn.Transformer(32, 4, 1, 1, 64, dropout=0.0, batch_first=True)
+        self.head = weight_norm(torch.nn.Linear(32, 64))
+
+    def forward(self, ids: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        causal = torch.nn.Transformer.generate_square_subsequent_mask(t.shape[1])
+        h = self.tr(self.emb(ids), self.emb(t), tgt_mask=causal)
+        return F.cross_entropy(self.head(h).flatten(0, 1), t.flatten())
+
+
 class LSTMNet(torch.nn.Module):
     """Two LSTM layers (export unrolls them: the gates of each step are one GEMM's output
     chunked in four) between an embedding and a head."""
@@ -546,7 +566,8 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "ctc-head": (_ctc_head, "x2y1z1d2"),
           "segmentation": (_segmentation, "x2y1z1d2"),
           "per-sample": (_per_sample, "x1y1z1d4"),
-          "kernel-head": (_kernel_head, "x2y1z1d2")}
+          "kernel-head": (_kernel_head, "x2y1z1d2"),
+          "torch-seq2seq": (lambda: _tokens(TorchSeq2Seq), "x1y1z2d2")}
 
 
 def _gathers_nothing(f) -> bool:

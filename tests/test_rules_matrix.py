@@ -57,6 +57,15 @@ def specs() -> list[S.OpSpec]:
         Mx("linalg.solve_triangular", lambda m, a, b: torch.linalg.solve_triangular(
             torch.linalg.cholesky(spd(a)), b, upper=False), x(4, 3, 3), x(4, 3, 2), meshes=LA),
         Mx("linalg.matrix_exp", lambda m, a: torch.linalg.matrix_exp(a * 0.3), x(4, 3, 3), meshes=LA),
+        # a weight computed in forward (weight_norm, a packed projection's piece, a
+        # hypernetwork's output): used whole, each rank multiplies its own rows
+        Mx("linear.weight_norm", lambda m, a: F.linear(a, m.weight / m.weight.norm(dim=1, keepdim=True),
+                                                       m.bias), x(4, 2, 8), params=W, meshes=LA + ("x2y2",)),
+        Mx("linear.weight_piece", lambda m, a: F.linear(a, m.weight.split([3, 5])[1]), x(4, 8),
+           params={"weight": W["weight"]}, meshes=LA),
+        Mx("linear.weight_input", lambda m, a, w_: F.linear(a, w_), x(4, 8), x(3, 8), meshes=LA),
+        Mx("addmm.weight_input", lambda m, a, w_, b_: torch.addmm(b_, a, w_), x(4, 8), x(8, 3), x(3),
+           meshes=LA),
         # pairwise distances: the batch and a's rows keep their cuts, b whole
         Mx("cdist", lambda m, a, b: torch.cdist(a, b), x(4, 3, 5), x(4, 2, 5), meshes=LA + ("x2y2",)),
         Mx("cdist.2d_p1", lambda m, a, b: torch.cdist(a, b, p=1.0), x(4, 5), x(3, 5), meshes=LA),

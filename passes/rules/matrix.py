@@ -82,6 +82,8 @@ def gemm_rule(L: Lowering, node: fx.Node) -> Any:
     if not _is_param(w) or not isinstance(x, Val) or x.layout is None:
         if t in (aten.matmul.default,) or (t is aten.mm.default):
             return act_gemm_rule(L, node)
+        if isinstance(w, Val) and w.ndim == 2 and isinstance(x, Val) and x.layout is not None:
+            return _computed_weight_gemm(L, node, x_node, w_node, bias_node)
         return fallback_rule(L, node)
     mesh = L.mesh
     # weight in (k, n) terms: linear stores (n, k)
@@ -168,6 +170,22 @@ def gemm_rule(L: Lowering, node: fx.Node) -> Any:
     bn = L.to_layout(b, needs[1])
     n = L.emit(aten.add.Tensor, (a, bn), layout=out2, val=gval)
     return Val(n, out2.clean(mesh), gval)
+
+
+def _computed_weight_gemm(L: Lowering, node: fx.Node, x_node: fx.Node, w_node: fx.Node,
+                          bias_node: Any) -> Val:
+    """``linear`` / ``addmm`` whose weight is computed in forward rather than stored: a
+    parametrisation (``weight_norm``, ``spectral_norm``), or a piece of a packed weight
+    (``nn.MultiheadAttention``'s cross-attention splits its in-projection into q and kv).
+    It has no stored block to cut, so it is used whole and each rank multiplies its own
+    rows: the input keeps every cut but its features', the output likewise, and the
+    weight's gradient is summed over the axes the rows are cut on, as a parameter's is."""
+    x = L.env[x_node]
+    xl = replicate_dims(no_partial(x.layout.clean(L.mesh)), [-1])
+    need = {x_node: xl, w_node: Layout(2)}
+    if isinstance(bias_node, fx.Node):
+        need[bias_node] = Layout.replicate(L.env[bias_node].ndim)
+    return emit_like(L, node, need, xl)
 
 
 @register_rule(aten.bmm.default)
