@@ -218,3 +218,50 @@ def test_value_index_pairs_need_their_dim_whole() -> None:
     assert out == Layout.of(1, {"data": 0})
     needs, out = _decide(aten.min.dim, [([4, 8], x)], (0, True), out_shape=[1, 8])
     assert needs[0] == Layout.of(2, {"x": 1}) and out == needs[0]
+
+
+def test_lookups_and_writes_by_several_indices_keep_the_other_dims_cut() -> None:
+    lay = Layout.of(3, {"data": 0, "x": 2})
+    whole = Layout.replicate(2)
+    # x[:, i, j] (adjacent): the indices' broadcast dims replace the indexed ones
+    needs, out = _decide(aten.index.Tensor, [([4, 6, 3], lay), ([2, 1], whole), ([1, 3], whole)],
+                         pass_inputs=[0, [C(None), 1, 2]], out_shape=[4, 2, 3])
+    assert needs[0] == Layout.of(3, {"data": 0}) and out == Layout.of(3, {"data": 0})
+    assert needs[1] == whole and needs[2] == whole
+    # x[i, :, j] (apart): the broadcast dims go first, the middle dim keeps its cut
+    needs, out = _decide(aten.index.Tensor, [([4, 6, 3], Layout.of(3, {"data": 0, "x": 1})),
+                                             ([5], Layout(1)), ([5], Layout(1))],
+                         pass_inputs=[0, [1, C(None), 2]], out_shape=[5, 6])
+    assert out == Layout.of(2, {"x": 1})
+    # x[:, i] += v: v is cut as x[:, i] is; a whole target takes the values' cuts
+    cut = Layout.of(2, {"data": 0})
+    needs, out = _decide(aten.index_put.default, [([4, 6], cut), ([3], Layout(1)), ([4, 3], whole)],
+                         pass_inputs=[0, [C(None), 1], 2, C(True)])
+    assert out == cut and needs[2] == cut
+    needs, out = _decide(aten.index_put.default, [([4, 6], whole), ([3], Layout(1)), ([4, 3], cut)],
+                         pass_inputs=[0, [C(None), 1], 2, C(True)])
+    assert out == cut and needs[0] == cut
+
+
+def test_scatter_diagonal_and_grid_sample_keep_the_batch_cut() -> None:
+    cut = Layout.of(2, {"data": 0, "x": 1})
+    needs, out = _decide(aten.scatter_add.default, [([4, 6], cut), ([4, 6], Layout(2)), ([4, 6], Layout(2))],
+                         pass_inputs=[0, C(1), 1, 2])
+    assert out == Layout.of(2, {"data": 0}) and needs == [out, out, out]
+    _, out = _decide(aten.diagonal.default, [([4, 3, 3], Layout.of(3, {"data": 0, "x": 1}))],
+                     (0, 1, 2), out_shape=[4, 3])
+    assert out == Layout.of(2, {"data": 0})
+    needs, out = _decide(aten.grid_sampler_2d.default,
+                         [([4, 8, 5, 5], Layout.of(4, {"data": 0, "x": 1})), ([4, 3, 3, 2], Layout(4))],
+                         (0, 0, False), out_shape=[4, 8, 3, 3])
+    assert out == Layout.of(4, {"data": 0, "x": 1}) and needs[1] == Layout.of(4, {"data": 0})
+
+
+def test_variance_needs_its_dims_whole_and_any_leaves_a_partial_max() -> None:
+    lay = Layout.of(2, {"data": 0, "x": 1})
+    needs, out = _decide(aten.var.correction, [([4, 6], lay)], ([1],), out_shape=[4])
+    assert needs[0] == Layout.of(2, {"data": 0}) and out == Layout.of(1, {"data": 0})
+    needs, out = _decide(aten.any.dim, [([4, 6], lay)], (1,), out_shape=[4], out_dtype=torch.bool)
+    assert needs[0] == lay and out == Layout.of(1, {"data": 0}, partial={"x": "max"})
+    _, out = _decide(aten.all.dim, [([4, 6], lay)], (0,), out_shape=[6], out_dtype=torch.bool)
+    assert out == Layout.of(1, {"x": 0}, partial={"data": "min"})
