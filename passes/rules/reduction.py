@@ -9,7 +9,6 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 
-from shardc.context import PLACEMENT
 from shardc.mesh import Mesh
 from shardc.placement import Layout
 from shardc.runtime import ops as R
@@ -58,8 +57,8 @@ def reduce_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> S
     cosine attention, CLIP's end-of-text position; variance and standard deviation, a
     hand-written norm's statistics) keep every dim they do not reduce cut as it is, and
     need only the reduced ones whole (var_mean's two outputs both so); ``any`` / ``all``
-    leave a partial max / min. ``dim=None``
-    reduces every dim (an argmax then indexes the flattened whole tensor)."""
+    leave a partial max / min. ``dim=None`` reduces every dim (an argmax then indexes the
+    flattened whole tensor)."""
     x = vals[node.args[0]]
     val = node.meta["val"]
     if isinstance(val, (tuple, list)):  # var_mean, std_mean: two outputs of one shape
