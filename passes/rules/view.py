@@ -691,12 +691,7 @@ def many_index_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], at: list[int
     partial."""
     x = vals[node.args[0]]
     need_x = replicate_dims(x.layout, at)
-    width = len(node.meta["val"].shape) - (x.ndim - len(at))
-    rest = [d for d in range(x.ndim) if d not in at]
-    front = at == list(range(at[0], at[0] + len(at)))
-    before = [d for d in rest if front and d < at[0]]
-    after = [d for d in rest if d not in before]
-    order = before + [None] * width + after
+    order = _index_order(x.ndim, at, len(node.meta["val"].shape) - (x.ndim - len(at)))
     out = Layout(len(order), tuple(() if d is None else need_x.dims[d] for d in order),
                  need_x.partial, tuple(1 if d is None else need_x.interleave[d] for d in order))
     needs = {node.args[0]: need_x}
@@ -806,10 +801,18 @@ def _index_result_shape(shape: list[int], at: list[int], index_shapes: list[list
         b = list(torch.broadcast_shapes(*index_shapes))
     except RuntimeError:
         return None
-    rest = [d for d in range(len(shape)) if d not in at]
-    if at == list(range(at[0], at[0] + len(at))):
-        return shape[:at[0]] + b + shape[at[-1] + 1:]
-    return b + [shape[d] for d in rest]
+    order = _index_order(len(shape), at, len(b))
+    return [b.pop(0) if d is None else shape[d] for d in order]
+
+
+def _index_order(ndim: int, at: list[int], width: int) -> list[int | None]:
+    """Where each dim of ``x[..., i, j, ...]`` comes from, in torch's order: x's dim, or
+    None for one of the ``width`` dims the index tensors broadcast to. Those take the
+    indexed dims' place when the indexed dims are adjacent, else they come first."""
+    rest = [d for d in range(ndim) if d not in at]
+    front = at == list(range(at[0], at[0] + len(at)))
+    before = [d for d in rest if front and d < at[0]]
+    return before + [None] * width + [d for d in rest if d not in before]
 
 
 @strategy(aten.index_put.default)
@@ -847,11 +850,7 @@ def _indexed_write_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], at: list
     xv = vals[x]
     xl = no_partial(replicate_dims(xv.layout, at))
     idx = node.args[1]
-    width = vals[node.args[2]].ndim - (xv.ndim - len(at))
-    rest = [d for d in range(xv.ndim) if d not in at]
-    front = at == list(range(at[0], at[0] + len(at)))
-    before = [d for d in rest if front and d < at[0]]
-    order = before + [None] * width + [d for d in rest if d not in before]
+    order = _index_order(xv.ndim, at, vals[node.args[2]].ndim - (xv.ndim - len(at)))
     src = no_partial(vals[node.args[2]].layout)
     if not any(xl.dims) and any(src.dims[p] for p, d in enumerate(order) if d is not None):
         # a fresh whole target (``torch.zeros(...).index_add_(1, i, h)``): take the cuts
