@@ -448,6 +448,31 @@ class TorchSeq2Seq(torch.nn.Module):
         return F.cross_entropy(self.head(h).flatten(0, 1), t.flatten())
 
 
+class PatchTST(torch.nn.Module):
+    """transformers' PatchTST forecaster: the series is cut into patches by
+    ``Tensor.unfold`` along time (which once gathered the batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.PatchTSTConfig(num_input_channels=3, context_length=32, patch_length=8,
+                                          patch_stride=8, d_model=16, num_hidden_layers=2,
+                                          num_attention_heads=4, ffn_dim=32, prediction_length=8,
+                                          dropout=0.0, attention_dropout=0.0, ff_dropout=0.0,
+                                          positional_dropout=0.0, path_dropout=0.0, head_dropout=0.0)
+        self.m = transformers.PatchTSTForPrediction(cfg)
+
+    def forward(self, past: torch.Tensor, future: torch.Tensor) -> torch.Tensor:
+        return self.m(past_values=past, future_values=future).loss
+
+
+def _series():
+    g = torch.Generator().manual_seed(1)
+    return PatchTST, [(torch.randn(8, 32, 3, generator=g), torch.randn(8, 8, 3, generator=g))
+                      for _ in range(3)]
+
+
 class LSTMNet(torch.nn.Module):
     """Two LSTM layers (export unrolls them: the gates of each step are one GEMM's output
     chunked in four) between an embedding and a head."""
@@ -567,7 +592,8 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "segmentation": (_segmentation, "x2y1z1d2"),
           "per-sample": (_per_sample, "x1y1z1d4"),
           "kernel-head": (_kernel_head, "x2y1z1d2"),
-          "torch-seq2seq": (lambda: _tokens(TorchSeq2Seq), "x1y1z2d2")}
+          "torch-seq2seq": (lambda: _tokens(TorchSeq2Seq), "x1y1z2d2"),
+          "patchtst": (_series, "x2y1z1d2")}
 
 
 def _gathers_nothing(f) -> bool:

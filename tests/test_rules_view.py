@@ -133,6 +133,8 @@ def specs() -> list[S.OpSpec]:
         V("index_put.pairs", lambda m, a, s_: a.index_put((torch.tensor([0, 2]), torch.tensor([1, 1])),
                                                           s_, accumulate=True), x(4, 6, 2), x(2, 2)),
         V("index_fill.dim2", lambda m, a: a.index_fill(2, torch.tensor([0, 3]), 0.5), x(4, 2, 6)),
+        V("unfold.windows", lambda m, a: a.unfold(1, 3, 2) * 1.0, x(4, 7, 2), two=True),
+        V("unfold.last", lambda m, a: a.unfold(-1, 2, 2) * 1.0, x(4, 6)),
         V("diagonal.batched", lambda m, a: torch.diagonal(a, dim1=1, dim2=2) * 1.0, x(4, 3, 3), two=True),
         V("diagonal.offset_first", lambda m, a: torch.diagonal(a, 1, 0, 2) * 1.0, x(3, 4, 3)),
         # a parameter looked up by a cut index (MoE experts' weights by token)

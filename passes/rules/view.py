@@ -209,6 +209,24 @@ def along_dim_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -
     return Strategy({node.args[0]: need}, out)
 
 
+@register_rule(aten.unfold.default)
+def windows_rule(L: Lowering, node: fx.Node) -> Any:
+    if L.env[node.args[0]].layout is None:
+        return materialise_then(L, node)
+    return apply_strategy(L, node, windows_strategy)
+
+
+@strategy(aten.unfold.default)
+def windows_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
+    """``x.unfold(dim, size, step)``: windows along ``dim`` (PatchTST's patches, audio
+    frames), a new last dim of ``size``. ``dim`` whole (a window may cross any cut), the
+    others keep their cuts. A view, so a partial x stays partial."""
+    x = vals[node.args[0]]
+    need = replicate_dims(x.layout, [node.args[1] % max(x.ndim, 1)])
+    out = Layout(x.ndim + 1, need.dims + ((),), need.partial, need.interleave + (1,))
+    return Strategy({node.args[0]: need}, out)
+
+
 @register_rule(aten.diagonal.default)
 def diagonal_rule(L: Lowering, node: fx.Node) -> Any:
     if L.env[node.args[0]].layout is None:
