@@ -55,8 +55,8 @@ def bernoulli_rule(L: Lowering, node: fx.Node) -> Any:
     return Val(n, lay, gval)
 
 
-# draws that read only their first argument's shape, dtype and device: op -> where its
-# generator argument would be (a user's own generator: run whole, as one device would)
+# draws that read only their first argument's shape, dtype and device (a user's own
+# generator, or a bound given as a tensor, runs whole, as one device would draw it)
 _LIKE = tuple(getattr(getattr(aten, a), b) for a, b in (
     ("randn_like", "default"), ("rand_like", "default"), ("randint_like", "default"),
     ("randint_like", "low_dtype"), ("randint_like", "Tensor"), ("exponential", "default"),
