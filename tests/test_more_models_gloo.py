@@ -17,6 +17,12 @@ positions tiled over the batch), Swin (whose pooling's backward writes in place)
 positions by index_select), CLIP (contrastive, the end-of-text token picked per row) and
 ViT-MAE's pretraining (random masking) with reshard_after_forward; XLM (an assert on its
 lengths, whose operand nothing else reads); FNet (Fourier transforms, complex views).
+Each of the following once gathered the batch on a data axis: a segmentation head
+(cross-entropy over (N, C, H, W) with class weights, label smoothing and probability
+targets), within-sample ops (var_mean, cumprod, scatter_add, index_add, F.unfold), a
+kernel-regression head (linalg solve, slogdet, Cholesky), torch's nn.Transformer with a
+weight-normed head (weights computed in forward), Mixtral's batched_mm experts (weights
+indexed by expert id) and PatchTST (Tensor.unfold patches).
 
 Some run a few ops replicated (BLOOM's alibi ``repeat``, GPT-J's sin/cos table
 ``index``, ``repeat`` and ``gather``): allowed here as long as they gather nothing, that
