@@ -209,11 +209,14 @@ def along_dim_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -
     return Strategy({node.args[0]: need}, out)
 
 
-@register_rule(aten.unfold.default)
-def windows_rule(L: Lowering, node: fx.Node) -> Any:
+@register_rule(aten.unfold.default, aten.diagonal.default)
+def one_input_view_rule(L: Lowering, node: fx.Node) -> Any:
+    """Views of one tensor that need some of its dims whole (``windows_strategy``,
+    ``diagonal_strategy``)."""
     if L.env[node.args[0]].layout is None:
         return materialise_then(L, node)
-    return apply_strategy(L, node, windows_strategy)
+    decide = windows_strategy if node.target is aten.unfold.default else diagonal_strategy
+    return apply_strategy(L, node, decide)
 
 
 @strategy(aten.unfold.default)
@@ -225,13 +228,6 @@ def windows_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> 
     need = replicate_dims(x.layout, [node.args[1] % max(x.ndim, 1)])
     out = Layout(x.ndim + 1, need.dims + ((),), need.partial, need.interleave + (1,))
     return Strategy({node.args[0]: need}, out)
-
-
-@register_rule(aten.diagonal.default)
-def diagonal_rule(L: Lowering, node: fx.Node) -> Any:
-    if L.env[node.args[0]].layout is None:
-        return materialise_then(L, node)
-    return apply_strategy(L, node, diagonal_strategy)
 
 
 @strategy(aten.diagonal.default)
