@@ -51,6 +51,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
     """``compute``: the policy's compute dtype (``shardc.precision``); fp32 traces the
     model as it is."""
     from shardc.passes.rules import RULES
+    from shardc.passes.rules.common import existing_ops
 
     key = (_signature(example_inputs), model.training, compute)
     per_model = _CACHE.setdefault(model, {})
@@ -83,8 +84,9 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
         if not all(_has_rule(n.target, RULES) for n in ep.graph.nodes if n.op == "call_function"):
             # decompose what has no rule (re-tracing costs about as much as the export)
             table = torch.export.default_decompositions()
+            keep_whole = existing_ops(*_KEEP_WHOLE)
             for op in list(table):
-                if _has_rule(op, RULES) or op in _KEEP_WHOLE:
+                if _has_rule(op, RULES) or op in keep_whole:
                     table.pop(op)
             try:
                 ep = ep.run_decompositions(table)
@@ -287,22 +289,14 @@ def checkpointed_modules(ep: torch.export.ExportedProgram) -> tuple[str, ...]:
     return CHECKPOINTED.get(ep, ())
 
 
-def _keep_whole() -> frozenset:
-    """Ops whose decomposition checks its result for errors by a side effect
-    (``_linalg_check_errors``: a singular matrix raises), which export threads through
-    the program as an effect token that no rank program carries: kept whole, they raise
-    as they do on one device."""
-    aten = torch.ops.aten
-    names = [("linalg_solve", "default"), ("linalg_cholesky", "default"),
-             ("linalg_inv", "default"), ("inverse", "default"),
-             ("linalg_matrix_power", "default"), ("linalg_lu_factor", "default"),
-             ("linalg_ldl_factor", "default"), ("linalg_tensorinv", "default"),
-             ("linalg_tensorsolve", "default"), ("cholesky_solve", "default")]
-    return frozenset(getattr(getattr(aten, a), b) for a, b in names
-                     if hasattr(aten, a) and hasattr(getattr(aten, a), b))
-
-
-_KEEP_WHOLE = _keep_whole()
+# Ops whose decomposition checks its result for errors by a side effect
+# (``_linalg_check_errors``: a singular matrix raises), which export threads through the
+# program as an effect token that no rank program carries: kept whole, they raise as they
+# do on one device.
+_KEEP_WHOLE = ("linalg_solve.default", "linalg_cholesky.default", "linalg_inv.default",
+               "inverse.default", "linalg_matrix_power.default", "linalg_lu_factor.default",
+               "linalg_ldl_factor.default", "linalg_tensorinv.default",
+               "linalg_tensorsolve.default", "cholesky_solve.default")
 
 
 def _has_rule(op: Any, rules: dict) -> bool:

@@ -16,6 +16,18 @@ from shardc.passes.lower import Fallback, Lowering, Val
 
 aten = torch.ops.aten
 Rule = Callable[[Lowering, fx.Node], Any]
+
+
+def existing_ops(*names: str) -> tuple:
+    """The ATen overloads ``"op.overload"`` this torch has (the project accepts a range
+    of torch versions; an op or overload newer than the one installed is left out)."""
+    found = []
+    for name in names:
+        op, overload = name.split(".")
+        packet = getattr(aten, op, None)
+        if packet is not None and hasattr(packet, overload):
+            found.append(getattr(packet, overload))
+    return tuple(found)
 RULES: dict[Any, Rule] = {}
 
 

@@ -1,5 +1,5 @@
-"""Convolutions, pooling, resampling (interpolate, grid_sample) and group norm: ops that work over the
-trailing (spatial) dims of each sample independently. The leading dims (batch, and
+"""Convolutions, pooling, resampling (interpolate, grid_sample) and group norm: ops that
+work over the trailing (spatial) dims of each sample independently. The leading dims (batch, and
 channels for pooling and resampling) keep their shards; the window's dims, and for a convolution the channels it
 mixes, must be whole on every rank.
 

@@ -13,8 +13,8 @@ import torch.fx as fx
 from shardc.errors import ShardcError
 from shardc.placement import Layout
 from shardc.passes.lower import Lowering, Val
-from shardc.passes.rules.common import (aten, emit_like, fallback_rule, local_args, no_partial,
-                                        register_rule, replicate_dims)
+from shardc.passes.rules.common import (aten, emit_like, existing_ops, fallback_rule, local_args,
+                                        no_partial, register_rule, replicate_dims)
 from shardc.passes.rules.pointwise import pointwise_layouts
 
 
@@ -212,17 +212,11 @@ def act_gemm_rule(L: Lowering, node: fx.Node) -> Any:
 
 
 # ------------------------------------------------------------- batched linear algebra
-def _linalg_ops() -> tuple:
-    names = [("linalg_solve", "default"), ("linalg_cholesky", "default"), ("linalg_inv", "default"),
-             ("inverse", "default"), ("linalg_matrix_power", "default"), ("cholesky_solve", "default"),
-             ("linalg_lu_factor", "default"), ("_linalg_det", "default"), ("_linalg_slogdet", "default"),
-             ("_linalg_eigh", "default"), ("_linalg_svd", "default"), ("linalg_qr", "default"),
-             ("linalg_solve_triangular", "default"), ("linalg_matrix_exp", "default")]
-    return tuple(getattr(getattr(aten, a), b) for a, b in names
-                 if hasattr(aten, a) and hasattr(getattr(aten, a), b))
-
-
-_LINALG = _linalg_ops()
+_LINALG = existing_ops("linalg_solve.default", "linalg_cholesky.default", "linalg_inv.default",
+                       "inverse.default", "linalg_matrix_power.default", "cholesky_solve.default",
+                       "linalg_lu_factor.default", "_linalg_det.default", "_linalg_slogdet.default",
+                       "_linalg_eigh.default", "_linalg_svd.default", "linalg_qr.default",
+                       "linalg_solve_triangular.default", "linalg_matrix_exp.default")
 
 
 @register_rule(*_LINALG)
@@ -268,17 +262,12 @@ def cdist_rule(L: Lowering, node: fx.Node) -> Any:
         return fallback_rule(L, node)
     k = a.ndim - 2
     al, bl = no_partial(a.layout.clean(L.mesh)), no_partial(b.layout.clean(L.mesh))
-    lead, il = [], []
-    for d in range(k):
-        src = al if al.dims[d] else bl
-        lead.append(src.dims[d])
-        il.append(src.interleave[d])
-    used = {x for axes in lead for x in axes}
-    rows = tuple(x for x in al.dims[k] if x not in used)
-    rows_il = al.interleave[k] if rows == al.dims[k] else 1
-    if rows != al.dims[k]:
-        rows = ()
-    need_a = Layout(a.ndim, tuple(lead) + (rows, ()), (), tuple(il) + (rows_il, 1))
-    need_b = Layout(b.ndim, tuple(lead) + ((), ()), (), tuple(il) + (1, 1))
-    out = Layout(a.ndim, tuple(lead) + (rows, ()), (), tuple(il) + (rows_il, 1))
-    return emit_like(L, node, {node.args[0]: need_a, node.args[1]: need_b}, out)
+    src = al if any(al.dims[:k]) else bl  # one tensor's cuts for all the batch dims
+    lead, il = src.dims[:k], src.interleave[:k]
+    if {x for axes in lead for x in axes} & set(al.dims[k]):
+        rows, rows_il = (), 1  # an axis the batch dims took from b
+    else:
+        rows, rows_il = al.dims[k], al.interleave[k]
+    need_a = Layout(a.ndim, lead + (rows, ()), (), il + (rows_il, 1))
+    need_b = Layout(b.ndim, lead + ((), ()), (), il + (1, 1))
+    return emit_like(L, node, {node.args[0]: need_a, node.args[1]: need_b}, need_a)

@@ -12,7 +12,7 @@ import torch.fx as fx
 from shardc.placement import Layout
 from shardc.runtime import ops as R
 from shardc.passes.lower import Lowering, Val
-from shardc.passes.rules.common import aten, fallback_rule, register_rule
+from shardc.passes.rules.common import aten, existing_ops, fallback_rule, register_rule
 
 
 @register_rule(aten.dropout.default, aten.native_dropout.default)
@@ -57,12 +57,10 @@ def bernoulli_rule(L: Lowering, node: fx.Node) -> Any:
 
 # draws that read only their first argument's shape, dtype and device (a user's own
 # generator, or a bound given as a tensor, runs whole, as one device would draw it)
-_LIKE = tuple(getattr(getattr(aten, a), b) for a, b in (
-    ("randn_like", "default"), ("rand_like", "default"), ("randint_like", "default"),
-    ("randint_like", "low_dtype"), ("randint_like", "Tensor"), ("exponential", "default"),
-    ("uniform", "default"), ("normal_functional", "default"), ("log_normal", "default"),
-    ("cauchy", "default"), ("geometric", "default"))
-    if hasattr(aten, a) and hasattr(getattr(aten, a), b))
+_LIKE = existing_ops("randn_like.default", "rand_like.default", "randint_like.default",
+                     "randint_like.low_dtype", "randint_like.Tensor", "exponential.default",
+                     "uniform.default", "normal_functional.default", "log_normal.default",
+                     "cauchy.default", "geometric.default")
 
 
 @register_rule(*_LIKE)

@@ -687,14 +687,19 @@ def _many_index(node: fx.Node, vals: Mapping[fx.Node, Any]) -> list[int] | None:
     x = vals.get(node.args[0])
     if not isinstance(x, Val) or x.layout is None:
         return None
-    at = [d for d, i in enumerate(node.args[1]) if i is not None]
-    if len(at) < 2:
-        return None
+    at = _integer_indices(node.args[1], vals)
+    return at if at is not None and len(at) >= 2 else None
+
+
+def _integer_indices(idx: Any, vals: Mapping[fx.Node, Any]) -> list[int] | None:
+    """The dims an advanced index's integer tensors index (``idx``: one entry per dim,
+    None for a dim it leaves alone); None if there is none, or one is a mask."""
+    at = [d for d, i in enumerate(idx) if i is not None]
     for d in at:
-        v = vals.get(node.args[1][d])
+        v = vals.get(idx[d])
         if not isinstance(v, Val) or v.layout is None or v.val.dtype in (torch.bool, torch.uint8):
             return None
-    return at
+    return at or None
 
 
 def many_index_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], at: list[int]) -> Strategy:
@@ -706,8 +711,7 @@ def many_index_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], at: list[int
     x = vals[node.args[0]]
     need_x = replicate_dims(x.layout, at)
     order = _index_order(x.ndim, at, len(node.meta["val"].shape) - (x.ndim - len(at)))
-    out = Layout(len(order), tuple(() if d is None else need_x.dims[d] for d in order),
-                 need_x.partial, tuple(1 if d is None else need_x.interleave[d] for d in order))
+    out = _in_order(need_x, order)
     needs = {node.args[0]: need_x}
     for d in at:
         i = node.args[1][d]
@@ -797,13 +801,9 @@ def _indexed_write(node: fx.Node, vals: Mapping[fx.Node, Any]) -> list[int] | No
     if not isinstance(idx, (list, tuple)) or not isinstance(x, Val) or x.layout is None \
             or not isinstance(v, Val) or v.layout is None:
         return None
-    at = [d for d, i in enumerate(idx) if i is not None]
-    if not at:
+    at = _integer_indices(idx, vals)
+    if at is None:
         return None
-    for d in at:
-        iv = vals.get(idx[d])
-        if not isinstance(iv, Val) or iv.layout is None or iv.val.dtype in (torch.bool, torch.uint8):
-            return None
     want = _index_result_shape(list(x.shape), at, [list(vals[idx[d]].shape) for d in at])
     return at if want is not None and list(v.shape) == want else None
 
@@ -817,6 +817,14 @@ def _index_result_shape(shape: list[int], at: list[int], index_shapes: list[list
         return None
     order = _index_order(len(shape), at, len(b))
     return [b.pop(0) if d is None else shape[d] for d in order]
+
+
+def _in_order(lay: Layout, order: list[int | None]) -> Layout:
+    """The layout of ``x[..., i, j, ...]`` when ``x`` is laid out as ``lay`` (its indexed
+    dims whole): each dim takes the cut of the dim of x it comes from (``_index_order``),
+    the indices' broadcast dims are whole."""
+    return Layout(len(order), tuple(() if d is None else lay.dims[d] for d in order), lay.partial,
+                  tuple(1 if d is None else lay.interleave[d] for d in order))
 
 
 def _index_order(ndim: int, at: list[int], width: int) -> list[int | None]:
@@ -874,9 +882,7 @@ def _indexed_write_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], at: list
             if d is not None:
                 dims[d], il[d] = src.dims[p], src.interleave[p]
         xl = Layout(xv.ndim, tuple(dims), (), tuple(il))
-    vl = Layout(len(order), tuple(() if d is None else xl.dims[d] for d in order), (),
-                tuple(1 if d is None else xl.interleave[d] for d in order))
-    needs = {x: xl, node.args[2]: vl}
+    needs = {x: xl, node.args[2]: _in_order(xl, order)}
     for d in at:
         needs[idx[d]] = Layout.replicate(vals[idx[d]].ndim)
     return Strategy(needs, xl)
