@@ -16,7 +16,11 @@ positions tiled over the batch), Swin (whose pooling's backward writes in place)
 (vector norms; per-block gathers on z), Falcon (multi-query lookups), M2M100 (sinusoidal
 positions by index_select), CLIP (contrastive, the end-of-text token picked per row) and
 ViT-MAE's pretraining (random masking) with reshard_after_forward; XLM (an assert on its
-lengths, whose operand nothing else reads); FNet (Fourier transforms, complex views).
+lengths, whose operand nothing else reads); FNet (Fourier transforms, complex views);
+Gemma 2 (soft-capped logits, sliding-window layers), DeepSeek-V3 (latent attention, routed
+and shared experts), GPT-Neo (local attention), ALBERT (one layer's weights shared by every
+layer), Mamba (selective scan, transformers' PyTorch path), XLNet (relative attention by
+einsum) and Llama with transformers' gradient checkpointing switched on.
 Each of the following once gathered the batch on a data axis: a segmentation head
 (cross-entropy over (N, C, H, W) with class weights, label smoothing and probability
 targets), within-sample ops (var_mean, cumprod, scatter_add, index_add, F.unfold), a
@@ -77,6 +81,16 @@ MODELS = {
     "mixtral-batched": (_hf("MixtralConfig", "MixtralForCausalLM", experts="batched_mm",
                             num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2,
                             **_LLAMA_LIKE), "x1y1z2d2"),
+    # logits soft-capped by tanh, and a sliding window on every other layer's attention mask
+    "gemma2": (_hf("Gemma2Config", "Gemma2ForCausalLM", num_key_value_heads=4, head_dim=4,
+                   sliding_window=8, **_LLAMA_LIKE), "x2y1z1d2"),
+    # multi-head latent attention (low-rank q and kv projections, a split rotary head) and
+    # routed experts with a shared one after a first dense layer
+    "deepseek-v3": (_hf("DeepseekV3Config", "DeepseekV3ForCausalLM", experts="batched_mm",
+                        num_key_value_heads=8, n_routed_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=16, first_k_dense_replace=1, kv_lora_rank=8,
+                        q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4,
+                        n_group=1, topk_group=1, **_LLAMA_LIKE), "x2y1z1d2"),
 }
 
 
@@ -262,6 +276,43 @@ _FNET = _hf_loss("FNetConfig", "FNetForMaskedLM", _IDS, vocab_size=64, hidden_si
 _LONGFORMER = _hf_loss("LongformerConfig", "LongformerForMaskedLM", _IDS, vocab_size=64,
                        hidden_size=32, num_hidden_layers=2, num_attention_heads=8,
                        intermediate_size=64, max_position_embeddings=40, attention_window=[4, 4])
+
+
+# local attention (a causal window of 4) on every other layer
+_GPT_NEO = _hf_loss("GPTNeoConfig", "GPTNeoForCausalLM", _IDS, vocab_size=64, hidden_size=32,
+                    num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+                    window_size=4, max_position_embeddings=32, use_cache=False)
+# one layer's weights run by every layer (each weight read twice in forward, its gradient
+# summed over both uses), embeddings factorized through a smaller width
+_ALBERT = _hf_loss("AlbertConfig", "AlbertForMaskedLM", _IDS, vocab_size=64, hidden_size=32,
+                   embedding_size=16, num_hidden_layers=2, num_attention_heads=4,
+                   intermediate_size=64, max_position_embeddings=32)
+# a state-space model, transformers' PyTorch path (no mamba_ssm kernels): a depthwise causal
+# convolution and the selective scan as a loop over time steps
+_MAMBA = _hf_loss("MambaConfig", "MambaForCausalLM", _IDS, vocab_size=64, hidden_size=32,
+                  num_hidden_layers=2, state_size=4, use_cache=False)
+# relative attention by einsum over position encodings, and its relative shift
+_XLNET = _hf_loss("XLNetConfig", "XLNetLMHeadModel", _IDS, vocab_size=64, d_model=32, n_layer=2,
+                  n_head=4, d_inner=64, use_mems_train=False)
+
+
+class LlamaCheckpointed(torch.nn.Module):
+    """Llama with transformers' own activation checkpointing switched on
+    (``gradient_checkpointing_enable``: torch.utils.checkpoint around each layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                       num_key_value_heads=4, use_cache=False,
+                                       tie_word_embeddings=False, **_LLAMA_LIKE)
+        self.m = transformers.LlamaForCausalLM(cfg)
+        self.m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.m.train()
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.m(input_ids=ids, labels=labels).loss
 
 
 def _pixels():
@@ -599,7 +650,12 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "per-sample": (_per_sample, "x1y1z1d4"),
           "kernel-head": (_kernel_head, "x2y1z1d2"),
           "torch-seq2seq": (lambda: _tokens(TorchSeq2Seq), "x1y1z2d2"),
-          "patchtst": (_series, "x2y1z1d2")}
+          "patchtst": (_series, "x2y1z1d2"),
+          "gpt-neo": (lambda: _tokens(_GPT_NEO), "x2y1z1d2"),
+          "albert": (lambda: _tokens(_ALBERT), "x2y1z1d2"),
+          "mamba": (lambda: _tokens(_MAMBA), "x2y1z1d2"),
+          "xlnet": (lambda: _tokens(_XLNET), "x2y1z1d2"),
+          "llama-checkpointed": (lambda: _tokens(LlamaCheckpointed), "x1y1z2d2")}
 
 
 def _gathers_nothing(f) -> bool:
