@@ -481,6 +481,29 @@ def test_per_sample_ops_keep_the_batch_on_its_rank(fake_world, spec: str) -> Non
     assert [f for f in sm.fallbacks if f.gathered] == []
 
 
+class _ComplexParts(nn.Module):
+    """A complex tensor built from two real ones, by parts and in polar form (rotary
+    embeddings in Meta's Llama code use ``torch.polar``), read back as real numbers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        z = torch.complex(h, h.flip(-1)) * torch.polar(h.abs() + 1, h)
+        return torch.view_as_real(z).pow(2).mean()
+
+
+@pytest.mark.parametrize("spec", ["x1y1z1d4", "x2y1z1d2"])
+def test_complex_from_parts_keeps_the_batch_on_its_rank(fake_world, spec: str) -> None:
+    """torch.complex and torch.polar are elementwise: each once ran whole on the gathered
+    batch (numerics: tests/test_rules_pointwise.py's cases)."""
+    fake_world(4)
+    sm = shardc.compile(_ComplexParts(), shardc.Mesh.parse(spec), (torch.randn(8, 6, 16),))
+    assert [f.op for f in sm.fallbacks if f.gathered] == []
+
+
 class _Solves(nn.Module):
     """torch.linalg on a stack of per-sample matrices, and an inverse of a parameter."""
 
