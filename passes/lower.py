@@ -426,9 +426,22 @@ class Lowering:
         return want.clean(self.mesh)
 
     # --------------------------------------------------------------------- driver
-    def run(self) -> LowerResult:
+    def rule_for(self, node: fx.Node) -> Callable[["Lowering", fx.Node], Any]:
+        """The table's rule for ``node``'s op (``fallback_rule`` when it has none)."""
         from shardc.passes.rules import RULES, fallback_rule  # the table fills on import
 
+        rule = RULES.get(node.target)
+        if rule is None and isinstance(node.target, torch._ops.OpOverload):
+            rule = RULES.get(node.target.overloadpacket)
+            if rule is None and torch.Tag.pointwise in node.target.tags:
+                rule = RULES["pointwise"]
+        return rule or fallback_rule
+
+    def run(self) -> LowerResult:
+        from shardc.passes.rules.routing import region_rules
+
+        # ops whose rule depends on a region around them, not on the op alone
+        regions = region_rules(self, self.old.graph)
         outputs: list[Any] = []
         for node in self.old.graph.nodes:
             self.cur = node
@@ -443,13 +456,9 @@ class Lowering:
                 n.meta[KIND] = "constant"
                 self.env[node] = Val(n, n.meta[PLACEMENT], t)
             elif node.op == "call_function":
-                rule = RULES.get(node.target)
-                if rule is None and isinstance(node.target, torch._ops.OpOverload):
-                    rule = RULES.get(node.target.overloadpacket)
-                    if rule is None and torch.Tag.pointwise in node.target.tags:
-                        rule = RULES["pointwise"]
+                rule = regions.get(node) or self.rule_for(node)
                 try:
-                    self.env[node] = (rule or fallback_rule)(self, node)
+                    self.env[node] = rule(self, node)
                 except _DATA_DEPENDENT as e:
                     raise _data_dependent_error(node, self.src, e) from e
             elif node.op == "output":

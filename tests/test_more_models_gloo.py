@@ -20,7 +20,9 @@ lengths, whose operand nothing else reads); FNet (Fourier transforms, complex vi
 Gemma 2 (soft-capped logits, sliding-window layers), DeepSeek-V3 (latent attention, routed
 and shared experts), GPT-Neo (local attention), ALBERT (one layer's weights shared by every
 layer), Mamba (selective scan, transformers' PyTorch path), XLNet (relative attention by
-einsum) and Llama with transformers' gradient checkpointing switched on.
+einsum) and Llama with transformers' gradient checkpointing switched on; Mixtral and GPT-OSS
+with transformers' default experts kernel (grouped_mm) and tests/test_routing.py's
+``Routed``, whose sort by expert runs on each rank's own token-expert pairs.
 Each of the following once gathered the batch on a data axis: a segmentation head
 (cross-entropy over (N, C, H, W) with class weights, label smoothing and probability
 targets), within-sample ops (var_mean, cumprod, scatter_add, index_add, F.unfold), a
@@ -86,6 +88,16 @@ MODELS = {
                    sliding_window=8, **_LLAMA_LIKE), "x2y1z1d2"),
     # multi-head latent attention (low-rank q and kv projections, a split rotary head) and
     # routed experts with a shared one after a first dense layer
+    # transformers' default experts kernel (grouped_mm): the token-expert pairs sorted by
+    # expert, each rank's own rows (once the batch's keys and tokens were gathered for the
+    # sort; passes/rules/routing.py)
+    "mixtral": (_hf("MixtralConfig", "MixtralForCausalLM", num_key_value_heads=4, num_local_experts=4,
+                    num_experts_per_tok=2, **_LLAMA_LIKE), "x1y1z2d2"),
+    # the same kernel with experts' biases looked up by the sorted keys, on a mesh that cuts
+    # the hidden dim too (gathered into the region)
+    "gpt-oss": (_hf("GptOssConfig", "GptOssForCausalLM", num_key_value_heads=4, num_local_experts=4,
+                    num_experts_per_tok=2, intermediate_size=32, num_attention_heads=8, head_dim=4,
+                    max_position_embeddings=16, sliding_window=8), "x2y1z1d2"),
     "deepseek-v3": (_hf("DeepseekV3Config", "DeepseekV3ForCausalLM", experts="batched_mm",
                         num_key_value_heads=8, n_routed_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=16, first_k_dense_replace=1, kv_lora_rank=8,
@@ -616,6 +628,13 @@ def _images(make, size: int = 16, labels: int = 10):
 
 
 # (model, its batches) for those that are not causal language models
+def _routed():
+    from test_routing import Routed
+
+    g = torch.Generator().manual_seed(1)
+    return Routed, [(torch.randn(8, 4, 8, generator=g),) for _ in range(3)]
+
+
 def _tokens(make):
     import test_train_gloo as T
 
@@ -655,7 +674,8 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "albert": (lambda: _tokens(_ALBERT), "x2y1z1d2"),
           "mamba": (lambda: _tokens(_MAMBA), "x2y1z1d2"),
           "xlnet": (lambda: _tokens(_XLNET), "x2y1z1d2"),
-          "llama-checkpointed": (lambda: _tokens(LlamaCheckpointed), "x1y1z2d2")}
+          "llama-checkpointed": (lambda: _tokens(LlamaCheckpointed), "x1y1z2d2"),
+          "routed": (_routed, "x1y1z1d4")}
 
 
 def _gathers_nothing(f) -> bool:
@@ -675,6 +695,12 @@ _ALLOWED = {"longformer": lambda f: not f.gathered or f.op == "aten.as_strided.d
 
 def _all(rank: int, world_size: int) -> None:
     import test_train_gloo as T
+    import transformers.integrations.moe as moe
+
+    # the float64 reference of a grouped_mm MoE: torch's CPU kernel takes no float64, so
+    # every run, the reference too, takes transformers' own fallback (one GEMM per expert,
+    # the op the compiled trace holds anyway)
+    moe._can_use_grouped_mm = lambda *args, **kwargs: False
 
     failures: list[str] = []
     for name, (make, spec) in MODELS.items():

@@ -16,7 +16,9 @@ names it.
 One module per op family (``pointwise``, ``view``, ``matrix``, ``reduction`` for
 norms/reductions/losses, ``embedding``, ``attention``, ``random``, ``conv`` for
 convolutions, pooling and group norm), each registering its
-rules in the table of ``common``; importing this package fills the table.
+rules in the table of ``common``; importing this package fills the table. ``routing``
+is the exception: its rules replace the table's on the nodes of a region (a sort of the
+batch's rows undone before its order is read) that the lowering finds before it starts.
 """
 from __future__ import annotations
 
