@@ -632,7 +632,7 @@ def _routed():
     from test_routing import Routed
 
     g = torch.Generator().manual_seed(1)
-    return Routed, [(torch.randn(8, 4, 8, generator=g),) for _ in range(3)]
+    return (lambda: Routed("norm")), [(torch.randn(8, 4, 8, generator=g),) for _ in range(3)]
 
 
 def _tokens(make):

@@ -30,7 +30,8 @@ def _aten_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> to
 
 class Routed(nn.Module):
     """Top-2 of 4 experts, dispatched as transformers' grouped_mm kernel does, in torch
-    alone. ``variant`` reads the sorted order somewhere, which must keep the sort whole:
+    alone. ``norm`` puts a layer norm between the two GEMMs (row-wise: still a region).
+    Any other ``variant`` reads the sorted order somewhere, which must keep the sort whole:
     ``descending`` (offsets of an ascending histogram no longer match the rows),
     ``aux`` (the rank's own counts in a load-balancing term), ``cumsum`` (a running sum
     over the sorted rows), ``unbounded`` (keys of unknown range: the histogram may drop
@@ -60,6 +61,8 @@ class Routed(nn.Module):
         counts = torch.histc(keys.float(), bins=self.experts, min=0, max=self.experts - 1)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         y = F.silu(self.grouped(rows, self.up, offs) + self.bias[keys])
+        if self.variant == "norm":  # row-wise, and a node of several outputs
+            y = F.layer_norm(y, (y.shape[-1],))
         y = self.grouped(y, self.down, offs) * weights.unsqueeze(-1)
         if self.variant == "cumsum":
             y = y.cumsum(0)
@@ -81,8 +84,9 @@ def _regions(model: nn.Module, dtype: torch.dtype = torch.float32) -> list:
     return find_regions(ep.graph if hasattr(ep, "graph") else ep.graph_module.graph)
 
 
-def test_a_sort_undone_before_its_order_is_read_is_a_region() -> None:
-    (region,) = _regions(Routed())
+@pytest.mark.parametrize("variant", ["", "norm"])
+def test_a_sort_undone_before_its_order_is_read_is_a_region(variant: str) -> None:
+    (region,) = _regions(Routed(variant))
     assert region.n == 8 * 4 * 2
     assert len(region.exits) == 1  # y[inv]
     kinds = {k for k, _ in region.kinds.values()}

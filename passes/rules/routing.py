@@ -43,6 +43,7 @@ import torch.fx as fx
 
 from shardc.placement import Layout
 from shardc.passes.lower import Lowering, Val
+from shardc.passes.rules.common import existing_ops
 
 aten = torch.ops.aten
 
@@ -71,6 +72,7 @@ _DIM_ARG1 = {aten.unsqueeze.default, aten.select.int, aten.slice.Tensor, aten.na
              aten._softmax.default, aten._log_softmax.default, aten.softmax.int,
              aten.log_softmax.int}
 _REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default}
+_NORMS = set(existing_ops("layer_norm.default", "native_layer_norm.default", "rms_norm.default"))
 _GEMMS_LEFT = {aten.linear.default, aten.mm.default, aten.matmul.default}
 
 
@@ -219,7 +221,7 @@ def _classify(region: Region, user: fx.Node, src: fx.Node, kind: str, ratio: int
         raise _Reject(f"{user.format_node()} indexes the sorted rows")
     if _row_wise(user, src, kinds):
         out = [(user, ROWS, 1)]
-        if t in _SPLITS:
+        if isinstance(user.meta.get("val"), (list, tuple)):  # a split, layer norm's statistics
             out += [(g, ROWS, 1) for g in user.users if g.target is operator.getitem]
         return out
     raise _Reject(f"{user.format_node()} is not row-wise")
@@ -268,7 +270,7 @@ def _row_wise(user: fx.Node, src: fx.Node, kinds: dict) -> bool:
     if t in _REDUCTIONS:
         dims = _arg(user, 1, "dim", None)
         return user.args[0] is src and bool(dims) and all(d % nd != 0 for d in dims)
-    if t in (aten.native_layer_norm.default, aten.rms_norm.default):
+    if t in _NORMS:
         return user.args[0] is src and len(user.args[1]) < nd and \
             not any(a in kinds for a in user.all_input_nodes if a is not src)
     if t in _GEMMS_LEFT:
@@ -293,8 +295,8 @@ def find_regions(graph: fx.Graph) -> list[Region]:
         if node.target not in _SORTS:
             continue
         x = node.args[0]
-        if _ndim(x) != 1:
-            continue
+        if _ndim(x) != 1 or not isinstance(x.meta["val"].shape[0], int):
+            continue  # a size known only at run time: no even cut to check
         region = Region(node, int(x.meta["val"].shape[0]))
         try:
             _grow(region)
