@@ -273,8 +273,9 @@ def _row_wise(user: fx.Node, src: fx.Node, kinds: dict) -> bool:
     if t in _NORMS:
         return user.args[0] is src and len(user.args[1]) < nd and \
             not any(a in kinds for a in user.all_input_nodes if a is not src)
-    if t in _GEMMS_LEFT:
-        return user.args[0] is src and nd >= 2 and \
+    if t in _GEMMS_LEFT:  # rows @ W, W not batched (a batched W would lead the output)
+        return user.args[0] is src and nd >= 2 and _ndim(user) == nd and \
+            _rows_of(user) == _rows_of(src) and \
             not any(a in kinds for a in user.all_input_nodes if a is not src)
     if isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags:
         if _rows_of(user) != _rows_of(src) or _ndim(user) != nd:
