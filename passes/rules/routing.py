@@ -258,14 +258,14 @@ def _row_wise(user: fx.Node, src: fx.Node, kinds: dict) -> bool:
         dim = _arg(user, 2, "dim", 0)
         return user.args[0] is src and dim % max(nd, 1) != 0
     if t in _DIM_ARG1:
-        dim = int(user.args[1]) if len(user.args) > 1 else 0
+        dim = int(user.args[1]) if len(user.args) > 1 else 0  # type: ignore[arg-type]
         ndim = _ndim(user) if t is aten.unsqueeze.default else nd
         return user.args[0] is src and dim % max(ndim, 1) != 0
     if t is aten.transpose.int:
-        a, b = (int(d) for d in user.args[1:3])
+        a, b = (int(d) for d in user.args[1:3])  # type: ignore[call-overload]
         return user.args[0] is src and a % nd != 0 and b % nd != 0
     if t is aten.permute.default:
-        first = int(user.args[1][0])
+        first = int(user.args[1][0])  # type: ignore[index]
         return user.args[0] is src and first % nd == 0
     if t in _REDUCTIONS:
         dims = _arg(user, 1, "dim", None)
@@ -427,7 +427,7 @@ def _member_rule(region: Region, kind: str) -> Callable[[Lowering, fx.Node], Any
             return _ordinary(L, node)  # perm // k, and the sort's getitem
         rows = _rows_layout(region.axes, _ndim(node))
         if t is aten.index.Tensor:
-            x, idx = node.args[0], node.args[1][0]
+            x, idx = node.args[0], node.args[1][0]  # type: ignore[index]
             if region.kinds[idx][0] == IDX:  # x[perm // k]: x's own rows on this rank
                 xn = _local(L, region, x)
             else:  # table[keys]: every rank holds the whole table
@@ -449,7 +449,7 @@ def _member_rule(region: Region, kind: str) -> Callable[[Lowering, fx.Node], Any
             arn = L.emit(aten.arange.default, (local_n,), dict(ar.kwargs), layout=rows,
                          val=ar.meta.get("val"))
             return _emit_local(L, node, (_local(L, region, node.args[0]),
-                                         [_local(L, region, node.args[1][0])], arn), {}, rows)
+                                         [_local(L, region, node.args[1][0])], arn), {}, rows)  # type: ignore[index]
         if kind in (COUNTS, OFFS):
             args, kwargs = _locals(L, region, node)
             return _emit_local(L, node, args, kwargs, Layout.replicate(_ndim(node)))
@@ -475,7 +475,7 @@ def _exit_rule(region: Region) -> Callable[[Lowering, fx.Node], Any]:
     def rule(L: Lowering, node: fx.Node) -> Any:
         if region.axes is None:
             return _ordinary(L, node)
-        x, inv = node.args[0], node.args[1][0]
+        x, inv = node.args[0], node.args[1][0]  # type: ignore[index]
         return _emit_local(L, node, (_local(L, region, x), [_local(L, region, inv)]), {},
                            _rows_layout(region.axes, _ndim(node)))
     return rule
