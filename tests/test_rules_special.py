@@ -54,7 +54,10 @@ def specs() -> list[S.OpSpec]:
                        and x.is_floating_point() and x.dim() >= 2), None)
             if at is None:
                 continue
-            kinds = {i: tuple(k for k in spec.kinds.get(i, S.default_kinds(x)) if k in ("S", "R"))
+            # the input with the block takes every cut; the others arrive whole (their
+            # cuts, without special values, are the ordinary sweeps')
+            kinds = {i: tuple(k for k in spec.kinds.get(i, S.default_kinds(x))
+                              if k in (("S", "R") if i == at else ("R",)))
                      for i, x in enumerate(spec.inputs)}
             for tag, value in VALUES.items():
                 inputs = list(spec.inputs)
