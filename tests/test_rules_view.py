@@ -51,6 +51,8 @@ def specs() -> list[S.OpSpec]:
         V("split_with_sizes", lambda m, a: torch.split(a, [2, 4], dim=1), x(4, 6)),
         V("chunk", lambda m, a: torch.chunk(a, 2, dim=1), x(4, 6)),
         V("unbind", lambda m, a: torch.unbind(a, 1), x(4, 2, 6)),
+        # into 0-d pieces (JetMoE's tokens per expert), which once failed to lower
+        V("unbind.1d", lambda m, a: torch.unbind(a * 1.0), x(4)),
         V("cat.dim1", lambda m, a, b: torch.cat([a, b], 1), x(4, 6), x(4, 2), two=True),
         V("cat.dim0", lambda m, a, b: torch.cat([a, b], 0), x(4, 6), x(2, 6)),
         V("stack", lambda m, a, b: torch.stack([a, b], 1), x(4, 6), x(4, 6)),

@@ -340,7 +340,8 @@ def split_rule(L: Lowering, node: fx.Node) -> Any:
         dim = node.args[1] if len(node.args) > 1 else 0
     dim %= x.ndim
     lay = no_partial(x.layout) if any(p[1] in ("max", "min") for p in x.layout.partial) else x.layout
-    sizes = [v.shape[dim] for v in vals]
+    # unbind's pieces have no ``dim`` (a 1-D tensor unbinds into 0-d ones)
+    sizes = [1] * len(vals) if node.target is aten.unbind.int else [v.shape[dim] for v in vals]
     axes = lay.dims[dim]
     k = lay.interleave[dim]
     if axes and not (node.target is not aten.unbind.int and k == len(sizes) and len(set(sizes)) == 1):
