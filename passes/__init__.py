@@ -21,6 +21,7 @@ from .inplace import inplace_pass
 from .into_bucket import into_bucket_pass
 from .prefetch import prefetch_pass
 from .schedule import schedule_pass
+from .strides import strides_pass
 
 Pass = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
 
@@ -50,6 +51,9 @@ STEP_PIPELINE: list[Pass] = [
     inplace_pass,
     # only reorders: issues early, waits late, blocking paths first
     schedule_pass,
+    # a view meets the strides its input really has (a kernel may lay its result out
+    # otherwise than its shape function said): reshape, the same view wherever one exists
+    strides_pass,
     # after the order is final: an output whose last step is a wait (the loss's data
     # all-reduce) is returned unwaited and waited on first read
     defer_pass,

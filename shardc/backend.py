@@ -311,6 +311,11 @@ def _binding(node: fx.Node, seen: dict[tuple, Any]) -> Any:
     t = node.target
     if not isinstance(t, torch._ops.OpOverload) or t.namespace != "aten":
         return None
+    if t is torch.ops.aten.reshape.default and not node.kwargs:
+        # composite: its binding dispatches the view (or the copy) it decides on, never
+        # reshape itself, so the probe below cannot match it; the boxed call would run
+        # that same binding's code
+        return torch.Tensor.reshape
     key = (t, tuple(type(a) for a in node.args), tuple(sorted(node.kwargs)))
     if key in seen:
         return seen[key]

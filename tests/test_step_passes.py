@@ -570,3 +570,34 @@ def test_into_bucket_writes_a_gemms_gradient_into_its_slot_and_keeps_the_bytes()
     assert all(torch.equal(w, g) for w, g in zip(want, got))
     # gemm_modes counts a GEMM written into its bucket as a GEMM
     assert len(gemm_nodes(gm.graph)) == 5
+
+
+def test_a_view_meets_the_strides_its_input_really_has() -> None:
+    """strides_pass: a view traced on fake tensors assumed their (contiguous) strides; a
+    kernel that returns its input's transposed layout instead made it raise (Qwen3-Next's
+    softplus_backward). As reshape it still aliases where a view exists, and copies only
+    where the view would have raised; the direct-call binding runs it as Tensor.reshape."""
+    from shardc.backend import direct_calls
+    from shardc.passes.strides import strides_pass
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    # what the trace saw: a contiguous (6, 4); what runs: a transpose of a (4, 6)
+    merged = g.call_function(aten.view.default, (x, [24]))
+    same = g.call_function(aten.view.default, (g.placeholder("y"), [24]))
+    g.output((merged, same))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    real = torch.arange(24.0).view(4, 6).t()
+    y = torch.arange(24.0).view(6, 4)
+    try:
+        gm(real, y)
+        raise AssertionError("the view was expected to raise on the transposed input")
+    except RuntimeError as e:
+        assert "view size is not compatible" in str(e)
+    gm = strides_pass(gm, _ctx())
+    for run in (gm, direct_calls(gm)):
+        a, b = run(real, y)
+        assert torch.equal(a, real.reshape(24))
+        assert b.data_ptr() == y.data_ptr()  # still a view where one exists
+    assert not any(n.target is aten.view.default for n in gm.graph.nodes)
