@@ -22,7 +22,8 @@ and shared experts), GPT-Neo (local attention), ALBERT (one layer's weights shar
 layer), Mamba (selective scan, transformers' PyTorch path), XLNet (relative attention by
 einsum) and Llama with transformers' gradient checkpointing switched on; Mixtral and GPT-OSS
 with transformers' default experts kernel (grouped_mm) and tests/test_routing.py's
-``Routed``, whose sort by expert runs on each rank's own token-expert pairs.
+``Routed``, whose sort by expert runs on each rank's own token-expert pairs; Qwen3-Next
+(linear attention, whose step program needed passes/strides.py).
 Each of the following once gathered the batch on a data axis: a segmentation head
 (cross-entropy over (N, C, H, W) with class weights, label smoothing and probability
 targets), within-sample ops (var_mean, cumprod, scatter_add, index_add, F.unfold), a
@@ -98,6 +99,12 @@ MODELS = {
     "gpt-oss": (_hf("GptOssConfig", "GptOssForCausalLM", num_key_value_heads=4, num_local_experts=4,
                     num_experts_per_tok=2, intermediate_size=32, num_attention_heads=8, head_dim=4,
                     max_position_embeddings=16, sliding_window=8), "x2y1z1d2"),
+    # gated delta-net linear attention beside full attention, and routed experts: its
+    # softplus_backward returns a transposed layout on CPU, which a traced view of the
+    # step program once could not take (passes/strides.py)
+    "qwen3-next": (_hf("Qwen3NextConfig", "Qwen3NextForCausalLM", num_key_value_heads=4, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                       head_dim=4, **_LLAMA_LIKE), "x1y1z1d4"),
     "deepseek-v3": (_hf("DeepseekV3Config", "DeepseekV3ForCausalLM", experts="batched_mm",
                         num_key_value_heads=8, n_routed_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=16, first_k_dense_replace=1, kv_lora_rank=8,
