@@ -102,6 +102,8 @@ class Region:
     exits: list[fx.Node] = field(default_factory=list)
     aranges: list[fx.Node] = field(default_factory=list)  # arange(n) of the inverse alone
     axes: tuple[str, ...] | None = None  # set at lowering when taken
+    # the grouped GEMM ops torch and transformers have (``_grouped_gemms``), looked up once
+    gemms: dict[Any, tuple[int, int, int | str]] = field(default_factory=dict)
 
 
 def _arg(node: fx.Node, i: int, name: str, default: Any) -> Any:
@@ -195,10 +197,10 @@ def _classify(region: Region, user: fx.Node, src: fx.Node, kind: str, ratio: int
             return [(user, OFFS, 1)]
         raise _Reject(f"{user.format_node()} reads the rank's own counts")
     if kind == OFFS:
-        return _grouped(region, user, src, OFFS)
+        return _grouped(region, user)
     # ROWS
-    if t in _grouped_gemms():
-        return _grouped(region, user, src, ROWS)
+    if t in region.gemms:
+        return _grouped(region, user)
     if t is aten.histc.default and user.args[0] is src and src in bounds:
         bins = _arg(user, 1, "bins", 100)
         lo, hi = _arg(user, 2, "min", 0), _arg(user, 3, "max", 0)
@@ -214,10 +216,7 @@ def _classify(region: Region, user: fx.Node, src: fx.Node, kind: str, ratio: int
             and _integral(src):
         return [(user, ROWS, 1)]  # a lookup by the sorted keys (an expert's bias)
     if t is aten.index.Tensor and user.args[0] is src:
-        idx = list(user.args[1])
-        if len(idx) == 1 and kinds.get(idx[0], (None,))[0] == INV:
-            region.exits.append(user)
-            return []
+        # by the inverse permutation it is classified from its index (_grow picks it)
         raise _Reject(f"{user.format_node()} indexes the sorted rows")
     if _row_wise(user, src, kinds):
         out = [(user, ROWS, 1)]
@@ -227,8 +226,8 @@ def _classify(region: Region, user: fx.Node, src: fx.Node, kind: str, ratio: int
     raise _Reject(f"{user.format_node()} is not row-wise")
 
 
-def _grouped(region: Region, user: fx.Node, src: fx.Node, kind: str) -> list:
-    spec = _grouped_gemms().get(user.target)
+def _grouped(region: Region, user: fx.Node) -> list:
+    spec = region.gemms.get(user.target)
     if spec is None:
         raise _Reject(f"{user.format_node()} reads the offsets")
     xi, wi, oi = spec
@@ -258,14 +257,14 @@ def _row_wise(user: fx.Node, src: fx.Node, kinds: dict) -> bool:
         dim = _arg(user, 2, "dim", 0)
         return user.args[0] is src and dim % max(nd, 1) != 0
     if t in _DIM_ARG1:
-        dim = int(user.args[1]) if len(user.args) > 1 else 0  # type: ignore[arg-type]
+        dim = int(user.args[1]) if len(user.args) > 1 else 0
         ndim = _ndim(user) if t is aten.unsqueeze.default else nd
         return user.args[0] is src and dim % max(ndim, 1) != 0
     if t is aten.transpose.int:
-        a, b = (int(d) for d in user.args[1:3])  # type: ignore[call-overload]
+        a, b = (int(d) for d in user.args[1:3])
         return user.args[0] is src and a % nd != 0 and b % nd != 0
     if t is aten.permute.default:
-        first = int(user.args[1][0])  # type: ignore[index]
+        first = int(user.args[1][0])
         return user.args[0] is src and first % nd == 0
     if t in _REDUCTIONS:
         dims = _arg(user, 1, "dim", None)
@@ -292,13 +291,14 @@ def _row_wise(user: fx.Node, src: fx.Node, kinds: dict) -> bool:
 
 def find_regions(graph: fx.Graph) -> list[Region]:
     regions = []
+    gemms = _grouped_gemms()
     for node in graph.nodes:
         if node.target not in _SORTS:
             continue
         x = node.args[0]
         if _ndim(x) != 1 or not isinstance(x.meta["val"].shape[0], int):
             continue  # a size known only at run time: no even cut to check
-        region = Region(node, int(x.meta["val"].shape[0]))
+        region = Region(node, int(x.meta["val"].shape[0]), gemms=gemms)
         try:
             _grow(region)
         except _Reject:
@@ -421,21 +421,21 @@ def _member_rule(region: Region, kind: str) -> Callable[[Lowering, fx.Node], Any
         if region.axes is None:
             return _ordinary(L, node)
         t = node.target
-        if kind == ROWS and t is not aten.index.Tensor and t not in _grouped_gemms():
+        if kind == ROWS and t is not aten.index.Tensor and t not in region.gemms:
             return _ordinary(L, node)  # row-wise (and the sort's getitems)
         if kind == IDX and t is not aten.index.Tensor:
             return _ordinary(L, node)  # perm // k, and the sort's getitem
         rows = _rows_layout(region.axes, _ndim(node))
         if t is aten.index.Tensor:
-            x, idx = node.args[0], node.args[1][0]  # type: ignore[index]
+            x, idx = node.args[0], node.args[1][0]
             if region.kinds[idx][0] == IDX:  # x[perm // k]: x's own rows on this rank
                 xn = _local(L, region, x)
             else:  # table[keys]: every rank holds the whole table
                 xv = L.env[x]
                 xn = L.to_layout(xv, Layout.replicate(xv.ndim))
             return _emit_local(L, node, (xn, [_local(L, region, idx)]), {}, rows)
-        if t in _grouped_gemms():
-            wi = _grouped_gemms()[t][1]
+        if t in region.gemms:
+            wi = region.gemms[t][1]
             args, kwargs = _locals(L, region, node, skip=node.args[wi])
             wv = L.env[node.args[wi]]
             args = args[:wi] + (L.to_layout(wv, Layout.replicate(wv.ndim)),) + args[wi + 1:]
@@ -449,7 +449,7 @@ def _member_rule(region: Region, kind: str) -> Callable[[Lowering, fx.Node], Any
             arn = L.emit(aten.arange.default, (local_n,), dict(ar.kwargs), layout=rows,
                          val=ar.meta.get("val"))
             return _emit_local(L, node, (_local(L, region, node.args[0]),
-                                         [_local(L, region, node.args[1][0])], arn), {}, rows)  # type: ignore[index]
+                                         [_local(L, region, node.args[1][0])], arn), {}, rows)
         if kind in (COUNTS, OFFS):
             args, kwargs = _locals(L, region, node)
             return _emit_local(L, node, args, kwargs, Layout.replicate(_ndim(node)))
@@ -475,7 +475,7 @@ def _exit_rule(region: Region) -> Callable[[Lowering, fx.Node], Any]:
     def rule(L: Lowering, node: fx.Node) -> Any:
         if region.axes is None:
             return _ordinary(L, node)
-        x, inv = node.args[0], node.args[1][0]  # type: ignore[index]
+        x, inv = node.args[0], node.args[1][0]
         return _emit_local(L, node, (_local(L, region, x), [_local(L, region, inv)]), {},
                            _rows_layout(region.axes, _ndim(node)))
     return rule
