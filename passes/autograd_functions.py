@@ -58,7 +58,9 @@ def record_autograd_functions(found: dict[type, Call]) -> Iterator[None]:
             found[cls] = Call(_user_frame(), [
                 (tuple(a.shape), a.dtype, a.requires_grad) if isinstance(a, torch.Tensor) else a
                 for a in args])
-        return original.__func__(cls, *args, **kwargs)
+        # ``__get__`` binds both forms ``apply`` has had: a Python classmethod, and from
+        # torch 2.14 a C classmethod descriptor (which has no ``__func__``)
+        return original.__get__(None, cls)(*args, **kwargs)
 
     torch.autograd.Function.apply = classmethod(apply)  # type: ignore[assignment, method-assign]
     try:
