@@ -26,12 +26,14 @@ import weakref
 from typing import Any, Iterator
 
 import torch
+import torch.utils._pytree as pytree
 
 from shardc.errors import ShardcWarning, TraceError
 from shardc.precision import CastAtUse
 from shardc.passes.autograd_functions import (check_backwards, is_user_file,
                                               record_autograd_functions, record_gradient_hooks,
                                               refuse_gradient_hooks)
+from shardc.passes.branch_checks import Unchecked, add_branch_checks, mark_branch_checks
 from shardc.passes.checkpoint_calls import record_checkpoint_calls, unique
 from shardc.runtime.ctc import traceable_ctc_loss
 
@@ -67,19 +69,24 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
             record_gradient_hooks(hooks), traceable_ctc_loss():
         try:
             root = model if compute == torch.float32 else CastAtUse(model, compute)
-            # traced on contiguous copies: export bakes an input's strides into the views
-            # it records (a language model's `data[:, :-1]` slice made `targets.flatten()`
-            # a view that cannot exist); the program's inputs are made contiguous on
-            # entry to match (ShardedModule.forward)
-            args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a
-                         for a in example_inputs)
+            args = _traced_copies(tuple(example_inputs))
             specialized = ""
             ep = torch.export.export(root, args, strict=False)
         except Exception as e:  # noqa: BLE001 - re-raised with the cause named
             if not _data_dependent(e):
                 raise TraceError(_explain_trace_failure(model, e)) from e
-            ep, where = _draft(model, root, args, e)
+            ep, guards = _draft(model, root, args, e)
+            where = sorted({w for _, _, w in guards})
             specialized, cause = "; ".join(where), e
+            try:
+                add_branch_checks(ep.graph_module, guards)
+            except Unchecked as u:
+                # traced on the examples' side with no check, a batch taking the other
+                # side would be computed wrong: the export's error stands
+                raise TraceError(
+                    f"{_explain_trace_failure(model, e)}\n(draft_export traced the side the "
+                    f"example inputs take, but shardc cannot check its guard {u} at every "
+                    f"step on torch {torch.__version__}.)") from e
         _detach_no_grad_regions(ep.graph_module)
         if not all(_has_rule(n.target, RULES) for n in ep.graph.nodes if n.op == "call_function"):
             # decompose what has no rule (re-tracing costs about as much as the export)
@@ -110,15 +117,28 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
             "forward program with autograd's backward (no step passes). Branching on "
             "shapes, or torch.cond, compiles without the check.", ShardcWarning,
             stacklevel=4)
-        # after the decompositions, which trace the graph anew: these are the checks
-        # draft_export inserted for the branches it fixed (passes/rules/common.py keeps
-        # them; the checks of an ordinary export are the model's own asserts, dropped)
-        for n in ep.graph.nodes:
-            if n.op == "call_function" and n.target is torch.ops.aten._assert_scalar.default:
-                n.meta[KEEP_CHECK] = specialized
+        # after the decompositions, which trace the graph anew
+        mark_branch_checks(ep.graph_module, specialized)
     CHECKPOINTED[ep] = tuple(unique(found))
     per_model[key] = ep
     return ep
+
+
+def _traced_copies(example_inputs: tuple) -> tuple:
+    """A fresh contiguous copy of every tensor among the inputs, for export to trace.
+
+    Contiguous: export bakes an input's strides into the views it records (a language
+    model's ``data[:, :-1]`` slice made ``targets.flatten()`` a view that cannot exist);
+    the program's inputs are made contiguous on entry to match (ShardedModule.forward).
+    Fresh, always (``contiguous()`` hands back the tensor itself): export identifies
+    inputs by their tensor, so the same tensor passed twice (``labels=input_ids``,
+    transformers' idiom) or two views of one storage became one input read in both
+    places, and every later call computed with the first argument where the second was
+    passed."""
+    return pytree.tree_map(
+        lambda a: a.detach().clone(memory_format=torch.contiguous_format)
+        .requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a,
+        example_inputs)
 
 
 def _detach_no_grad_regions(gm: torch.fx.GraphModule) -> None:
@@ -180,10 +200,6 @@ def _detach_no_grad_regions(gm: torch.fx.GraphModule) -> None:
         gm.recompile()
 
 
-# node meta: an ``_assert_scalar`` that guards a branch draft_export fixed (its value: where)
-KEEP_CHECK = "shardc_keep_check"
-
-
 def _data_dependent(e: BaseException) -> bool:
     """Did export fail on a branch on tensor values (a guard on a data-dependent value)?"""
     from torch.fx.experimental import symbolic_shapes
@@ -199,12 +215,13 @@ def _data_dependent(e: BaseException) -> bool:
 
 
 def _draft(model: torch.nn.Module, root: torch.nn.Module, args: tuple, cause: Exception
-           ) -> tuple[torch.export.ExportedProgram, list[str]]:
+           ) -> tuple[torch.export.ExportedProgram, list[tuple[str, str, str]]]:
     """``torch.export.draft_export`` of ``root``: the branches export could not decide are
     fixed to the ones ``args`` take, each with runtime checks (``_assert_scalar``) that a
     later input takes it too. Accepted only when every problem it reports is such a branch
     (not, say, an op without a fake kernel); otherwise the export's own error stands.
-    Returns the program and where each fixed branch is in the model's code."""
+    Returns the program and each fixed branch's guard: (expression, the value it had,
+    where in the model's code)."""
     import logging
 
     draft = getattr(torch.export, "draft_export", None)
@@ -227,7 +244,8 @@ def _draft(model: torch.nn.Module, root: torch.nn.Module, args: tuple, cause: Ex
     kinds = {getattr(getattr(f, "failure_type", None), "name", None) for f in failures}
     if not failures or kinds != {"DATA_DEPENDENT_ERROR"}:
         raise TraceError(_explain_trace_failure(model, cause)) from cause
-    return ep, sorted({_user_line(f) for f in failures})
+    return ep, [(str(f.data.get("expr")), str(f.data.get("result")), _user_line(f))
+                for f in failures]
 
 
 def _user_line(failure: Any) -> str:

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from shardc.context import GLOBAL_VAL, KIND, PLACEMENT
 from shardc.errors import ShardcError
@@ -57,6 +58,42 @@ def check_example_inputs(model: nn.Module, example_inputs: Any) -> None:
             f"shardc.compile: example_inputs has {len(example_inputs)} element(s), which do not "
             f"fit {type(model).__name__}.forward{sig} ({e}). Pass one example per positional "
             "argument, unnested, e.g. example_inputs=(tokens, targets).") from None
+    _refuse_model_state_as_input(model, example_inputs)
+
+
+def _refuse_model_state_as_input(model: nn.Module, example_inputs: Any) -> None:
+    """An example input that is (a view of) one of the model's parameters or buffers.
+
+    The compiled module holds its own shards of the model's state, so such an input would
+    be read as data apart from them: its gradient (a parameter's) would go to the tensor
+    passed, not to the parameter the optimizer steps, and a later call passing the
+    parameter would read the original model's full tensor. The same tensor passed twice,
+    or views of one storage, are separate inputs and need nothing (passes/trace.py)."""
+    owners: dict[int | None, str] = {}
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            owners.setdefault(_storage_id(t), f"{kind} {name!r}")
+    owners.pop(None, None)
+    flat, _ = pytree.tree_flatten(tuple(example_inputs))
+    for i, x in enumerate(flat):
+        owner = owners.get(_storage_id(x)) if isinstance(x, torch.Tensor) else None
+        if owner is not None:
+            raise ShardcError(
+                f"shardc.compile: example input {i} is the model's {owner} (or a view of it). "
+                "The compiled model keeps its own shards of its parameters and buffers, so an "
+                "input that is one of them "
+                "would be read apart from them (a parameter's gradient would not reach it). Read "
+                "it inside forward (self.<name>), or pass a copy if it is only data: "
+                "example_inputs=(..., t.detach().clone(), ...).")
+
+
+def _storage_id(t: torch.Tensor) -> int | None:
+    """What two views of one storage share (a meta tensor's storage is its own too);
+    None for a tensor subclass without a storage of its own."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _original_placeholders(sm: Any) -> list[tuple[str, Any, Any]]:

@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 
 from shardc.context import FALLBACK
+from shardc.passes.branch_checks import CHECKED_NUMBER, KEEP_CHECK
 from shardc.mesh import Mesh
 from shardc.placement import Layout
 from shardc.passes.lower import Fallback, Lowering, Val
@@ -215,7 +216,7 @@ def fallback_rule(L: Lowering, node: fx.Node) -> Any:
         # a number known only when the step runs (``x.any().item()`` feeding a check that
         # draft_export put on a branch) is the node's result; any other number is the
         # value the trace saw, the same at every step
-        return n if _unbacked(val) else val
+        return n if _unbacked(val) or node.meta.get(CHECKED_NUMBER) else val
     return Val(n, lay, val)
 
 
@@ -245,7 +246,6 @@ def drop_rule(L: Lowering, node: fx.Node) -> Any:
     ``lengths.max().item() <= slen`` would gather the lengths each step for nothing),
     except those guarding a branch draft_export fixed (passes/trace.py): without them a
     batch that takes the other branch would be computed on the wrong one."""
-    from shardc.passes.trace import KEEP_CHECK
     from shardc.runtime.ops import check_branch
 
     where = node.meta.get(KEEP_CHECK)
