@@ -87,6 +87,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
                     f"{_explain_trace_failure(model, e)}\n(draft_export traced the side the "
                     f"example inputs take, but shardc cannot check its guard {u} at every "
                     f"step on torch {torch.__version__}.)") from e
+        _refuse_valueless_constants(model, ep)
         _detach_no_grad_regions(ep.graph_module)
         if not all(_has_rule(n.target, RULES) for n in ep.graph.nodes if n.op == "call_function"):
             # decompose what has no rule (re-tracing costs about as much as the export)
@@ -323,6 +324,25 @@ def _has_rule(op: Any, rules: dict) -> bool:
     return isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags
 
 
+def _data_read(model: torch.nn.Module, what: str) -> str:
+    return (f"shardc.compile: torch.export could not trace {type(model).__name__}: {what}\n"
+            "The usual cause is a tensor's `.data` read in forward (e.g. `self.weight.data`): "
+            "export cannot follow it. `.detach()` means the same for reading (the value, no "
+            "gradient) and traces.")
+
+
+def _refuse_valueless_constants(model: torch.nn.Module, ep: torch.export.ExportedProgram) -> None:
+    """torch 2.6's export keeps a ``.data`` read in forward as a constant that is a fake
+    tensor (newer releases raise): a program holding it computes with no values at all,
+    its loss a FakeTensor whose ``.item()`` is a symbol."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    fake = [name for name, v in ep.constants.items() if isinstance(v, FakeTensor)]
+    if fake:
+        raise TraceError(_data_read(model, f"the exported program's constant {fake[0]!r} is a "
+                                           "fake tensor (it has no values)"))
+
+
 def _explain_trace_failure(model: torch.nn.Module, e: Exception) -> str:
     msg = str(e).strip().splitlines()
     where = ""
@@ -339,10 +359,7 @@ def _explain_trace_failure(model: torch.nn.Module, e: Exception) -> str:
     first = msg[0] if msg else type(e).__name__
     if "fake tensor in the exported program constant" in str(e):
         # torch's own words name an internal attribute (lifted_tensor_0), not the cause
-        return (f"shardc.compile: torch.export could not trace {type(model).__name__}: "
-                f"{type(e).__name__}: {first}\nThe usual cause is a tensor's `.data` read in "
-                "forward (e.g. `self.weight.data`): export cannot follow it. `.detach()` "
-                "means the same for reading (the value, no gradient) and traces.")
+        return _data_read(model, f"{type(e).__name__}: {first}")
     return (f"shardc.compile: torch.export could not trace {type(model).__name__}{where}: "
             f"{type(e).__name__}: {first}\nshardc needs a model torch.export can trace "
             "(non-strict; a branch on tensor values is traced on the example inputs' side "
