@@ -195,6 +195,13 @@ class ShardedModule(nn.Module):
             if role == "param" and name not in self._zero:
                 self._bound[name] = self._program_param(name)
                 self._hook_param(name, self._bound[name])
+        # a program copy's sums over its other axes (a norm's weight replicated over x):
+        # the step program makes them itself, but autograd's backward over the forward
+        # program (step_graph=False, activation_checkpoint, the synced backward after
+        # no_sync) needs these hooks as every other parameter does; without them such a
+        # gradient was reduce-scattered over data unsummed over x
+        for name, zp in self._zero.items():
+            self._hook_param(name, zp.full)
         self._zero_buckets = zero.Buckets(runtime.key, list(self._zero.values()),
                                           ctx.options.bucket_bytes)
         # after those (hooks run in the order registered): the sum over every other axis
