@@ -88,6 +88,10 @@ def _stated(gm: fx.GraphModule, names: dict[str, Any]) -> set[str]:
     return out
 
 
+def _holder(n: fx.Node) -> Callable[[], fx.Node]:
+    return lambda: n
+
+
 def _known_values(gm: fx.GraphModule) -> dict[str, Callable[[], fx.Node]]:
     """Expression text -> how to get a node holding that value: a node whose traced value
     is symbolic, or a size of a tensor that is (inserted after the tensor on demand)."""
@@ -96,7 +100,7 @@ def _known_values(gm: fx.GraphModule) -> dict[str, Callable[[], fx.Node]]:
     for n in g.nodes:
         val = n.meta.get("val")
         if isinstance(val, _SYM_TYPES):
-            known.setdefault(str(val.node.expr), lambda n=n: n)
+            known.setdefault(str(val.node.expr), _holder(n))
         elif isinstance(val, torch.Tensor):
             for d, size in enumerate(val.shape):
                 if isinstance(size, torch.SymInt) and not isinstance(size.node.expr, sympy.Integer):
@@ -115,7 +119,7 @@ _RELATIONS: dict[type, Callable[[Any, Any], Any]] = {
 }
 
 
-def _build(e: sympy.Basic, known: dict[str, Callable[[], fx.Node]], g: fx.Graph,
+def _build(e: Any, known: dict[str, Callable[[], fx.Node]], g: fx.Graph,
            made: list[fx.Node]) -> Any:
     """``e`` as nodes of ``g`` over the known values (``made`` collects the nodes used or
     created, so that the check goes after all of them)."""
@@ -135,16 +139,16 @@ def _build(e: sympy.Basic, known: dict[str, Callable[[], fx.Node]], g: fx.Graph,
         made.append(node)
         return node
 
-    for kind, fn in _RELATIONS.items():
-        if isinstance(e, kind):
-            return call(fn, _build(e.lhs, known, g, made), _build(e.rhs, known, g, made))
+    if isinstance(e, sympy.core.relational.Relational) and type(e) in _RELATIONS:
+        return call(_RELATIONS[type(e)], _build(e.lhs, known, g, made),
+                    _build(e.rhs, known, g, made))
     if isinstance(e, sympy.Not):
         return call(torch.sym_not, _build(e.args[0], known, g, made))
     folds: dict[type, Callable] = {sympy.And: operator.and_, sympy.Or: operator.or_,
                                    sympy.Add: operator.add, sympy.Mul: operator.mul}
     for kind, fn in folds.items():
         if isinstance(e, kind):
-            parts = [_build(a, known, g, made) for a in e.args]
+            parts = [_build(a, known, g, made) for a in e.args]  # type: ignore[attr-defined]
             out = parts[0]
             for p in parts[1:]:
                 out = call(fn, out, p)

@@ -17,12 +17,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from shardc.errors import ShardcError
 from shardc.mesh import Mesh
@@ -44,8 +45,12 @@ _HINTS = {
     "values": ("Every rank must start from the same weights: call torch.manual_seed(seed) with "
                "the same seed before building the model, or load the same checkpoint."),
     "model": "Build the same model (code and configuration) on every rank.",
-    "op": ("forward took a different path on this rank: make its Python control flow depend "
-           "only on the inputs' shapes and the model's configuration, never on the rank."),
+    "op": ("forward took a different path on this rank. Two causes are common: Python control "
+           "flow that depends on the rank (make it depend only on the inputs' shapes and the "
+           "model's configuration), or iteration over a set (or a dict built from one) of "
+           "strings, whose order follows each process's hash seed, deciding what is computed "
+           "(iterate sorted(...) instead, or start every rank with the same PYTHONHASHSEED). "
+           "A set's order that changes only the order of the same ops is aligned by shardc."),
 }
 
 
@@ -167,6 +172,145 @@ def _all_gather_bytes(payload: bytes, device: torch.device) -> list[bytes]:
     got = [torch.zeros_like(padded) for _ in range(world)]
     dist.all_gather(got, padded)
     return [bytes(g[:int(s.item())].cpu().tolist()) for g, s in zip(got, sizes)]
+
+
+# ------------------------------------------------------------ the traced order
+def _target_name(target: Any) -> str:
+    """A target's name that is the same in every process (a function's repr holds its
+    address)."""
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
+    return f"{getattr(target, '__module__', '')}.{name}" if name else repr(target)
+
+
+def _digest_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def node_keys(graph: fx.Graph) -> dict[fx.Node, str]:
+    """Each node's key: what it computes (its op and, recursively, its inputs) and what
+    reads it (recursively, its users and the argument it is to each). Two ranks' nodes
+    have the same key exactly when they stand in the same place of the same computation,
+    whatever order and names each rank's trace gave them; equal keys within one graph
+    are nodes no computation tells apart.
+
+    A pass over the inputs then one over the users, repeated while they still split
+    nodes apart (Weisfeiler-Lehman refinement, each pass carried through the whole graph
+    in its direction): two checks of two equal-looking views of the same tensor differ
+    only through what reads those views, which takes the second round."""
+    key: dict[fx.Node, str] = {}
+
+    def arg_text(a: Any) -> str:
+        if isinstance(a, fx.Node):
+            return f"%{key[a]}"
+        if isinstance(a, (list, tuple)):
+            return "[" + ",".join(arg_text(x) for x in a) + "]"
+        if isinstance(a, dict):
+            return "{" + ",".join(f"{k}:{arg_text(v)}" for k, v in a.items()) + "}"
+        return repr(a) if not callable(a) else _target_name(a)
+
+    nodes = list(graph.nodes)
+    for n in nodes:
+        # a placeholder by its name (export names them by parameter and argument); any
+        # other node by its op, then by its place among the others
+        own = n.name if n.op == "placeholder" else ""
+        key[n] = _digest_text(f"{n.op}|{_target_name(n.target)}|{own}")
+    distinct = 0
+    for _ in range(16):
+        for n in nodes:
+            key[n] = _digest_text(f"{key[n]}|{arg_text(n.args)}|{arg_text(n.kwargs)}")
+        for n in reversed(nodes):
+            reads = []
+            for u in n.users:
+                flat = pytree.tree_leaves((u.args, u.kwargs))
+                reads.append(f"{key[u]}@" + ",".join(str(i) for i, a in enumerate(flat) if a is n))
+            key[n] = _digest_text(f"{key[n]}|{'|'.join(sorted(reads))}")
+        now = len(set(key.values()))
+        if now == distinct:
+            break
+        distinct = now
+    return key
+
+
+def reorder_like(ep: Any, order: list[tuple[str, str]]) -> bool:
+    """Rebuild ``ep``'s graph with its nodes in ``order`` ((key, name) as rank 0 traced
+    them), each taking rank 0's name. False, and the graph untouched, when the keys are
+    not this graph's or that order is not one this graph can run in."""
+    gm = ep.graph_module
+    old = gm.graph
+    keys = node_keys(old)
+    by_key: dict[str, list[fx.Node]] = {}
+    for n in old.nodes:
+        by_key.setdefault(keys[n], []).append(n)
+    for nodes in by_key.values():
+        nodes.reverse()  # pop() takes them in this graph's order
+    if sorted(keys.values()) != sorted(k for k, _ in order):
+        return False
+    new = fx.Graph(owning_module=gm, tracer_cls=old._tracer_cls, tracer_extras=old._tracer_extras)
+    new._codegen = old._codegen
+    env: dict[fx.Node, fx.Node] = {}
+    renamed: dict[str, str] = {}
+    try:
+        for key, name in order:
+            n = by_key[key].pop()
+            m = new.create_node(n.op, n.target, fx.node.map_arg(n.args, env.__getitem__),
+                                fx.node.map_arg(n.kwargs, env.__getitem__), name=name,
+                                type_expr=n.type)
+            m.meta = dict(n.meta)
+            env[n] = m
+            renamed[n.name] = m.name
+    except KeyError:  # a node before its input: not an order of this graph
+        return False
+    gm.graph = new
+    for spec in ep.graph_signature.output_specs:
+        if hasattr(spec.arg, "name") and spec.arg.name in renamed:
+            spec.arg = dataclasses.replace(spec.arg, name=renamed[spec.arg.name])
+    gm.recompile()
+    return True
+
+
+def align(ep: Any, items: list[Item] | None, failure: BaseException | None,
+          redescribe: Callable[[], list[Item]]) -> list[Item] | None:
+    """Collective, before any rank lowers its trace: give every rank's traced graph rank
+    0's order and names where the ranks traced the same computation in different orders.
+
+    A model may trace its ops in an order that changes from process to process: Gemma 3
+    iterates ``set(config.layer_types)``, and a set of strings has the order of each
+    process's hash seed, so each rank built its masks in its own order. Such ranks
+    compute the same program, but lowered as traced they would issue their collectives
+    in different orders. When the descriptions' digests differ, rank 0 sends every
+    node's key (``node_keys``) in its order, and each rank rebuilds its graph in that
+    order when it holds exactly those keys. What still differs afterwards is a real
+    difference, which ``settle`` names. Returns the description to settle with."""
+    if dist.get_backend() == "fake" or dist.get_world_size() == 1:
+        return items
+    device = default_device()
+    mine = torch.zeros(33, dtype=torch.uint8, device=device)
+    if failure is not None or items is None:
+        mine[0] = 1
+    else:
+        mine[1:] = torch.frombuffer(bytearray(_digest(items)), dtype=torch.uint8).to(device)
+    rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    with guarded(None, "all_gather", None, "shardc.compile's agreement"):
+        dist.all_gather(rows, mine)
+    got = [bytes(r.cpu().tolist()) for r in rows]
+    if any(g[0] for g in got):
+        settle(items, failure)  # every rank saw the failure: every rank raises there
+    if all(g == got[0] for g in got):
+        return items
+    rank = dist.get_rank()
+    payload = b""
+    if rank == 0:
+        keys = node_keys(ep.graph_module.graph)
+        payload = json.dumps([[keys[n], n.name] for n in ep.graph.nodes]).encode()
+    with guarded(None, "all_gather", None, "shardc.compile's agreement"):
+        order = json.loads(_all_gather_bytes(payload, device)[0])
+    if reorder_like(ep, [(k, name) for k, name in order]):
+        return redescribe()
+    return items
 
 
 def _items(decoded: list) -> list[Item]:

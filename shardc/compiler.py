@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from shardc import validate
-from shardc.agreement import describe, settle
+from shardc.agreement import align, describe, settle
 from shardc.context import CompileContext, Options
 from shardc.errors import ShardcError, ShardcWarning
 from shardc.launch import check_device
@@ -132,31 +132,45 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
     # Compile locally (no communication), then settle with the other ranks: a rank whose
     # compile fails still reaches the exchange, so its peers raise too instead of waiting
     # in a collective it will never issue (shardc/agreement.py).
-    seen: dict[str, list] = {}
+    seen: dict[str, Any] = {}
     sm: ShardedModule | None = None
     failure: Exception | None = None
     try:
-        sm = _compile_here(model, mesh, example_inputs, seen, transpose_alternate=transpose_alternate,
-                           overlap=overlap, prefetch_depth=prefetch_depth, gemm_modes=gemm_modes,
-                           step_graph=step_graph, bucket_mb=bucket_mb,
-                           reshard_after_forward=reshard_after_forward,
-                           machine=machine, input_layouts=input_layouts,
-                           activation_checkpoint=activation_checkpoint, precision=precision,
-                           shard_optimizer=shard_optimizer, backend=backend)
-    except Exception as e:  # noqa: BLE001 - settle() re-raises it on this rank
+        prepared = _prepare(model, mesh, example_inputs, seen, transpose_alternate=transpose_alternate,
+                            overlap=overlap, prefetch_depth=prefetch_depth, gemm_modes=gemm_modes,
+                            step_graph=step_graph, bucket_mb=bucket_mb,
+                            reshard_after_forward=reshard_after_forward,
+                            machine=machine, input_layouts=input_layouts,
+                            activation_checkpoint=activation_checkpoint, precision=precision,
+                            shard_optimizer=shard_optimizer, backend=backend)
+    except Exception as e:  # noqa: BLE001 - align() and settle() re-raise it on this rank
         failure = e
+    # every rank lowers the same graph in the same order (a model that traces the same
+    # ops in a per-process order is given rank 0's); a rank that failed stops them all
+    seen["items"] = align(seen.get("ep"), seen.get("items"), failure,
+                          seen.get("redescribe", list))
+    if failure is None:
+        try:
+            mesh, example_inputs, options = prepared
+            sm = _compile(model, mesh, example_inputs, options, dist.get_rank(), input_layouts)
+            validate.after_compile(sm, model, example_inputs)
+        except Exception as e:  # noqa: BLE001 - settle() re-raises it on this rank
+            failure = e
     settle(seen.get("items"), failure)
     assert sm is not None
     return sm
 
 
-def _compile_here(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | None,
-                  seen: dict[str, list], *, transpose_alternate: bool, overlap: bool,
-                  prefetch_depth: int, gemm_modes: str, step_graph: bool, bucket_mb: float | None,
-                  reshard_after_forward: bool, machine: Any,
-                  input_layouts: Mapping[int, Layout] | None, activation_checkpoint: Any,
-                  precision: Any, shard_optimizer: bool, backend: str) -> ShardedModule:
-    """``compile`` on this rank alone; ``seen["items"]`` gets what the ranks compare."""
+def _prepare(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | None,
+             seen: dict[str, Any], *, transpose_alternate: bool, overlap: bool,
+             prefetch_depth: int, gemm_modes: str, step_graph: bool, bucket_mb: float | None,
+             reshard_after_forward: bool, machine: Any,
+             input_layouts: Mapping[int, Layout] | None, activation_checkpoint: Any,
+             precision: Any, shard_optimizer: bool, backend: str
+             ) -> tuple[Mesh, tuple, Options]:
+    """``compile`` on this rank alone, up to the trace: the checked mesh, inputs and
+    options. ``seen`` gets what the ranks compare (``items``), the trace (``ep``) and how
+    to describe it again once aligned (``redescribe``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"shardc.compile: model must be a torch.nn.Module, got {type(model).__name__}.")
     check_device(model)  # under NCCL: the model on this rank's own GPU
@@ -188,11 +202,14 @@ def _compile_here(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | li
                       activation_checkpoint=activation_checkpoint, precision=precision,
                       shard_optimizer=shard_optimizer, backend=backend)
     if dist.get_backend() != "fake" and dist.get_world_size() > 1:
-        seen["items"] = describe(model, mesh, example_inputs, options, input_layouts,
-                                 trace(model, example_inputs, options.precision.compute).graph)
-    sm = _compile(model, mesh, example_inputs, options, dist.get_rank(), input_layouts)
-    validate.after_compile(sm, model, example_inputs)
-    return sm
+        ep = trace(model, example_inputs, options.precision.compute)
+        checked = mesh
+
+        def redescribe() -> list:
+            return describe(model, checked, example_inputs, options, input_layouts, ep.graph)
+
+        seen.update(ep=ep, redescribe=redescribe, items=redescribe())
+    return mesh, example_inputs, options
 
 
 _WRITE_BACK = ("shardc writes back only buffers (running statistics). Return the new value "

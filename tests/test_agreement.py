@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import shardc
-from shardc.agreement import _digest, describe, first_difference
+from shardc.agreement import _digest, reorder_like, describe, first_difference, node_keys
 from shardc.context import Options
 from shardc.passes.trace import trace
 
@@ -67,3 +67,55 @@ def test_fake_backend_compiles_without_an_exchange(fake_world, monkeypatch) -> N
     monkeypatch.setattr(torch.distributed, "all_gather", no_collective)
     sm = shardc.compile(Net(hidden=64), shardc.Mesh(x=2, y=2, z=2, data=512), (torch.randn(1024, 4),))
     assert sm.param_layouts
+
+
+class Heads(nn.Module):
+    """Two heads, each a view of the input checked and scaled, computed in ``order``
+    (a set of strings iterated: its order follows the process's hash seed)."""
+
+    def __init__(self, order: tuple[str, ...]) -> None:
+        super().__init__()
+        self.order = order
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = {}
+        for name in self.order:
+            v = x.unsqueeze(1).float()  # the same view for both: told apart by its readers
+            out[name] = getattr(self, name)(v).sum(1)
+        return (out["a"] * out["b"]).mean()
+
+
+def test_the_same_ops_in_another_order_are_aligned_to_rank_0s() -> None:
+    """Keys match node for node however each trace ordered and named them, and rebuilding
+    one trace in the other's order (with its names) makes the descriptions equal; a real
+    difference (another op) keeps its own keys and is not rebuilt."""
+    x = torch.randn(4, 4)
+    torch.manual_seed(0)
+    first = Heads(("a", "b"))
+    torch.manual_seed(0)
+    second = Heads(("b", "a"))
+    ep_a, ep_b = trace(first, (x,)), trace(second, (x,))
+    mesh = shardc.Mesh.parse("x2y1z1d2")
+    items = [describe(m, mesh, (x,), Options(), None, ep.graph)
+             for m, ep in ((first, ep_a), (second, ep_b))]
+    assert _digest(items[0]) != _digest(items[1])
+    keys_a, keys_b = node_keys(ep_a.graph), node_keys(ep_b.graph)
+    assert sorted(keys_a.values()) == sorted(keys_b.values())
+    order = [(keys_a[n], n.name) for n in ep_a.graph.nodes]
+    assert reorder_like(ep_b, order)
+    assert _digest(describe(second, mesh, (x,), Options(), None, ep_b.graph)) == _digest(items[0])
+    # the rebuilt program computes what it did
+    torch.testing.assert_close(ep_b.module()(x), second(x))
+
+    class Other(Heads):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x).exp()
+
+    torch.manual_seed(0)
+    other = Other(("b", "a"))
+    ep_o = trace(other, (x,))
+    before = [n.name for n in ep_o.graph.nodes]
+    assert not reorder_like(ep_o, order)
+    assert [n.name for n in ep_o.graph.nodes] == before
