@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import torch
 import torch.utils._pytree as pytree
 
-from shardc.errors import ShardcWarning, TraceError
+from shardc.errors import ShardcError, ShardcWarning, TraceError
 from shardc.precision import CastAtUse
 from shardc.passes.autograd_functions import (check_backwards, is_user_file,
                                               record_autograd_functions, record_gradient_hooks,
@@ -98,9 +98,13 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
                     table.pop(op)
             try:
                 ep = ep.run_decompositions(table)
+            except ShardcError:
+                raise
             except Exception as e:  # noqa: BLE001 - see below
                 if not specialized:
-                    raise
+                    # torch's own decompositions failing (torch 2.6 on an index whose size
+                    # is the data's: "possible memo disaster"): named, at the model's line
+                    raise TraceError(_explain_trace_failure(model, e)) from e
                 # a draft's fixed branch that its own re-trace contradicts (BatchNorm with
                 # momentum=None divides by its step count, which the draft fixed to 1):
                 # the export's error is the one that says what is wrong

@@ -58,6 +58,11 @@ def specs() -> list[S.OpSpec]:
         V("stack", lambda m, a, b: torch.stack([a, b], 1), x(4, 6), x(4, 6)),
         V("slice", lambda m, a: a[:, 1:5], x(4, 6), two=True),
         V("slice.dim0", lambda m, a: a[1:3], x(4, 6)),
+        # the whole dim, as torch 2.6 traces ``mask[:, 0]`` (a slice of all of dim 0, then
+        # the select): each rank's own shard, which once gathered the batch
+        V("slice.whole_dim0", lambda m, a: aten.slice.Tensor(a, 0, 0, 2 ** 63 - 1) * 1.0, x(4, 6),
+          two=True),
+        V("slice.whole_dim0_negative_end", lambda m, a: aten.slice.Tensor(a, 0, 0, -1) * 1.0, x(4, 6)),
         V("select", lambda m, a: a[:, 2], x(4, 6)),
         V("select.dim0", lambda m, a: a[1], x(4, 6)),
         V("narrow", lambda m, a: a.narrow(1, 1, 4), x(4, 6)),

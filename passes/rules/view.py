@@ -194,6 +194,10 @@ def along_dim_rule(L: Lowering, node: fx.Node) -> Any:
 def along_dim_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
     """Ops that work along one dim: that dim must be whole, the others keep their shards."""
     x = vals[node.args[0]]
+    if node.target is aten.slice.Tensor and _whole_dim(node):
+        # ``mask[:, 0]`` on torch 2.6 traces as a slice of all of dim 0, then the select:
+        # that slice is the tensor itself, on each rank its own shard (it gathered the batch)
+        return Strategy({node.args[0]: x.layout}, x.layout)
     if node.target in (aten.flip.default, aten.roll.default):
         dims = as_list(node.args[1] if node.target is aten.flip.default else
                        (node.args[2] if len(node.args) > 2 else list(range(x.ndim))))
@@ -207,6 +211,20 @@ def along_dim_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -
     else:
         out = need
     return Strategy({node.args[0]: need}, out)
+
+
+def _whole_dim(node: fx.Node) -> bool:
+    """Does ``aten.slice(x, dim, start, end, step)`` take every element of its dim?"""
+    args = list(node.args) + [None] * (5 - len(node.args))
+    dim, start, end, step = (node.kwargs.get(k, a) for k, a in
+                             zip(("dim", "start", "end", "step"), args[1:5]))
+    size = node.args[0].meta["val"].shape[dim or 0]
+    if not isinstance(size, int):
+        return False
+    if isinstance(end, int) and end < 0:
+        end += size
+    return (start in (None, 0) and (step in (None, 1))
+            and (end is None or (isinstance(end, int) and end >= size)))
 
 
 @register_rule(aten.unfold.default, aten.diagonal.default)
