@@ -89,17 +89,37 @@ _DATA_DEPENDENT: tuple[type[Exception], ...] = tuple(
     t for t in (getattr(symbolic_shapes, "GuardOnDataDependentSymNode", None),) if t is not None)
 
 
+def _unbacked(n: fx.Node) -> bool:
+    v = n.meta.get("val")
+    try:
+        return bool(symbolic_shapes.free_unbacked_symbols(v))
+    except Exception:  # noqa: BLE001 - a value free_unbacked_symbols cannot walk
+        return False
+
+
+def where(s: SourceInfo) -> str:
+    return f"in {s.module or 'the top module'} at {s.line or '?'}"
+
+
+# why a size known only at run time cannot be laid out, and the rewrite that avoids one
+FIXED_SIZE = ("shardc lays out every tensor when it compiles, so a size known only when the "
+              "step runs (boolean-mask indexing `h[mask]`, `nonzero`, `masked_select`, "
+              "`unique`) cannot be sharded. Give it a fixed size instead: pick the rows by "
+              "index (`h[torch.arange(B), idx]` with `idx` from `argmax` or a count), or keep "
+              "every row and zero the others (`torch.where`).")
+
+
+def data_sized_origin(graph: fx.Graph) -> fx.Node | None:
+    """The first node that makes a size depending on the data from none (the nonzero or
+    boolean index behind a ``view(B, -1, H)`` of ``h[mask]``)."""
+    return next((n for n in graph.nodes
+                 if _unbacked(n) and not any(_unbacked(a) for a in n.all_input_nodes)), None)
+
+
 def _data_dependent_error(node: fx.Node, src: SourceInfo, cause: Exception) -> ShardcError:
     """What to tell the user when a rule meets a size that depends on the data. The node
     that made the size is named: the rule that failed is often a few ops later (a
     ``view(B, -1, H)`` of ``h[mask]``), and the fix belongs at the former."""
-    def unbacked(n: fx.Node) -> bool:
-        v = n.meta.get("val")
-        try:
-            return bool(symbolic_shapes.free_unbacked_symbols(v))
-        except Exception:  # noqa: BLE001 - a value free_unbacked_symbols cannot walk
-            return False
-
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     origin, seen, stack = None, set(), [node]
     while stack:  # up through data-dependent values to the earliest that none made
@@ -107,23 +127,15 @@ def _data_dependent_error(node: fx.Node, src: SourceInfo, cause: Exception) -> S
         if n in seen:
             continue
         seen.add(n)
-        ins = [a for a in n.all_input_nodes if unbacked(a)]
+        ins = [a for a in n.all_input_nodes if _unbacked(a)]
         if ins:
             stack.extend(ins)
         elif n is not node and (origin is None or order[n] < order[origin]):
             origin = n
-    def where(s: SourceInfo) -> str:
-        return f"in {s.module or 'the top module'} at {s.line or '?'}"
-
     made = f", made by {origin.target} {where(source_of(origin))}" if origin is not None else ""
     return ShardcError(
-        f"shardc.compile: {node.target} {where(src)} works on a "
-        f"size that depends on the data{made}. shardc lays out every tensor when it "
-        "compiles, so a size known only when the step runs (boolean-mask indexing "
-        "`h[mask]`, `nonzero`, `masked_select`, `unique`) cannot be sharded. Give it a "
-        "fixed size instead: pick the rows by index (`h[torch.arange(B), idx]` with `idx` "
-        "from `argmax` or a count), or keep every row and zero the others (`torch.where`). "
-        f"({type(cause).__name__}: {str(cause).splitlines()[0]})")
+        f"shardc.compile: {node.target} {where(src)} works on a size that depends on the "
+        f"data{made}. {FIXED_SIZE} ({type(cause).__name__}: {str(cause).splitlines()[0]})")
 
 
 @dataclass

@@ -102,9 +102,9 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
                 raise
             except Exception as e:  # noqa: BLE001 - see below
                 if not specialized:
-                    # torch's own decompositions failing (torch 2.6 on an index whose size
-                    # is the data's: "possible memo disaster"): named, at the model's line
-                    raise TraceError(_explain_trace_failure(model, e)) from e
+                    # torch's own decompositions failing (torch 2.6 and 2.7 on an index
+                    # whose size is the data's: "possible memo disaster")
+                    raise TraceError(_decomposition_failure(model, ep, e)) from e
                 # a draft's fixed branch that its own re-trace contradicts (BatchNorm with
                 # momentum=None divides by its step count, which the draft fixed to 1):
                 # the export's error is the one that says what is wrong
@@ -345,6 +345,22 @@ def _refuse_valueless_constants(model: torch.nn.Module, ep: torch.export.Exporte
     if fake:
         raise TraceError(_data_read(model, f"the exported program's constant {fake[0]!r} is a "
                                            "fake tensor (it has no values)"))
+
+
+def _decomposition_failure(model: torch.nn.Module, ep: torch.export.ExportedProgram,
+                           e: Exception) -> str:
+    """torch's decompositions failed on the exported program: where it makes a size that
+    depends on the data (the usual cause on older torch), that and the rewrite."""
+    from shardc.passes.lower import FIXED_SIZE, data_sized_origin, source_of, where
+
+    origin = data_sized_origin(ep.graph)
+    if origin is None:
+        return _explain_trace_failure(model, e)
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return (f"shardc.compile: torch {torch.__version__}'s export could not decompose "
+            f"{type(model).__name__} ({type(e).__name__}: {first}), which works on a size that "
+            f"depends on the data, made by {origin.target} {where(source_of(origin))}. "
+            f"{FIXED_SIZE}")
 
 
 def _explain_trace_failure(model: torch.nn.Module, e: Exception) -> str:

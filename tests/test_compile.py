@@ -637,7 +637,10 @@ def test_data_dependent_size_is_refused_naming_where_it_was_made(fake_world, mod
     x = torch.randn(4, 6, 8)
     mask = torch.zeros(4, 6, dtype=torch.bool)
     mask[:, 2] = mask[:, 4] = True
-    with pytest.raises(shardc.ShardcError, match=rf"{op} in .* at test_compile\.py:\d+ works on "
+    # torch 2.6 and 2.7 fail in their own decompositions of h[mask], before any rule:
+    # compile names the origin and the rewrite there too
+    with pytest.raises(shardc.ShardcError, match=rf"({op} in .* at test_compile\.py:\d+ works on|"
+                                                 r"could not decompose .*, which works on) "
                                                  rf"a size that depends on the data, made by "
                                                  rf"{origin} in .* at test_compile\.py:\d+\. .*"
                                                  r"h\[torch\.arange\(B\), idx\]"):
