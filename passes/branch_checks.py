@@ -127,6 +127,11 @@ def _build(e: Any, known: dict[str, Callable[[], fx.Node]], g: fx.Graph,
         node = known[str(e)]()
         made.append(node)
         return node
+    if isinstance(e, (sympy.core.relational.Relational, sympy.logic.boolalg.BooleanFunction)) \
+            and not isinstance(e, sympy.Not):
+        negated = sympy.Not(e)  # Ne(u0, 1) of a boolean .item() the graph holds as Eq(u0, 1)
+        if str(negated) in known:
+            return _build(sympy.Not(negated, evaluate=False), known, g, made)
     if e is sympy.true or e is sympy.false:
         return bool(e)
     if isinstance(e, sympy.Integer):

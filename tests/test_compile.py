@@ -404,9 +404,11 @@ class _CountBranch(nn.Module):
     # torch 2.11's draft_export left no check on this one (a boolean .item()): the other
     # side's batch returned the example side's value
     (_DataDependent, (torch.randn(4, 4).abs() + 1,), (-torch.randn(4, 4).abs() - 1,)),
+    # the example takes the false side: the guard is the negation of the .item()
+    (_DataDependent, (-torch.randn(4, 4).abs() - 1,), (torch.randn(4, 4).abs() + 1,)),
     (_CountBranch, (torch.randn(4, 4), torch.tensor([2, 2, 0, 0])),
      (torch.randn(4, 4), torch.tensor([3, 4, 0, 0]))),
-], ids=["bool_item", "int_item"])
+], ids=["bool_item", "bool_item_false", "int_item"])
 def test_value_branch_runs_its_side_and_stops_the_other(fake_world, model, same_side,
                                                         other_side) -> None:
     """On a mesh of one (every op runs for real), a batch on the traced side computes what
@@ -416,8 +418,9 @@ def test_value_branch_runs_its_side_and_stops_the_other(fake_world, model, same_
     torch.manual_seed(0)
     m = model()
     g = torch.Generator().manual_seed(1)
-    example = tuple(a if a.dtype != torch.float32 else torch.randn(a.shape, generator=g).abs() + 1
-                    for a in same_side)
+    # another batch on the same side: its sign is what the branch reads
+    example = tuple(a if a.dtype != torch.float32 else
+                    torch.sign(a) * (torch.randn(a.shape, generator=g).abs() + 1) for a in same_side)
     sm = shardc.compile(copy.deepcopy(m), shardc.Mesh(), example)
     # the same ATen ops on the same values in one process
     assert sm(*same_side).item() == m(*same_side).item()
