@@ -102,8 +102,8 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
                 raise
             except Exception as e:  # noqa: BLE001 - see below
                 if not specialized:
-                    # torch's own decompositions failing (torch 2.6 and 2.7 on an index
-                    # whose size is the data's: "possible memo disaster")
+                    # torch's own decompositions failing (torch 2.6 and 2.7, below the
+                    # floor, on an index whose size is the data's: "possible memo disaster")
                     raise TraceError(_decomposition_failure(model, ep, e)) from e
                 # a draft's fixed branch that its own re-trace contradicts (BatchNorm with
                 # momentum=None divides by its step count, which the draft fixed to 1):
@@ -230,7 +230,7 @@ def _draft(model: torch.nn.Module, root: torch.nn.Module, args: tuple, cause: Ex
     import logging
 
     draft = getattr(torch.export, "draft_export", None)
-    if draft is None:  # torch < 2.7
+    if draft is None:  # torch < 2.8 (below the floor) has it only under a private name
         raise TraceError(_explain_trace_failure(model, cause)) from cause
     # its report is a page long, and it logs each branch it fixes: the warning says it once
     logs = [logging.getLogger(n) for n in ("torch.export._draft_export",
@@ -385,5 +385,5 @@ def _explain_trace_failure(model: torch.nn.Module, e: Exception) -> str:
             "(non-strict; a branch on tensor values is traced on the example inputs' side "
             "with torch.export.draft_export, which could not help here). The usual causes: "
             "Python work on tensor data (.numpy(), a NumPy or Python library called on a "
-            "tensor), an op with no fake (meta) kernel, or, with torch < 2.7 (no draft_export), "
+            "tensor), an op with no fake (meta) kernel, or, with torch < 2.8 (no draft_export), "
             "a branch on tensor values; use torch.cond or make it depend on shapes.")

@@ -1,7 +1,9 @@
 """The torch releases shardc supports, and the names it uses that are newer than the oldest.
 
-``pyproject.toml`` states the range; the README's audit table gives, for every torch API
-the project calls, the first release that has it. Everything there is at or below
+``pyproject.toml`` states the range; ``tools/torch_matrix.sh`` runs it (the README's
+torch versions section gives the versions it passed on, and why the floor is where it is);
+the README's audit table gives, for every torch API the project calls, the first release
+that has it. Everything there is at or below
 ``TORCH_FLOOR`` except the names in ``NEWER_THAN_FLOOR``, which the code reaches only
 through a fallback (``tests/test_torch_range.py`` hides them and trains).
 """
@@ -11,7 +13,7 @@ import re
 
 import torch
 
-TORCH_FLOOR = (2, 6)   # torch.export's training IR by default, export.default_decompositions
+TORCH_FLOOR = (2, 8)   # the oldest release the torch matrix passes (tools/torch_matrix.sh)
 TORCH_CEILING = (3, 0)  # exclusive: the next major may break the export and dispatch APIs
 
 # qualified name -> first torch release that has it; each is looked up with getattr and
@@ -20,8 +22,6 @@ TORCH_CEILING = (3, 0)  # exclusive: the next major may break the export and dis
 NEWER_THAN_FLOOR: dict[str, str] = {
     "torch.distributed.all_gather_single": "2.13",
     "torch.distributed.reduce_scatter_single": "2.13",
-    # branches on tensor values (passes/trace.py); without it such a model's TraceError
-    "torch.export.draft_export": "2.7",
 }
 
 

@@ -324,7 +324,7 @@ def test_a_draft_its_own_retrace_contradicts_is_refused_at_compile(fake_world) -
 
 
 def test_value_branch_without_draft_export_is_the_export_error(fake_world, monkeypatch) -> None:
-    """torch < 2.7 has no draft_export: a branch on tensor values stays a TraceError
+    """torch < 2.8 has no public draft_export: a branch on tensor values stays a TraceError
     (shardc.compat lists draft_export among the names newer than the floor)."""
     fake_world(1)
     monkeypatch.delattr(torch.export, "draft_export", raising=False)
@@ -367,7 +367,7 @@ class _DataDependent(nn.Module):
         return x.sum()
 
 
-@pytest.mark.skipif(not hasattr(torch.export, "draft_export"), reason="torch < 2.7: no draft_export")
+@pytest.mark.skipif(not hasattr(torch.export, "draft_export"), reason="torch < 2.8: no draft_export")
 def test_value_branch_is_traced_on_the_examples_side_and_checked(fake_world) -> None:
     """A branch on tensor values compiles with a warning naming the line, the program
     checks the branch every step, and the whole-step program stands aside (it traces on
@@ -398,7 +398,7 @@ class _CountBranch(nn.Module):
         return x.sum()
 
 
-@pytest.mark.skipif(not hasattr(torch.export, "draft_export"), reason="torch < 2.7: no draft_export")
+@pytest.mark.skipif(not hasattr(torch.export, "draft_export"), reason="torch < 2.8: no draft_export")
 @pytest.mark.filterwarnings("ignore::shardc.ShardcWarning")
 @pytest.mark.parametrize("model, same_side, other_side", [
     # torch 2.11's draft_export left no check on this one (a boolean .item()): the other
@@ -446,7 +446,7 @@ class _LabelledRows(nn.Module):
         return logits.sum() * 0
 
 
-@pytest.mark.skipif(not hasattr(torch.export, "draft_export"), reason="torch < 2.7: no draft_export")
+@pytest.mark.skipif(not hasattr(torch.export, "draft_export"), reason="torch < 2.8: no draft_export")
 @pytest.mark.filterwarnings("ignore::shardc.ShardcWarning")
 def test_scalar_work_on_data_dependent_sizes_is_not_a_fallback(fake_world) -> None:
     """The sizes and comparisons draft_export leaves of such a branch (``u0 >= 0``,

@@ -38,6 +38,7 @@ import torch
 
 import shardc
 from harness import run_on_ranks
+from shardc.compat import torch_version
 from shardc.cost import step_shape
 from shardc.passes.defer import DEFERRED
 from shardc.runtime.functional import mm_into
@@ -50,6 +51,15 @@ pytestmark = pytest.mark.distributed
 # buckets), and one whose data axis has 4
 MESHES = ["x2y2z1d1", "x1y1z2d2", "x2y1z1d2", "x1y1z1d4"]
 TWO_RANK_AXES = {"x2y2z1d1", "x1y1z2d2", "x2y1z1d2"}
+
+# Models whose step-program gradients are autograd's bitwise only from a torch release on
+# (run: tools/torch_matrix.sh). LitGPT's grouped-query attention on torch 2.8 (and 2.6,
+# 2.7): the step program calls the same kernels (_scaled_dot_product_flash_attention_for_cpu
+# and its backward) on the same values and computes the same loss, yet its gradients
+# differ from autograd's by rounding (3.7e-9 of entries ~0.03), as close to float64 as
+# autograd's; from 2.11 they are bitwise equal. Before that release the model is judged
+# against float64 like a bucketed sum.
+NOT_BITWISE_BEFORE = {"litgpt_gqa": (2, 11)}
 
 # see tests/test_train_gloo.py: one fp32 device's error against float64, times 4, plus
 # a floor of one fp32 rounding of the largest gradient entry for exactly-zero gradients
@@ -170,7 +180,8 @@ def _one(name: str, spec: str) -> list[str]:
         for step, (m, _) in enumerate(comm):
             if m != report:
                 out.append(f"{label}: step {step} measured {m} != reported {report}")
-        bitwise = kw.get("bucket_mb") == 0 or spec in TWO_RANK_AXES
+        bitwise = (kw.get("bucket_mb") == 0 or spec in TWO_RANK_AXES) and \
+            not (name in NOT_BITWISE_BEFORE and torch_version() < NOT_BITWISE_BEFORE[name])
         if bitwise:
             for step, (a, b) in enumerate(zip(ref_losses, losses)):
                 if not torch.equal(a, b):

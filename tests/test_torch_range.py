@@ -25,7 +25,7 @@ def test_pyproject_range_is_compat_range_and_installed_torch_is_in_it() -> None:
     readme = open(os.path.join(ROOT, "README.md")).read()
     assert f"torch >= {floor}, < {ceiling}" in readme
     assert supported(torch.__version__), torch.__version__
-    assert not supported("2.5.1") and supported("2.6.0") and not supported("3.0.0")
+    assert not supported("2.7.1") and supported("2.8.0") and not supported("3.0.0")
     assert torch_version("2.13.0+cpu") == (2, 13)
 
 
