@@ -288,15 +288,7 @@ def align(ep: Any, items: list[Item] | None, failure: BaseException | None,
     if dist.get_backend() == "fake" or dist.get_world_size() == 1:
         return items
     device = default_device()
-    mine = torch.zeros(33, dtype=torch.uint8, device=device)
-    if failure is not None or items is None:
-        mine[0] = 1
-    else:
-        mine[1:] = torch.frombuffer(bytearray(_digest(items)), dtype=torch.uint8).to(device)
-    rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    with guarded(None, "all_gather", None, "shardc.compile's agreement"):
-        dist.all_gather(rows, mine)
-    got = [bytes(r.cpu().tolist()) for r in rows]
+    got = _exchange_digests(items, failure, device)
     if any(g[0] for g in got):
         settle(items, failure)  # every rank saw the failure: every rank raises there
     if all(g == got[0] for g in got):
@@ -311,6 +303,21 @@ def align(ep: Any, items: list[Item] | None, failure: BaseException | None,
     if reorder_like(ep, [(k, name) for k, name in order]):
         return redescribe()
     return items
+
+
+def _exchange_digests(items: list[Item] | None, failure: BaseException | None,
+                      device: torch.device) -> list[bytes]:
+    """Every rank's 33 bytes, in rank order: a status byte (1 = failed) and the sha256 of
+    its description."""
+    mine = torch.zeros(33, dtype=torch.uint8, device=device)
+    if failure is not None or items is None:
+        mine[0] = 1
+    else:
+        mine[1:] = torch.frombuffer(bytearray(_digest(items)), dtype=torch.uint8).to(device)
+    rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    with guarded(None, "all_gather", None, "shardc.compile's agreement"):
+        dist.all_gather(rows, mine)
+    return [bytes(r.cpu().tolist()) for r in rows]
 
 
 def _items(decoded: list) -> list[Item]:
@@ -329,16 +336,7 @@ def settle(items: list[Item] | None, failure: BaseException | None) -> None:
             raise failure
         return
     device = default_device()
-    # 33 bytes a rank: 1 status byte (1 = failed) and the description's sha256
-    mine = torch.zeros(33, dtype=torch.uint8, device=device)
-    if failure is not None or items is None:
-        mine[0] = 1
-    else:
-        mine[1:] = torch.frombuffer(bytearray(_digest(items)), dtype=torch.uint8).to(device)
-    rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    with guarded(None, "all_gather", None, "shardc.compile's agreement"):
-        dist.all_gather(rows, mine)
-    got = [bytes(r.cpu().tolist()) for r in rows]
+    got = _exchange_digests(items, failure, device)
     failed = [r for r, g in enumerate(got) if g[0]]
     if not failed and all(g == got[0] for g in got):
         return

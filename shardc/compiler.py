@@ -129,9 +129,10 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
             "shardc.compile: torch.distributed is not initialised. Call "
             "torch.distributed.init_process_group(backend, ...) on every rank first "
             "(gloo on CPU, nccl on CUDA; torchrun sets the rank and world size).")
-    # Compile locally (no communication), then settle with the other ranks: a rank whose
-    # compile fails still reaches the exchange, so its peers raise too instead of waiting
-    # in a collective it will never issue (shardc/agreement.py).
+    # Compile locally (no communication but two small exchanges: the traces' digests
+    # before lowering, the whole description's after), then settle with the other ranks: a
+    # rank whose compile fails still reaches each exchange, so its peers raise too instead
+    # of waiting in a collective it will never issue (shardc/agreement.py).
     seen: dict[str, Any] = {}
     sm: ShardedModule | None = None
     failure: Exception | None = None
