@@ -26,6 +26,7 @@ from typing import Any, Callable
 import sympy
 import torch
 import torch.fx as fx
+import torch.utils._sympy.functions as functions
 
 _ASSERT = torch.ops.aten._assert_scalar.default
 _PREFIX = "Runtime assertion failed for expression "
@@ -45,8 +46,6 @@ class Unchecked(Exception):
 def _namespace() -> dict[str, Any]:
     """The names torch prints guards with: sympy's, and torch's own integer functions
     (``FloorDiv``, ``PythonMod``, ...)."""
-    import torch.utils._sympy.functions as functions
-
     return {k: v for k, v in vars(functions).items()
             if isinstance(v, type) and issubclass(v, sympy.Basic)}
 
