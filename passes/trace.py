@@ -27,6 +27,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 
 from shardc.errors import ShardcError, ShardcWarning, TraceError
 from shardc.precision import CastAtUse
@@ -339,8 +340,6 @@ def _refuse_valueless_constants(model: torch.nn.Module, ep: torch.export.Exporte
     """torch 2.6's export keeps a ``.data`` read in forward as a constant that is a fake
     tensor (newer releases raise): a program holding it computes with no values at all,
     its loss a FakeTensor whose ``.item()`` is a symbol."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     fake = [name for name, v in ep.constants.items() if isinstance(v, FakeTensor)]
     if fake:
         raise TraceError(_data_read(model, f"the exported program's constant {fake[0]!r} is a "
