@@ -9,7 +9,7 @@ and the CPU. Each variant trains the same model (same seed) with AdamW for ``--w
 steps (compilation, allocator) and then ``--steps`` timed steps; the variants take turns
 step by step (eager, compiled, shardc, eager, ...) so that a machine whose speed drifts
 shifts all of them alike. Prints the median step time, tokens/s, MFU (model FLOPs from
-``shardc.throughput`` over the device's peak) and memory. On a GPU that is the most a
+``shardc.planning.throughput`` over the device's peak) and memory. On a GPU that is the most a
 variant's step allocates above what was resident when it began (activations, gradients,
 workspace; CUDA's allocator, its peak reset before each step): the variants share one
 process, so the resident weights and optimizer states of all of them are there throughout
@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 import shardc
-from shardc.models import GPT, lm_batch
-from shardc.throughput import ModelFlops, device_peak_flops, model_flops, throughput
+from shardc.tools.models import GPT, lm_batch
+from shardc.planning.throughput import ModelFlops, device_peak_flops, model_flops, throughput
 
 # (layers, hidden, heads, seq, vocab, batch)
 SHAPES = {

@@ -1,5 +1,5 @@
 """Peak memory per rank for each memory and precision option, beside FSDP2 at the same
-configuration and beside shardc's estimate (``shardc.memory.estimate``):
+configuration and beside shardc's estimate (``shardc.planning.memory.estimate``):
 
     python benchmarks/memory.py                      # 4 ranks, the default meshes
     python benchmarks/memory.py --layers 12 --meshes x1y1z4d1 x1y1z2d2 --options none blocks
@@ -13,7 +13,7 @@ with AdamW on gloo CPU ranks. What one rank holds at the peak of a step is measu
     torch's profiler records every allocation and free; the smaller of two steps)
 
 on rank 0 (measured: resident, step peak, total), beside the estimate of the same two
-parts from the compiled program alone (``shardc.memory.estimate``, what
+parts from the compiled program alone (``shardc.planning.memory.estimate``, what
 ``shardc.plan(..., memory="traced")`` uses) and the planner's fast formula (16 bytes per
 parameter element plus every forward intermediate; ``plan(memory="formula")``). FSDP2 (``fully_shard`` per block and at the root; HSDP on a z x data mesh;
 keeping gathered weights like shardc's default, ``reshard_after_forward=False``; with
@@ -36,7 +36,7 @@ import torch.distributed as dist  # noqa: E402
 import shardc  # noqa: E402
 from harness import run_on_ranks  # noqa: E402
 from models import GPT  # noqa: E402
-from shardc.memory import estimate, measured_peak  # noqa: E402
+from shardc.planning.memory import estimate, measured_peak  # noqa: E402
 
 OPTIONS: dict[str, dict[str, Any]] = {
     "none": {},

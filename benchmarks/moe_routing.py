@@ -28,7 +28,7 @@ def _measure(spec: str, hidden: int, experts: int, region: bool) -> tuple[dict, 
 
     import shardc
     import shardc.passes.rules.routing as routing
-    from shardc.models import HFCausalLM
+    from shardc.tools.models import HFCausalLM
 
     find = routing.find_regions
     if not region:  # the lowering as it was: every sort of the batch's rows gathered

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import shardc
     from models import gpt2, llama  # tests/models.py: small real transformers models
-    from shardc.module import ShardedModule
+    from shardc.program.module import ShardedModule
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--meshes", default="x2y2z2d1,x8y1z1d1,x1y1z8d1,x2y1z1d4,x1y2z2d2")

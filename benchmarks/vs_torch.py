@@ -275,7 +275,7 @@ def systems(world: int, meshes: list[str] = (), quick: bool = False, bucket_mb: 
         pairs.append(("tp_dp", f"x{world // 2}y1z1d2"))
     # every system packs gradients alike: DDP above is given an explicit bucket_cap_mb
     # (25 by default), which drops its 1 MiB first bucket, tp_dp reduces one flat buffer,
-    # and the same explicit bucket_mb is shardc's same configuration (shardc.context.Options)
+    # and the same explicit bucket_mb is shardc's same configuration (shardc.core.context.Options)
     for peer, spec in pairs:
         out.append((f"shardc {spec}", peer, shardc_mesh(spec, bucket_mb=bucket_mb)))
         if not quick:
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     for entry in args.meshes:
         try:
             spec, kw = mesh_and_options(entry)
-            shardc.context.Options(**kw)  # an unknown or bad option fails here, not on 8 ranks
+            shardc.core.context.Options(**kw)  # an unknown or bad option fails here, not on 8 ranks
         except (ValueError, TypeError) as e:
             ap.error(str(e))
         if shardc.Mesh.parse(spec).world_size != args.world:

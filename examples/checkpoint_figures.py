@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import shardc
-from shardc.models import GPT, lm_batch
+from shardc.tools.models import GPT, lm_batch
 
 CASES = [("x1y1z4d1", "x2y2z1d1"), ("x1y1z1d4", "x4y1z1d1"), ("x2y1z2d1", "x1y1z1d4")]
 

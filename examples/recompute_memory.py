@@ -6,7 +6,7 @@ checkpointing table):
     python examples/recompute_memory.py 8 x1y1z1d4 x1y1z4d1
 
 A GPT of LAYERS blocks (dim 64, 64 tokens, 16 sequences a rank); the peak is measured
-from torch's profiler's allocation records (``shardc.memory.measured_peak``, through
+from torch's profiler's allocation records (``shardc.planning.memory.measured_peak``, through
 tests/test_recompute_gloo.py's ``_peak_growth``), the minimum of two steps after a
 warm-up step, on rank 0.
 """

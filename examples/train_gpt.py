@@ -9,7 +9,7 @@ nothing else changes. Two nodes of 8 GPUs, x and y inside a node (see the README
         --rdzv-endpoint $HEAD:29500 examples/train_gpt.py --mesh x4y2z2d1
 
 Prints the loss per step (a progress bar from 20 steps on), then tokens/s per rank and
-model FLOPs utilisation (``shardc.throughput``), then the communication report.
+model FLOPs utilisation (``shardc.planning.throughput``), then the communication report.
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 import shardc
-from shardc.launch import init_distributed
-from shardc.models import GPT, lm_batch
-from shardc.throughput import model_flops, summed_peak_flops, throughput
+from shardc.core.launch import init_distributed
+from shardc.tools.models import GPT, lm_batch
+from shardc.planning.throughput import model_flops, summed_peak_flops, throughput
 
 
 def main() -> None:

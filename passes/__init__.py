@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from shardc.context import CompileContext
+from shardc.core.context import CompileContext
 
 from .grad_sync import grad_sync_pass
 from .lower import lower_pass

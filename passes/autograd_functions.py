@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import torch
 
-from shardc.errors import ShardcError, ShardcWarning
+from shardc.core.errors import ShardcError, ShardcWarning
 
 
 @dataclass

@@ -37,7 +37,7 @@ from typing import cast
 import torch
 import torch.fx as fx
 
-from shardc.context import COMM, CompileContext
+from shardc.core.context import COMM, CompileContext
 from shardc.runtime import functional as F
 
 aten = torch.ops.aten

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from shardc.context import COMM, CompileContext
+from shardc.core.context import COMM, CompileContext
 from shardc.passes.joint import RUN_FUNCTIONS, collective_nodes
 from shardc.passes.reshard import REGATHER
 from shardc.runtime import functional as F

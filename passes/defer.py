@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from shardc.context import CompileContext
+from shardc.core.context import CompileContext
 from shardc.passes.joint import N_OUTPUTS, PART, RUN_FUNCTIONS
 from shardc.runtime import functional as F
 

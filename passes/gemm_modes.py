@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from shardc.context import CompileContext
+from shardc.core.context import CompileContext
 from shardc.runtime import functional as F
 from shardc.runtime import gemm as G
 

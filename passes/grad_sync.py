@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from shardc.context import (COMM, GLOBAL_VAL, KIND, PARAM, PLACEMENT, PROGRAM, REQUIRES_GRAD,
+from shardc.core.context import (COMM, GLOBAL_VAL, KIND, PARAM, PLACEMENT, PROGRAM, REQUIRES_GRAD,
                             CompileContext)
-from shardc.mesh import AXES
-from shardc.placement import Layout, Replicate
+from shardc.core.mesh import AXES
+from shardc.core.placement import Layout, Replicate
 from shardc.runtime import collectives as C
 from shardc.runtime import ops as R
 

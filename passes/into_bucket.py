@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from shardc.context import CompileContext
+from shardc.core.context import CompileContext
 from shardc.runtime import functional as F
 
 aten = torch.ops.aten

@@ -34,9 +34,9 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from shardc.context import COMM, GLOBAL_VAL, PARAM, PLACEMENT, PROGRAM, SOURCE, CompileContext
-from shardc.placement import Layout
-from shardc.precision import reduce_dtype
+from shardc.core.context import COMM, GLOBAL_VAL, PARAM, PLACEMENT, PROGRAM, SOURCE, CompileContext
+from shardc.core.placement import Layout
+from shardc.core.precision import reduce_dtype
 from shardc.runtime import collectives as C
 from shardc.runtime import functional as F
 
@@ -66,7 +66,7 @@ class JointProgram:
     grad_of: list[int]  # primal index of each gradient backward returns
     joint: fx.GraphModule  # the unsplit graph (for explain and tests)
     # what the step calls for each part: the GraphModule itself, or its compiled form
-    # (backend="inductor": shardc/backend.py); set by ShardedModule when it is built
+    # (backend="inductor": shardc/program/backend.py); set by ShardedModule when it is built
     run_forward: Any = None
     run_backward: Any = None
 

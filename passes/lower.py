@@ -29,12 +29,12 @@ import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental import symbolic_shapes
 
-from shardc.context import (COMM, FALLBACK, GLOBAL_VAL, KIND, PARAM, PLACEMENT, PROGRAM, SOURCE,
+from shardc.core.context import (COMM, FALLBACK, GLOBAL_VAL, KIND, PARAM, PLACEMENT, PROGRAM, SOURCE,
                             CompileContext)
-from shardc.errors import ShardcError
-from shardc.mesh import BATCH_AXES, Mesh
-from shardc.placement import Layout
-from shardc.precision import reduce_dtype
+from shardc.core.errors import ShardcError
+from shardc.core.mesh import BATCH_AXES, Mesh
+from shardc.core.placement import Layout
+from shardc.core.precision import reduce_dtype
 from shardc.runtime import collectives as C
 
 aten = torch.ops.aten

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from shardc.context import CompileContext
+from shardc.core.context import CompileContext
 from shardc.runtime import collectives as C
 
 

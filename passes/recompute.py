@@ -40,7 +40,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.split_module import split_module
 
-from shardc.context import SOURCE
+from shardc.core.context import SOURCE
 from shardc.runtime import collectives as C
 
 RECOMPUTE = "shardc_recompute"  # node.meta: the block whose recompute re-runs this node

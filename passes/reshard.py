@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from shardc.context import COMM, PARAM, CompileContext
+from shardc.core.context import COMM, PARAM, CompileContext
 from shardc.passes.joint import N_OUTPUTS, RUN_FUNCTIONS, collective_nodes, forward_nodes
 from shardc.runtime import functional as F
 

@@ -37,7 +37,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from shardc.context import COMM, CompileContext
+from shardc.core.context import COMM, CompileContext
 from shardc.passes import aliases
 from shardc.passes.joint import collective_nodes
 from shardc.runtime import functional as F

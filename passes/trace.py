@@ -29,8 +29,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 
-from shardc.errors import ShardcError, ShardcWarning, TraceError
-from shardc.precision import CastAtUse
+from shardc.core.errors import ShardcError, ShardcWarning, TraceError
+from shardc.core.precision import CastAtUse
 from shardc.passes.autograd_functions import (check_backwards, is_user_file,
                                               record_autograd_functions, record_gradient_hooks,
                                               refuse_gradient_hooks)
@@ -51,7 +51,7 @@ def _signature(inputs: tuple) -> Any:
 
 def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = torch.float32
           ) -> torch.export.ExportedProgram:
-    """``compute``: the policy's compute dtype (``shardc.precision``); fp32 traces the
+    """``compute``: the policy's compute dtype (``shardc.core.precision``); fp32 traces the
     model as it is."""
     from shardc.passes.rules import RULES
     from shardc.passes.rules.common import existing_ops

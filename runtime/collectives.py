@@ -35,8 +35,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from shardc.errors import CollectiveError
-from shardc.mesh import Mesh
+from shardc.core.errors import CollectiveError
+from shardc.core.mesh import Mesh
 # reduce-scatter, and small all-reduces: gloo's by an all-to-all
 from shardc.runtime.algorithms import all_gather_flat, all_reduce_flat, reduce_scatter_flat
 from shardc.runtime.groups import axis_groups
@@ -88,7 +88,7 @@ class Runtime:
 
     @property
     def rank(self) -> int:
-        # offline (shardc.offline, the planner) there is no process group; the program
+        # offline (shardc.program.offline, the planner) there is no process group; the program
         # is the compiled rank's
         return dist.get_rank() if dist.is_initialized() else self.compiled_rank
 

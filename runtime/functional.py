@@ -278,7 +278,7 @@ def step_all_reduce(g: torch.Tensor, rt: str, axis: str, param: str,
 #
 # Under torch.profiler, the issue and the wait each leave a short labelled range
 # ("shardc.issue#K all_reduce@x backward 8192B" and "shardc.wait#K"): the two ends of
-# collective K's flight, which ``shardc.tracing`` joins into one span beside the compute
+# collective K's flight, which ``shardc.tools.timeline`` joins into one span beside the compute
 # it overlapped.
 _ids = itertools.count()
 
@@ -381,7 +381,7 @@ def mm_into(buf: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offset: int,
 
 
 # What returns an alias of one of its arguments without an op schema to say so: the
-# argument's index (shardc.memory's liveness and passes/inplace.py read it).
+# argument's index (shardc.planning.memory's liveness and passes/inplace.py read it).
 ALIASES = {pack_into: 0, mm_into: 0}
 
 

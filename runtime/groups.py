@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shardc.mesh import AXES, Mesh
+from shardc.core.mesh import AXES, Mesh
 
 _CACHE: dict[tuple[str, int], dict[str, dist.ProcessGroup | None]] = {}
 

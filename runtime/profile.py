@@ -1,4 +1,4 @@
-"""Measure the intra-node bandwidth table of :class:`shardc.machine.Machine`.
+"""Measure the intra-node bandwidth table of :class:`shardc.core.machine.Machine`.
 
 Why: equation 7 covers groups that span nodes, but inside a node the bandwidth a group
 sees depends on the topology (which links its members share) and on how many groups of
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
-from shardc.machine import Machine
+from shardc.core.machine import Machine
 
 __all__ = ["profile_machine", "profile_shapes", "shape_groups"]
 

@@ -3,19 +3,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardc.clip import clip_grad_norm_
+from shardc.train.clip import clip_grad_norm_
 from shardc.compiler import compile, global_mean, shard_batch
-from shardc.errors import CollectiveError, ShardcError, ShardcWarning, TraceError
-from shardc.explain import explain
-from shardc.guard import NonFiniteError, StepGuard
-from shardc.machine import Machine
-from shardc.mesh import Mesh
-from shardc.module import ShardedModule
-from shardc.placement import Layout, Partial, Replicate, Shard
-from shardc.planner import Candidate, plan
-from shardc.precision import CastAtUse, Precision
+from shardc.core.errors import CollectiveError, ShardcError, ShardcWarning, TraceError
+from shardc.program.explain import explain
+from shardc.train.guard import NonFiniteError, StepGuard
+from shardc.core.machine import Machine
+from shardc.core.mesh import Mesh
+from shardc.program.module import ShardedModule
+from shardc.core.placement import Layout, Partial, Replicate, Shard
+from shardc.planning.planner import Candidate, plan
+from shardc.core.precision import CastAtUse, Precision
 from shardc.passes.recompute import Selective
-from shardc.report import CommReport, CommRow, comm_report
+from shardc.program.report import CommReport, CommRow, comm_report
 from shardc.runtime.pending import PendingOutput
 
 __all__ = ["Mesh", "compile", "shard_batch", "global_mean", "ShardedModule", "ShardcError",

@@ -1,3 +1,3 @@
-from shardc.cli import main
+from shardc.tools.cli import main
 
 raise SystemExit(main())

@@ -70,9 +70,9 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadIt
                                                   TensorWriteData, WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from shardc.errors import ShardcError
-from shardc.mesh import AXES, Mesh
-from shardc.placement import Layout, shard_offsets
+from shardc.core.errors import ShardcError
+from shardc.core.mesh import AXES, Mesh
+from shardc.core.placement import Layout, shard_offsets
 from shardc.runtime.groups import default_device
 
 __all__ = ["save", "load", "latest", "CHECKPOINT_FORMAT"]

@@ -9,18 +9,18 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from shardc import validate
-from shardc.agreement import align, describe, settle
-from shardc.context import CompileContext, Options
-from shardc.errors import ShardcError, ShardcWarning
-from shardc.launch import check_device
-from shardc.mesh import Mesh
-from shardc.module import ShardedModule
-from shardc.placement import Layout
+from shardc.program import validate
+from shardc.program.agreement import align, describe, settle
+from shardc.core.context import CompileContext, Options
+from shardc.core.errors import ShardcError, ShardcWarning
+from shardc.core.launch import check_device
+from shardc.core.mesh import Mesh
+from shardc.program.module import ShardedModule
+from shardc.core.placement import Layout
 from shardc.passes import run_pipeline
 from shardc.passes.recompute import RECOMPUTE, Selective, mark_and_split, repeated_blocks
 from shardc.passes.trace import checkpointed_modules, trace
-from shardc.precision import check_no_autocast
+from shardc.core.precision import check_no_autocast
 from shardc.runtime.collectives import Runtime, guarded
 
 
@@ -104,7 +104,7 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
     rest, as torch's selective activation checkpointing does.
     ``precision="bf16"`` computes and communicates in bf16 with fp32 parameters and
     gradient reductions; a ``shardc.Precision(compute, reduce)`` says both dtypes (see
-    ``shardc.precision``). ``shard_optimizer=True`` shards the optimizer state
+    ``shardc.core.precision``). ``shard_optimizer=True`` shards the optimizer state
     over data (ZeRO-1/2): ``sm.parameters()`` are then each rank's 1/G_data slices of the
     stored shards (``runtime/zero.py``).
     ``torch.autocast`` around ``compile`` or the compiled module is refused (the comm
@@ -122,7 +122,7 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
     program in a form (operand layouts); "auto" times the forms on the first batch.
 
     ``backend="inductor"`` compiles the compute between the program's collectives with
-    ``torch.compile`` (the collectives stay eager; see ``shardc.backend``), in both parts
+    ``torch.compile`` (the collectives stay eager; see ``shardc.program.backend``), in both parts
     of the step program (and in the forward program, which runs without gradients)."""
     if not dist.is_available() or not dist.is_initialized():
         raise ShardcError(
@@ -132,7 +132,7 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
     # Compile locally (no communication but two small exchanges: the traces' digests
     # before lowering, the whole description's after), then settle with the other ranks: a
     # rank whose compile fails still reaches each exchange, so its peers raise too instead
-    # of waiting in a collective it will never issue (shardc/agreement.py).
+    # of waiting in a collective it will never issue (shardc/program/agreement.py).
     seen: dict[str, Any] = {}
     sm: ShardedModule | None = None
     failure: Exception | None = None
@@ -180,7 +180,7 @@ def _prepare(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | 
                           "single device would see, e.g. example_inputs=(tokens, targets).")
     validate.check_example_inputs(model, example_inputs)
     if isinstance(mesh, str) and mesh == "auto":
-        from shardc.planner import plan  # noqa: PLC0415 - optional feature
+        from shardc.planning.planner import plan  # noqa: PLC0415 - optional feature
 
         if machine is None:
             raise ShardcError("shardc.compile: mesh='auto' needs machine=shardc.Machine(...) or a preset "
@@ -326,7 +326,7 @@ def _compile(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Optio
                 "the module itself: checkpoint(self.block, x, use_reentrant=False).",
                 ShardcWarning, stacklevel=3)
     if options.backend != "eager":
-        from shardc.backend import build_runner  # noqa: PLC0415 - imports torch's compiler stack
+        from shardc.program.backend import build_runner  # noqa: PLC0415 - imports torch's compiler stack
 
         sm.set_runner(build_runner(program, options.backend))
     return sm

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-# shardc.compat by its path: importing it as shardc.compat would run shardc/__init__.py,
+# shardc.core.compat by its path: importing it as shardc.core.compat would run shardc/__init__.py,
 # which loads the runtime (and its choice of collective) before the names are gone
 _spec = importlib.util.spec_from_file_location(
     "_shardc_compat", os.path.join(os.path.dirname(__file__), "..", "shardc", "compat.py"))
@@ -39,7 +39,7 @@ def check(rank: int, world_size: int) -> None:
     import torch.distributed as dist
 
     import shardc
-    from shardc.models import GPT, lm_batch
+    from shardc.tools.models import GPT, lm_batch
     from shardc.runtime import algorithms as A
     from shardc.runtime import collectives as C
 

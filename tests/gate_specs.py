@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from shardc.models import MLPChain
+from shardc.tools.models import MLPChain
 
 
 class _WithScan(MLPChain):

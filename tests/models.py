@@ -1,4 +1,4 @@
-"""The reference models live in the package (shardc.models): the demo and the CLI use
+"""The reference models live in the package (shardc.tools.models): the demo and the CLI use
 them too."""
-from shardc.models import (GPT, MLPChain, falcon, gpt2, gpt_bigcode, gpt_neox,  # noqa: F401
+from shardc.tools.models import (GPT, MLPChain, falcon, gpt2, gpt_bigcode, gpt_neox,  # noqa: F401
                            litgpt_llama, llama, opt, phi3)  # (re-exported)

@@ -61,8 +61,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 import shardc
-from shardc.mesh import Mesh
-from shardc.placement import Layout, local_slice
+from shardc.core.mesh import Mesh
+from shardc.core.placement import Layout, local_slice
 
 aten = torch.ops.aten
 

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardc
-from shardc.context import GLOBAL_VAL, KIND
+from shardc.core.context import GLOBAL_VAL, KIND
 from harness import drive_with, run_on_ranks
 from models import GPT, llama
 from test_train_gloo import ATOL, EPS, LR, RTOL, _grad_failures

@@ -1,4 +1,4 @@
-"""One-process tests of the description ranks compare (shardc/agreement.py) and of the
+"""One-process tests of the description ranks compare (shardc/program/agreement.py) and of the
 fake backend skipping the exchange. The exchange itself runs on gloo in
 tests/test_bad_inputs_gloo.py."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 
 import shardc
-from shardc.agreement import _digest, reorder_like, describe, first_difference, node_keys
-from shardc.context import Options
+from shardc.program.agreement import _digest, reorder_like, describe, first_difference, node_keys
+from shardc.core.context import Options
 from shardc.passes.trace import trace
 
 

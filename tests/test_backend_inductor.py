@@ -1,5 +1,5 @@
 """compile(..., backend="inductor"): the compute between collectives through inductor,
-collectives, random draws and in-place writes eager (shardc/backend.py), in the forward
+collectives, random draws and in-place writes eager (shardc/program/backend.py), in the forward
 program and in both parts of the whole-step program."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch.distributed as dist
 import shardc
 from harness import run_on_ranks
 from models import GPT, MLPChain
-from shardc.backend import InductorProgram, is_collective, is_random, runs_eagerly
-from shardc.models import lm_batch
+from shardc.program.backend import InductorProgram, is_collective, is_random, runs_eagerly
+from shardc.tools.models import lm_batch
 
 # Against float64, as tests/test_train_gloo.py measures the eager program: inductor fuses
 # and reorders the same fp32 operations, so its rounding error differs from the eager

@@ -9,7 +9,7 @@ import torch
 
 import shardc
 from shardc.checkpoint import _replica_index, blocks
-from shardc.placement import Layout, local_slice
+from shardc.core.placement import Layout, local_slice
 
 MESH = shardc.Mesh(data=2, z=2, y=1, x=3)
 LAYOUTS = [

@@ -11,9 +11,9 @@ import sympy
 import torch
 
 import shardc
-from shardc.cli import compile_offline, main as cli_main
-from shardc.gate import assert_comm_within_baseline, check_against_baseline
-from shardc.report import SYMBOLS
+from shardc.tools.cli import compile_offline, main as cli_main
+from shardc.tools.gate import assert_comm_within_baseline, check_against_baseline
+from shardc.program.report import SYMBOLS
 from models import GPT, MLPChain
 
 Gx, Gy, Gz, Gd = (SYMBOLS[a] for a in ("x", "y", "z", "data"))
@@ -144,7 +144,7 @@ def test_pytest_gate_helper(tmp_path) -> None:
 
 
 def test_gpt20b_report_on_32_and_4096_ranks_without_weights() -> None:
-    from shardc.specs import gpt_paper_20b
+    from shardc.tools.specs import gpt_paper_20b
 
     model, inputs = gpt_paper_20b()
     assert all(p.is_meta for p in model.parameters())

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardc
-from shardc.context import GLOBAL_VAL, KIND, SOURCE
+from shardc.core.context import GLOBAL_VAL, KIND, SOURCE
 from shardc.runtime import collectives as C
 from models import GPT, MLPChain
 
@@ -145,7 +145,7 @@ def test_dimension_not_divisible_is_kept_whole_or_refused_for_the_planner(fake_w
     """A GEMM dim its axis does not divide is kept whole on that axis by compile (and the
     decision says so); the planner's analysis, which drops meshes that do not divide the
     model, asks for the refusal instead, with the padding that would fit."""
-    from shardc.offline import compile_offline
+    from shardc.program.offline import compile_offline
 
     fake_world(8)
     sm = shardc.compile(MLPChain(dim=12), shardc.Mesh(y=8), _mlp_inputs(dim=12))
@@ -325,7 +325,7 @@ def test_a_draft_its_own_retrace_contradicts_is_refused_at_compile(fake_world) -
 
 def test_value_branch_without_draft_export_is_the_export_error(fake_world, monkeypatch) -> None:
     """torch < 2.8 has no public draft_export: a branch on tensor values stays a TraceError
-    (shardc.compat lists draft_export among the names newer than the floor)."""
+    (shardc.core.compat lists draft_export among the names newer than the floor)."""
     fake_world(1)
     monkeypatch.delattr(torch.export, "draft_export", raising=False)
     with pytest.raises(shardc.TraceError, match=r"could not trace _DataDependent at .*test_compile"):

@@ -1,4 +1,4 @@
-"""The step-time model (shardc/cost.py) and the planner's use of it.
+"""The step-time model (shardc/planning/cost.py) and the planner's use of it.
 
 Each term is held against what it counts: FLOPs against torch's flop counter over the
 rank's own forward program, calls against the whole-step program's collectives, the
@@ -14,11 +14,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import shardc
-from shardc.cost import BACKWARD_FLOPS, OPTIMIZER_PASSES, step_shape, work
-from shardc.machine import Machine
-from shardc.mesh import AXES
-from shardc.models import GPT, lm_batch
-from shardc.offline import compile_offline
+from shardc.planning.cost import BACKWARD_FLOPS, OPTIMIZER_PASSES, step_shape, work
+from shardc.core.machine import Machine
+from shardc.core.mesh import AXES
+from shardc.tools.models import GPT, lm_batch
+from shardc.program.offline import compile_offline
 from shardc.passes.joint import collective_nodes
 
 BATCH = lm_batch(16, 64, 512)
@@ -149,7 +149,7 @@ def test_shardc_bench_measures_and_ranks_on_gloo(tmp_path, capsys) -> None:
     the model's terms beside the measurement."""
     import json
 
-    from shardc.cli import main as cli_main
+    from shardc.tools.cli import main as cli_main
 
     STEPPED.save(tmp_path / "m.json")
     out = tmp_path / "bench"

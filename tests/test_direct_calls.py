@@ -1,4 +1,4 @@
-"""The eager backend's runner (``shardc.backend.direct_calls``): a copy of the step
+"""The eager backend's runner (``shardc.program.backend.direct_calls``): a copy of the step
 program that calls each ATen op through torch's Python binding when that binding runs
 the same overload. It must change no value, and must refuse a binding that would pick
 another overload."""
@@ -8,8 +8,8 @@ import torch
 import torch.fx as fx
 
 import shardc
-from shardc.backend import direct_calls
-from shardc.models import GPT
+from shardc.program.backend import direct_calls
+from shardc.tools.models import GPT
 
 aten = torch.ops.aten
 

@@ -33,7 +33,7 @@ import torch
 import shardc
 from harness import run_on_ranks
 from models import GPT
-from shardc.cost import step_shape
+from shardc.planning.cost import step_shape
 from test_train_gloo import _case_failures
 
 pytestmark = pytest.mark.distributed

@@ -2,7 +2,7 @@
 server's ranks share its seed): transformers' Gemma 3 builds its attention masks by
 iterating ``set(config.layer_types)``, whose order follows the hash seed, so the ranks
 trace the same ops in different orders. shardc gives every rank rank 0's order
-(``shardc.agreement.align``) and Gemma 3 trains like one device on x2y1z1d2: each of three
+(``shardc.program.agreement.align``) and Gemma 3 trains like one device on x2y1z1d2: each of three
 AdamW steps' gradients against float64, the weights after them, and the bytes moved
 equal to the report's (``test_train_gloo._case_failures``). It once refused the model on
 every mesh, naming a different path through forward.
@@ -29,7 +29,7 @@ LAYER_TYPES = ["sliding_attention", "full_attention"]
 def gemma3():
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from shardc.models import HFCausalLM
+    from shardc.tools.models import HFCausalLM
 
     cfg = Gemma3TextConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
                            num_attention_heads=8, num_key_value_heads=4, head_dim=4,

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from shardc.machine import PRESETS, Machine
-from shardc.mesh import AXES, Mesh
+from shardc.core.machine import PRESETS, Machine
+from shardc.core.mesh import AXES, Mesh
 
 GB = 1e9
 

@@ -1,4 +1,4 @@
-"""One-process tests (fake process group) of shardc.memory.estimate and the planner's
+"""One-process tests (fake process group) of shardc.planning.memory.estimate and the planner's
 traced memory. How close the estimate comes to a measured peak is tested on real gloo
 ranks in test_recompute_gloo.py (and tabled by benchmarks/memory.py)."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import shardc
-from shardc.memory import estimate, peak_bytes
-from shardc.offline import compile_offline
+from shardc.planning.memory import estimate, peak_bytes
+from shardc.program.offline import compile_offline
 from models import GPT
 
 
@@ -78,7 +78,7 @@ def test_a_gather_groups_buffer_is_held_from_its_first_gather_to_its_last_wait(f
     gather and freed at the last member's wait, once in forward and again where block
     recompute gathers the block in backward; the estimate holds it beside the members'
     own copies."""
-    from shardc.memory import _gather_group_buffers, _grad_bucket_buffers, traced_step
+    from shardc.planning.memory import _gather_group_buffers, _grad_bucket_buffers, traced_step
 
     fake_world(4)
     torch.manual_seed(0)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 import shardc
 from harness import run_on_ranks
-from shardc.models import HFCausalLM
+from shardc.tools.models import HFCausalLM
 
 pytestmark = pytest.mark.distributed
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import shardc
-from shardc.cli import main as cli_main
-from shardc.machine import Machine
+from shardc.tools.cli import main as cli_main
+from shardc.core.machine import Machine
 from models import MLPChain
 
 B, D, L = 64, 64, 6  # tokens, hidden, layers of the linear-only model
@@ -85,7 +85,7 @@ def test_dropped_meshes_say_why_and_the_first_estimate_ranks_exactly() -> None:
 
 
 def test_infeasible_requests_fail_clearly(tmp_path) -> None:
-    from shardc.specs import paper_gpt
+    from shardc.tools.specs import paper_gpt
 
     model, inputs = paper_gpt("gpt-320b", batch=8)
     with pytest.raises(ValueError, match=r"no mesh of 8 ranks fits this model on 'perlmutter' "
@@ -103,7 +103,7 @@ def test_infeasible_requests_fail_clearly(tmp_path) -> None:
 
 @pytest.mark.parametrize("spec,world", [("plan_gpt_20b", 32), ("plan_gpt_40b", 64)])
 def test_paper_fig2_cases_print_their_top_10(spec: str, world: int, capsys) -> None:
-    assert cli_main(["plan", f"shardc.specs:{spec}", "--world-size", str(world),
+    assert cli_main(["plan", f"shardc.tools.specs:{spec}", "--world-size", str(world),
                      "--machine", "perlmutter", "--top", "10", "--checkpointing"]) == 0
     out = capsys.readouterr().out
     assert "top 10 of" in out and f"meshes for {world} ranks on perlmutter" in out
@@ -125,7 +125,7 @@ def test_planning_again_reuses_each_pattern_s_compile(monkeypatch) -> None:
     the first compiled: a pattern's analysis does not depend on the machine. Another
     batch shape or another option compiles afresh. (``exact_top`` covers every mesh, so
     that the first plan compiles every pattern another machine's ranking could need.)"""
-    import shardc.planner as P
+    import shardc.planning.planner as P
 
     model = MLPChain(D, L)
     x = (torch.randn(B, D), torch.randn(B, D))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import shardc
-from shardc.context import GLOBAL_VAL, KIND
+from shardc.core.context import GLOBAL_VAL, KIND
 from shardc.runtime import collectives as C
 from models import GPT, llama
 

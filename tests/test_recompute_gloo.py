@@ -20,7 +20,7 @@ import torch
 
 import shardc
 from harness import run_on_ranks, train_side_by_side
-from shardc.memory import estimate, measured_peak
+from shardc.planning.memory import estimate, measured_peak
 from models import GPT, gpt_bigcode, llama
 from test_train_gloo import ATOL, EPS, LR, RTOL, _steps_grad_failures
 
@@ -92,7 +92,7 @@ def _train_failures(spec: str, policy: str = "blocks", make=lambda: GPT(layers=3
 
 def _peak_growth(sm: shardc.ShardedModule, inputs: list[torch.Tensor]) -> int:
     """The peak of the bytes live in the CPU allocator over one forward and backward,
-    above what was live before it (``shardc.memory.measured_peak``: the profiler's
+    above what was live before it (``shardc.planning.memory.measured_peak``: the profiler's
     allocation records on every thread; the resident set would count the heap's
     fragmentation too)."""
     sm.zero_grad()
@@ -130,11 +130,11 @@ def _memory(spec: str, rank: int) -> list[str]:
     if not blocks < selective < 0.9 * none:
         out.append(f"memory@{spec}: selective {selective:.0f} B not between blocks {blocks:.0f} B "
                    f"and 0.9x none {none:.0f} B")
-    # The estimate from the compiled program (shardc.memory: the traced step's liveness)
+    # The estimate from the compiled program (shardc.planning.memory: the traced step's liveness)
     # against this rank's measurement, parameters and AdamW state included as in
     # benchmarks/memory.py: the issue's bar is 15%. Measured 0.91-0.99 on z2d2 and 0.95-1.09
     # on d4; what the estimate leaves out (gloo's staging copies inside coalesced
-    # collectives, the step passes' packing) is documented in shardc.memory.
+    # collectives, the step passes' packing) is documented in shardc.planning.memory.
     opt_state = 2 * sum(p.numel() * p.element_size() for p in sm.parameters())
     resident = sum(p.numel() * p.element_size() for p in sm.parameters()) + opt_state
     for policy, est in estimates.items():

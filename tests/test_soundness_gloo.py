@@ -273,7 +273,7 @@ def _redistribution(rank: int) -> list[str]:
         if not any(n.target is target for n in sm.graph_module.graph.nodes):
             failures.append(f"{name}: the program has no {target.__name__}")
         if lay is not None:
-            local = shardc.placement.local_slice(x, lay.clean(mesh), mesh.coords(rank), mesh)
+            local = shardc.core.placement.local_slice(x, lay.clean(mesh), mesh.coords(rank), mesh)
         else:
             local = shardc.shard_batch(x, mesh)
         local = local.clone().requires_grad_(True)
@@ -289,7 +289,7 @@ def _redistribution(rank: int) -> list[str]:
         for k, p in ref.named_parameters():
             if _rel(grads[k], p.grad) > 1e-5:  # fp32 against float64, a 16-wide chain
                 failures.append(f"{name}: grad {k} error {_rel(grads[k], p.grad):.2e}")
-        want = (shardc.placement.local_slice(xd.grad, lay.clean(mesh), mesh.coords(rank), mesh)
+        want = (shardc.core.placement.local_slice(xd.grad, lay.clean(mesh), mesh.coords(rank), mesh)
                 if lay is not None else shardc.shard_batch(xd.grad, mesh))
         if _rel(local.grad, want) > 1e-5:
             failures.append(f"{name}: input grad error {_rel(local.grad, want):.2e}")

@@ -26,7 +26,7 @@ pass settings, and trained two SGD steps on the same batches:
   ``overlap=False`` none does;
 * ``gemm_modes``: a fixed form rewrites every GEMM into it, "auto" makes every rank
   take the same forms; gradients as accurate as autograd's, measured == reported;
-* ``shardc.tracing.trace_step`` records one span per collective issued, from issue to
+* ``shardc.tools.timeline.trace_step`` records one span per collective issued, from issue to
   wait, with GEMMs in flight during backward.
 """
 from __future__ import annotations
@@ -38,8 +38,8 @@ import torch
 
 import shardc
 from harness import run_on_ranks
-from shardc.compat import torch_version
-from shardc.cost import step_shape
+from shardc.core.compat import torch_version
+from shardc.planning.cost import step_shape
 from shardc.passes.defer import DEFERRED
 from shardc.runtime.functional import mm_into
 from shardc.runtime.pending import PendingOutput
@@ -237,7 +237,7 @@ def _against_f64(label: str, model, batch, mesh, ref_local: dict, got_local: dic
                  layouts: dict) -> list[str]:
     """Both local gradients (autograd's, bucketed) against the float64 one, each within
     GRAD_FACTOR of the other's error: bucketing adds one summation order, no more."""
-    from shardc.placement import local_slice
+    from shardc.core.placement import local_slice
 
     f64 = _f64_grads(model, batch)
     coords = mesh.coords(torch.distributed.get_rank())
@@ -280,7 +280,7 @@ def _trace_check(tmp: str) -> list[str]:
     its wait, on the right axis, and backward spans with GEMMs running in flight."""
     import json
 
-    from shardc.tracing import collective_spans, trace_step
+    from shardc.tools.timeline import collective_spans, trace_step
 
     make, batches = _lm(GPT)
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 import shardc
-from shardc.context import COMM, CompileContext, Options
+from shardc.core.context import COMM, CompileContext, Options
 from shardc.passes.bucket import BUCKET, bucket_pass
 from shardc.passes.schedule import SCHEDULE, schedule_pass
 from shardc.runtime import functional as F
@@ -449,7 +449,7 @@ def test_bucket_copies_each_gradient_as_it_is_made() -> None:
     (F.pack_into), each right after the gradient it copies; the chain ends in the
     bucket's all-reduce, which reduces it in place (nothing else reads it), and the
     memory model sees every link as the one buffer."""
-    from shardc.memory import _alias_of
+    from shardc.planning.memory import _alias_of
     from shardc.passes.bucket import bucket_pass
     from shardc.passes.inplace import inplace_pass
 
@@ -577,7 +577,7 @@ def test_a_view_meets_the_strides_its_input_really_has() -> None:
     kernel that returns its input's transposed layout instead made it raise (Qwen3-Next's
     softplus_backward). As reshape it still aliases where a view exists, and copies only
     where the view would have raised; the direct-call binding runs it as Tensor.reshape."""
-    from shardc.backend import direct_calls
+    from shardc.program.backend import direct_calls
     from shardc.passes.strides import strides_pass
 
     aten = torch.ops.aten

@@ -12,7 +12,7 @@ import torch.fx as fx
 import shardc
 from shardc.passes.lower import Val
 from shardc.passes.rules import STRATEGIES
-from shardc.placement import Layout
+from shardc.core.placement import Layout
 
 aten = torch.ops.aten
 MESH = shardc.Mesh(x=2, y=2, z=2)

@@ -1,4 +1,4 @@
-"""Model FLOPs (shardc.throughput): a hand count on the tests' GPT, and torch's own
+"""Model FLOPs (shardc.planning.throughput): a hand count on the tests' GPT, and torch's own
 FlopCounterMode on a real forward and backward."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from models import GPT, gpt2
-from shardc.models import lm_batch
-from shardc.throughput import gpu_peak_flops, model_flops, throughput
+from shardc.tools.models import lm_batch
+from shardc.planning.throughput import gpu_peak_flops, model_flops, throughput
 
 
 def test_gpt_flops_equal_a_hand_count() -> None:

@@ -1,4 +1,4 @@
-"""The torch range: what pyproject asks for is what shardc.compat and the README state, and
+"""The torch range: what pyproject asks for is what shardc.core.compat and the README state, and
 the project trains on a torch without the names newer than the floor."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from shardc.compat import NEWER_THAN_FLOOR, TORCH_CEILING, TORCH_FLOOR, supported, torch_version
+from shardc.core.compat import NEWER_THAN_FLOOR, TORCH_CEILING, TORCH_FLOOR, supported, torch_version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

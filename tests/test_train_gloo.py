@@ -392,7 +392,7 @@ MEMORY_OPTIONS: dict[str, dict[str, Any]] = {
 def _accepted(kw: dict[str, Any]) -> bool:
     """Does compile take these options together? (A pair it refuses, such as
     reshard_after_forward without the step program, is refused by name: test_memory_options.)"""
-    from shardc.context import Options
+    from shardc.core.context import Options
 
     try:
         Options(**kw)

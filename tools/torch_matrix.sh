@@ -20,7 +20,7 @@ newest() {
 }
 versions=("$@")
 if [ ${#versions[@]} -eq 0 ]; then
-    floor=$(python3 -c "import re;t=open('$root/shardc/compat.py').read();print('.'.join(re.search(r'TORCH_FLOOR = \((\d+), (\d+)\)',t).groups())+'.0')")
+    floor=$(python3 -c "import re;t=open('$root/shardc/core/compat.py').read();print('.'.join(re.search(r'TORCH_FLOOR = \((\d+), (\d+)\)',t).groups())+'.0')")
     versions=("$floor" "2.11.0" "$(newest)")
 fi
 # the one-process tier (fake process groups), then the gloo tests the range broke

@@ -8,10 +8,10 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.fx as fx
 
-from shardc.context import FALLBACK
+from shardc.core.context import FALLBACK
 from shardc.passes.branch_checks import CHECKED_NUMBER, KEEP_CHECK
-from shardc.mesh import Mesh
-from shardc.placement import Layout
+from shardc.core.mesh import Mesh
+from shardc.core.placement import Layout
 from shardc.passes.lower import Fallback, Lowering, Val
 
 

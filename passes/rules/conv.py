@@ -16,8 +16,8 @@ from typing import Any, Mapping
 
 import torch.fx as fx
 
-from shardc.mesh import Mesh
-from shardc.placement import Layout
+from shardc.core.mesh import Mesh
+from shardc.core.placement import Layout
 from shardc.passes.lower import Lowering
 from shardc.passes.rules.common import (Strategy, apply_strategy, aten, emit_like, emit_outputs,
                                         materialise_then, no_partial, register_rule,

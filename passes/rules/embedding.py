@@ -5,7 +5,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from shardc.placement import Layout
+from shardc.core.placement import Layout
 from shardc.runtime import ops as R
 from shardc.passes.lower import Lowering, Val
 from shardc.passes.rules.common import aten, local_args, no_partial, register_rule, replicate_dims

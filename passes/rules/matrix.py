@@ -10,8 +10,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from shardc.errors import ShardcError
-from shardc.placement import Layout
+from shardc.core.errors import ShardcError
+from shardc.core.placement import Layout
 from shardc.passes.lower import Lowering, Val
 from shardc.passes.rules.common import (aten, emit_like, existing_ops, fallback_rule, local_args,
                                         no_partial, register_rule, replicate_dims)

@@ -7,9 +7,9 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 
-from shardc.mesh import BATCH_AXES, Mesh
-from shardc.placement import PARTIAL_OPS, Layout
-from shardc.precision import narrows
+from shardc.core.mesh import BATCH_AXES, Mesh
+from shardc.core.placement import PARTIAL_OPS, Layout
+from shardc.core.precision import narrows
 from shardc.passes.lower import Lowering, Val
 from shardc.passes.rules.common import (Strategy, apply_strategy, aten, emit_like, fallback_rule,
                                         input_vals, materialise_then, register_rule, strategy,

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from shardc.placement import Layout
+from shardc.core.placement import Layout
 from shardc.runtime import ops as R
 from shardc.passes.lower import Lowering, Val
 from shardc.passes.rules.common import aten, existing_ops, fallback_rule, register_rule

@@ -9,8 +9,8 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 
-from shardc.mesh import Mesh
-from shardc.placement import Layout
+from shardc.core.mesh import Mesh
+from shardc.core.placement import Layout
 from shardc.runtime import ops as R
 from shardc.passes.lower import Lowering, Val
 from shardc.passes.rules.common import (Strategy, apply_strategy, as_list, aten, drop_dims,

@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from shardc.placement import Layout
+from shardc.core.placement import Layout
 from shardc.passes.lower import Lowering, Val
 from shardc.passes.rules.common import existing_ops
 

@@ -7,8 +7,8 @@ from typing import Any, Mapping, cast
 import torch
 import torch.fx as fx
 
-from shardc.mesh import Mesh
-from shardc.placement import Layout
+from shardc.core.mesh import Mesh
+from shardc.core.placement import Layout
 from shardc.passes.lower import Lowering, Val
 from shardc.passes.rules.common import (Strategy, apply_strategy, as_list, aten, drop_dims,
                                         emit_like, emit_outputs, fallback_rule, input_vals,

@@ -56,8 +56,8 @@ def _measure(rank: int, specs: list[str], steps: int, rounds: int, out: str) -> 
     from rich.progress import Progress
 
     import shardc
-    from shardc.models import GPT, lm_batch
-    from shardc.throughput import summed_peak_flops
+    from shardc.tools.models import GPT, lm_batch
+    from shardc.planning.throughput import summed_peak_flops
 
     # every rank measures its matmul peak at the same time, sharing the cores as in training
     peak, source = summed_peak_flops("cpu")
@@ -102,9 +102,9 @@ def run_bench(args: Any) -> None:
     from rich.console import Console
 
     import shardc
-    from shardc.models import GPT, lm_batch
-    from shardc.planner import resolve_machine
-    from shardc.throughput import model_flops, throughput
+    from shardc.tools.models import GPT, lm_batch
+    from shardc.planning.planner import resolve_machine
+    from shardc.planning.throughput import model_flops, throughput
 
     for name in ("ranks", "steps", "rounds"):
         if getattr(args, name) < (2 if name == "ranks" else 1):

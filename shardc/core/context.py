@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shardc.mesh import Mesh
-from shardc.placement import Layout
-from shardc.precision import as_precision
+from shardc.core.mesh import Mesh
+from shardc.core.placement import Layout
+from shardc.core.precision import as_precision
 
 # node.meta keys (listed with their invariants in passes/README.md)
 PLACEMENT = "shardc_placement"  # Layout of the node's (global-shaped) value
@@ -21,7 +21,7 @@ PROGRAM = "shardc"  # gm.meta key: what the passes learnt (storage layouts, fall
 
 GEMM_MODES = ("auto", "default", "NN", "NT", "TN")
 CHECKPOINT_POLICIES = ("none", "blocks")
-BACKENDS = ("eager", "inductor")  # how the rank's program runs (shardc/backend.py)
+BACKENDS = ("eager", "inductor")  # how the rank's program runs (shardc/program/backend.py)
 
 
 # torch DDP's defaults: bucket_cap_mb, and the first bucket when that is left unset

@@ -168,7 +168,7 @@ def _rank_main(rank: int, world: int, store: str, spec: str, mesh_spec: str, out
     import torch.distributed as dist
 
     import shardc
-    from shardc.cli import load_spec
+    from shardc.tools.cli import load_spec
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)

@@ -6,8 +6,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from shardc.context import FALLBACK, GLOBAL_VAL, KIND, PLACEMENT
-from shardc.report import _fmt_bytes, comm_report
+from shardc.core.context import FALLBACK, GLOBAL_VAL, KIND, PLACEMENT
+from shardc.program.report import _fmt_bytes, comm_report
 from shardc.runtime import collectives as C
 from shardc.runtime import ops as R
 

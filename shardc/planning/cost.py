@@ -32,9 +32,9 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from shardc.context import GLOBAL_VAL, PLACEMENT
-from shardc.machine import Machine
-from shardc.mesh import AXES, Mesh
+from shardc.core.context import GLOBAL_VAL, PLACEMENT
+from shardc.core.machine import Machine
+from shardc.core.mesh import AXES, Mesh
 from shardc.runtime.volume import ring_factor
 
 # A GEMM's backward runs two products of its forward's size (dI and dW); the same
@@ -103,7 +103,7 @@ def work(gm: fx.GraphModule, recompute: bool
     forward for both; recompute once more."""
     from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-    from shardc.memory import _alias_of
+    from shardc.planning.memory import _alias_of
 
     factor = 1.0 + BACKWARD_FLOPS + (1.0 if recompute else 0.0)
 
@@ -154,7 +154,7 @@ def step_shape(sm: Any) -> StepShape:
     traced offline), and its FLOPs."""
     from shardc.passes.joint import collective_nodes
     from shardc.passes.schedule import SCHEDULE
-    from shardc.report import comm_report, eager_calls
+    from shardc.program.report import comm_report, eager_calls
     from shardc.runtime import functional as F
 
     opts = sm.ctx.options

@@ -16,9 +16,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from shardc.errors import ShardcError
-from shardc.mesh import AXES
-from shardc.module import ShardedModule
+from shardc.core.errors import ShardcError
+from shardc.core.mesh import AXES
+from shardc.program.module import ShardedModule
 
 
 def _counted_here(sm: ShardedModule, name: str, coords: dict[str, int]) -> bool:

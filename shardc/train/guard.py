@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardc.mesh import AXES
+from shardc.core.mesh import AXES
 from shardc.runtime.algorithms import all_reduce_flat
 
 __all__ = ["StepGuard", "NonFiniteError"]

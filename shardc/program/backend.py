@@ -38,7 +38,7 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardc.context import BACKENDS
+from shardc.core.context import BACKENDS
 from shardc.runtime import collectives as C
 from shardc.runtime import functional as F
 from shardc.runtime import ops as R

@@ -15,8 +15,8 @@ def compile_offline(model: torch.nn.Module, inputs: tuple, mesh: Any, rank: int 
     """Compile the program of rank ``rank`` of ``mesh`` (a Mesh or a spec such as
     ``"x2y2z2d1"``) for global-shaped ``inputs``; ``kw`` are ``shardc.compile``'s options."""
     from shardc.compiler import _check_batch, _compile
-    from shardc.context import Options
-    from shardc.mesh import Mesh
+    from shardc.core.context import Options
+    from shardc.core.mesh import Mesh
 
     mesh = Mesh.parse(mesh) if isinstance(mesh, str) else mesh
     _check_batch(tuple(inputs), mesh)

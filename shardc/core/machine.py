@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from shardc.mesh import Mesh
+from shardc.core.mesh import Mesh
 
 __all__ = ["Machine", "PRESETS"]
 

@@ -78,7 +78,7 @@ def estimate(sm: Any, optimizer: str | int = "adamw") -> MemoryEstimate:
     parameter-sized state tensors it keeps."""
     per = optimizer if isinstance(optimizer, int) else STATE_PER_PARAMETER.get(optimizer.lower())
     if per is None:
-        raise ValueError(f"shardc.memory.estimate: optimizer={optimizer!r} is not one of "
+        raise ValueError(f"shardc.planning.memory.estimate: optimizer={optimizer!r} is not one of "
                          f"{sorted(STATE_PER_PARAMETER)} or a number of state tensors per parameter.")
     own = sum(_nbytes(p) for p in sm.parameters())
     copies = sum(_nbytes(zp.full) for zp in getattr(sm, "_zero", {}).values())

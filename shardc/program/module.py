@@ -11,12 +11,12 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from shardc import validate
-from shardc.context import KIND, PARAM, PLACEMENT, PROGRAM, CompileContext
-from shardc.precision import check_no_autocast, reduce_dtype
-from shardc.errors import ShardcError
-from shardc.mesh import Mesh
-from shardc.placement import Layout, local_slice, shard_offsets
+from shardc.program import validate
+from shardc.core.context import KIND, PARAM, PLACEMENT, PROGRAM, CompileContext
+from shardc.core.precision import check_no_autocast, reduce_dtype
+from shardc.core.errors import ShardcError
+from shardc.core.mesh import Mesh
+from shardc.core.placement import Layout, local_slice, shard_offsets
 from shardc.runtime import collectives as C
 from shardc.runtime import zero
 from shardc.runtime.grad_buckets import ALL_REDUCE, REDUCE_SCATTER, GradBuckets, Spec
@@ -93,7 +93,7 @@ class ShardedModule(nn.Module):
         # the program split into checkpointed block segments (activation_checkpoint="blocks");
         # not a submodule: it owns no parameters, the program reads this module's
         object.__setattr__(self, "_recompute", None)
-        # what forward calls: the program itself, or a compiled form of it (shardc.backend)
+        # what forward calls: the program itself, or a compiled form of it (shardc.program.backend)
         object.__setattr__(self, "_runner", program)
         self.mesh: Mesh = ctx.mesh
         self.param_layouts: dict[str, Layout] = dict(res.storage)
@@ -415,7 +415,7 @@ class ShardedModule(nn.Module):
         ``no_sync`` and until the synced backward after it (no_sync defers reductions the
         forward program's backward issues); with activation_checkpoint (the recompute runs
         autograd's checkpoint over the forward program). With backend="inductor" the
-        step program's parts run with their compute compiled (shardc/backend.py)."""
+        step program's parts run with their compute compiled (shardc/program/backend.py)."""
         needs = [isinstance(a, torch.Tensor) and a.requires_grad and
                  (role == "param" or (role == "input" and target in self.ctx.grad_inputs))
                  for a, (role, target) in zip(args, self._feeds)]
@@ -463,7 +463,7 @@ class ShardedModule(nn.Module):
 
         assert jp is not None
         settle([jp.forward, jp.backward], self.ctx)
-        from shardc.backend import build_runner
+        from shardc.program.backend import build_runner
 
         jp.run_forward = build_runner(jp.forward, self.ctx.options.backend)
         jp.run_backward = build_runner(jp.backward, self.ctx.options.backend)

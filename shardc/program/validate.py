@@ -21,9 +21,9 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from shardc.context import GLOBAL_VAL, KIND, PLACEMENT
-from shardc.errors import ShardcError
-from shardc.placement import Layout
+from shardc.core.context import GLOBAL_VAL, KIND, PLACEMENT
+from shardc.core.errors import ShardcError
+from shardc.core.placement import Layout
 
 _TYPES = {"bool": (bool,), "int": (int,), "str": (str,), "float": (float, int)}
 

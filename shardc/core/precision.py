@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from shardc.errors import ShardcError
+from shardc.core.errors import ShardcError
 
 _DEVICE_TYPES = ("cpu", "cuda")
 

@@ -18,10 +18,10 @@ import sympy
 import torch
 import torch.fx as fx
 
-from shardc.context import GLOBAL_VAL, KIND, PARAM, PLACEMENT, REQUIRES_GRAD, SOURCE
-from shardc.mesh import AXES, Mesh
-from shardc.placement import Layout
-from shardc.precision import Precision, reduce_dtype
+from shardc.core.context import GLOBAL_VAL, KIND, PARAM, PLACEMENT, REQUIRES_GRAD, SOURCE
+from shardc.core.mesh import AXES, Mesh
+from shardc.core.placement import Layout
+from shardc.core.precision import Precision, reduce_dtype
 from shardc.runtime import collectives as C
 from shardc.runtime.volume import as_number, ring_bytes
 

@@ -31,8 +31,8 @@ def _train(rank: int, mesh_spec: str, steps: int, backend: str = "eager") -> Non
     from rich.table import Table
 
     import shardc
-    from shardc.models import GPT, lm_batch
-    from shardc.throughput import model_flops, summed_peak_flops, throughput
+    from shardc.tools.models import GPT, lm_batch
+    from shardc.planning.throughput import model_flops, summed_peak_flops, throughput
 
     console = Console()
     mesh = shardc.Mesh.parse(mesh_spec)

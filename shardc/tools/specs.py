@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from shardc.models import GPT, MLPChain, lm_batch
+from shardc.tools.models import GPT, MLPChain, lm_batch
 
 
 def mlp_chain() -> tuple[torch.nn.Module, tuple]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from shardc.report import CommReport
+from shardc.program.report import CommReport
 
 
 def grown_rows(before: CommReport, after: CommReport, tolerance: float = 0.0) -> list[dict[str, Any]]:

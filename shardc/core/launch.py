@@ -13,7 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from shardc.errors import ShardcError
+from shardc.core.errors import ShardcError
 
 
 def local_rank() -> int | None:
@@ -60,7 +60,7 @@ def check_device(model: torch.nn.Module) -> None:
             raise ShardcError(
                 f"shardc.compile: parameter {name!r} is on {p.device} but this rank's current "
                 f"CUDA device is cuda:{current}. Call torch.cuda.set_device(LOCAL_RANK) (or "
-                "shardc.launch.init_distributed()) before building the model.")
+                "shardc.core.launch.init_distributed()) before building the model.")
         if p.device.type == "cpu":
             raise ShardcError(
                 f"shardc.compile: parameter {name!r} is on the CPU but the process group is "

@@ -7,7 +7,7 @@ table, or equation 7 across nodes), summed. The bytes come from the compiled pro
 own comm report, so the plan and the program never disagree. On a machine that also
 states a latency per collective call, a GEMM rate, a memory bandwidth, a per-op cost and
 how much communication hides behind compute (what ``profile_machine`` measures; the
-presets state none of them), the prediction is the whole step's (``shardc.cost``): the
+presets state none of them), the prediction is the whole step's (``shardc.planning.cost``): the
 calls each axis makes after the passes packed them, the compute, and the communication
 the schedule overlaps credited as far as the machine lets it.
 
@@ -31,13 +31,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from shardc.context import GLOBAL_VAL, KIND, PLACEMENT, SOURCE
-from shardc.cost import StepShape, StepTime, per_rank, predict, step_shape
-from shardc.errors import ShardcError
-from shardc.machine import Machine
-from shardc.mesh import AXES, Mesh
-from shardc.offline import compile_offline
-from shardc.report import comm_report
+from shardc.core.context import GLOBAL_VAL, KIND, PLACEMENT, SOURCE
+from shardc.planning.cost import StepShape, StepTime, per_rank, predict, step_shape
+from shardc.core.errors import ShardcError
+from shardc.core.machine import Machine
+from shardc.core.mesh import AXES, Mesh
+from shardc.program.offline import compile_offline
+from shardc.program.report import comm_report
 from shardc.runtime.volume import ring_factor
 
 # fp32 weight, gradient and AdamW's two moments; mixed precision with fp32 master weights
@@ -59,7 +59,7 @@ class Candidate:
     ``predicted_comm_s`` their sum; ``predicted_step_s`` the step time candidates are
     ranked by: communication plus ``compute_s`` less ``hidden_s`` (what the passes
     overlap), equal to ``predicted_comm_s`` on a machine of bandwidth alone (the presets:
-    the paper's model). ``step`` has the terms one by one (``shardc.cost.StepTime``)."""
+    the paper's model). ``step`` has the terms one by one (``shardc.planning.cost.StepTime``)."""
 
     mesh: Mesh
     predicted_comm_s: float
@@ -299,7 +299,7 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
     Memory: ``memory="formula"`` (fast, for any world size) counts 16 bytes per parameter
     element and a bound on the activations (every forward intermediate; with
     ``checkpointing``, the blocks' inputs and the largest block). ``memory="traced"``
-    replaces that, for the top ``exact_top`` candidates, with ``shardc.memory.estimate``
+    replaces that, for the top ``exact_top`` candidates, with ``shardc.planning.memory.estimate``
     of each one's compiled program (its traced step's peak plus its resident state,
     ``optimizer`` saying how much state per parameter), under the same ``compile_kw``
     (``activation_checkpoint``, ``precision``, ``shard_optimizer``): what the program
@@ -447,8 +447,8 @@ def _smallest_of_pattern(pattern: tuple[bool, ...], batch: int) -> Mesh | None:
 def _traced_memory(model: torch.nn.Module, inputs: tuple, cands: list[Candidate], top: int,
                    machine: Machine, dropped: list[Dropped], optimizer: str | int,
                    compile_kw: dict) -> list[Candidate]:
-    """The top candidates' memory from their compiled programs (shardc.memory)."""
-    from shardc.memory import estimate
+    """The top candidates' memory from their compiled programs (shardc.planning.memory)."""
+    from shardc.planning.memory import estimate
 
     out: list[Candidate] = []
     for i, c in enumerate(cands):

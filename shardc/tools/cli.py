@@ -1,8 +1,8 @@
 """The ``shardc`` command: demo, inspect, comm, plan, profile-machine, bench.
 
 SPEC arguments name a function that returns ``(model, example_inputs)``:
-``path/to/file.py:function`` or ``package.module:function``; ``shardc.specs`` has
-ready-made ones (``shardc.specs:gpt_peer``, ``shardc.specs:gpt_paper_20b``, ...).
+``path/to/file.py:function`` or ``package.module:function``; ``shardc.tools.specs`` has
+ready-made ones (``shardc.tools.specs:gpt_peer``, ``shardc.tools.specs:gpt_paper_20b``, ...).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from shardc.offline import compile_offline
+from shardc.program.offline import compile_offline
 
 
 def load_spec(spec: str) -> tuple[torch.nn.Module, tuple]:
@@ -58,7 +58,7 @@ def cmd_comm(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     import shardc
-    from shardc.gate import check_against_baseline
+    from shardc.tools.gate import check_against_baseline
 
     model, inputs = load_spec(args.spec)
     sm = compile_offline(model, inputs, args.mesh)
@@ -84,14 +84,14 @@ def cmd_comm(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from shardc.demo import run_demo
+    from shardc.tools.demo import run_demo
 
     run_demo(ranks=args.ranks, mesh=args.mesh, steps=args.steps, backend=args.backend)
     return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from shardc.planner import print_plan
+    from shardc.planning.planner import print_plan
 
     model, inputs = load_spec(args.spec)
     print_plan(model, inputs, world_size=args.world_size, machine=args.machine, top=args.top,
@@ -115,14 +115,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from shardc.bench import run_bench
+    from shardc.tools.bench import run_bench
 
     run_bench(args)
     return 0
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from shardc.tracing import run_trace
+    from shardc.tools.timeline import run_trace
 
     opts: dict = {}
     if args.no_overlap:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from shardc.mesh import AXES, Mesh
+from shardc.core.mesh import AXES, Mesh
 
 
 @dataclass(frozen=True)

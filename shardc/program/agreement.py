@@ -25,8 +25,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from shardc.errors import ShardcError
-from shardc.mesh import Mesh
+from shardc.core.errors import ShardcError
+from shardc.core.mesh import Mesh
 from shardc.runtime.collectives import guarded
 from shardc.runtime.groups import default_device
 
