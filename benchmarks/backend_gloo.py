@@ -34,8 +34,8 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
 
 def _measure(rank: int, args: argparse.Namespace) -> None:
     import shardc
-    from shardc.tools.models import GPT, lm_batch
     from shardc.planning.throughput import model_flops, summed_peak_flops, throughput
+    from shardc.tools.models import GPT, lm_batch
 
     mesh = shardc.Mesh.parse(args.mesh)
     torch.manual_seed(0)

@@ -37,11 +37,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardc.runtime import algorithms
-from shardc.runtime.algorithms import all_gather_flat as all_gather
-from shardc.runtime.algorithms import all_reduce_flat, reduce_scatter_flat
+
 # torch's own reduce-scatter (under whichever name this torch has), to time beside shardc's
 from shardc.runtime.algorithms import _native_reduce_scatter as reduce_scatter
-
+from shardc.runtime.algorithms import all_gather_flat as all_gather
+from shardc.runtime.algorithms import all_reduce_flat, reduce_scatter_flat
 
 SMALL_SIZES = (4, 8, 16, 256, 4096, 65536, 262144, 1048576)  # bytes
 

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 import shardc
-from shardc.tools.models import GPT, lm_batch
 from shardc.planning.throughput import ModelFlops, device_peak_flops, model_flops, throughput
+from shardc.tools.models import GPT, lm_batch
 
 # (layers, hidden, heads, seq, vocab, batch)
 SHAPES = {

@@ -31,11 +31,10 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import shardc  # noqa: E402
 from harness import run_on_ranks  # noqa: E402
 from models import GPT  # noqa: E402
+
+import shardc  # noqa: E402
 from shardc.planning.memory import estimate, measured_peak  # noqa: E402
 
 OPTIONS: dict[str, dict[str, Any]] = {

@@ -1,4 +1,4 @@
-"""Soak the whole-step program: many training steps on every mesh of N gloo ranks, to
+"""Soak the step program: many training steps on every mesh of N gloo ranks, to
 catch what a short test cannot (a crash that needs hundreds of steps to show).
 
     python benchmarks/soak_step.py                     # the MLP chain, 8 ranks, 20 meshes, 200 steps each

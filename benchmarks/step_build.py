@@ -1,4 +1,4 @@
-"""How long building the whole-step program takes (trace, split, step passes), per model
+"""How long building the step program takes (trace, split, step passes), per model
 and mesh, in one process standing for rank 0 of a mesh of 8 (torch's "fake" process
 group: nothing is sent, which tracing does not need).
 
@@ -22,10 +22,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
 def main(argv: list[str] | None = None) -> int:
+    from models import gpt2, llama  # tests/models.py: small real transformers models
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import shardc
-    from models import gpt2, llama  # tests/models.py: small real transformers models
     from shardc.program.module import ShardedModule
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -20,7 +20,7 @@ tp_dp              DTensor Megatron TP x data (DDP)    x{W/2}y1z1d2
 
 Gradients are packed alike: DDP with an explicit ``bucket_cap_mb=25`` (one 25 MiB bucket
 size, no 1 MiB first bucket) beside shardc with an explicit ``bucket_mb=25``, which means
-the same. shardc runs each mesh twice: with the whole-step program and its passes (the default)
+the same. shardc runs each mesh twice: with the step program and its passes (the default)
 and with ``step_graph=False`` (autograd's backward over the forward program: what
 shardc did before the step passes), which shows what the passes buy; and
 ``x1y1z1d{W}`` once more with ``shard_optimizer=True`` (ZeRO over data), beside DDP.
@@ -191,8 +191,12 @@ def fsdp2(shape: dict, world: int) -> Step:
 def tp_dp(shape: dict, world: int) -> Step:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   RowwiseParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     dp, tp = 2, world // 2
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))

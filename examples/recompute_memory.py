@@ -19,11 +19,11 @@ import warnings
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import torch  # noqa: E402
-
-import shardc  # noqa: E402
 from harness import run_on_ranks  # noqa: E402
 from models import GPT  # noqa: E402
 from test_recompute_gloo import _peak_growth  # noqa: E402
+
+import shardc  # noqa: E402
 
 
 def _measure(rank: int, world_size: int, spec: str, layers: int, prefetch_depth: int) -> None:

@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 import shardc
 from shardc.core.launch import init_distributed
-from shardc.tools.models import GPT, lm_batch
 from shardc.planning.throughput import model_flops, summed_peak_flops, throughput
+from shardc.tools.models import GPT, lm_batch
 
 
 def main() -> None:

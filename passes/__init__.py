@@ -11,14 +11,14 @@ import torch.fx as fx
 
 from shardc.core.context import CompileContext
 
-from .grad_sync import grad_sync_pass
-from .lower import lower_pass
 from .bucket import bucket_pass
 from .coalesce import coalesce_pass
 from .defer import defer_pass
 from .gemm_modes import gemm_modes_pass
+from .grad_sync import grad_sync_pass
 from .inplace import inplace_pass
 from .into_bucket import into_bucket_pass
+from .lower import lower_pass
 from .prefetch import prefetch_pass
 from .schedule import schedule_pass
 from .strides import strides_pass
@@ -35,7 +35,7 @@ PIPELINE: list[Pass] = [
 ]
 
 
-# passes on each part (forward, backward) of the whole-step program (``joint.py``), in
+# passes on each part (forward, backward) of the step program (``joint.py``), in
 # order; the same signature as the pipeline's
 STEP_PIPELINE: list[Pass] = [
     # packs post-backward reductions; before scheduling, which then places the buckets
@@ -61,7 +61,7 @@ STEP_PIPELINE: list[Pass] = [
 
 
 def run_step_pipeline(jp: Any, ctx: CompileContext, passes: list[Pass] | None = None) -> Any:
-    """Run the step passes on the forward and the backward part of ``jp`` (a JointProgram)."""
+    """Run the step passes on the forward and the backward part of ``jp`` (a StepProgram)."""
     for part in ("forward", "backward"):
         gm = getattr(jp, part)
         for p in STEP_PIPELINE if passes is None else passes:

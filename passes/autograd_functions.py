@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
+from torch.nn.modules import module as M
 
 from shardc.core.errors import ShardcError, ShardcWarning
 
@@ -132,7 +133,7 @@ def check_backwards(found: dict[type, Call], model_name: str) -> None:
         # blocks) runs in its own dtype, where rounding alone reaches ~1e-5: 1e-3. A
         # backward that is not the derivative (round's zero against an identity) is off
         # by the gradient itself, 1 relative.
-        for wide, tolerance in ((True, 1e-6), (False, 1e-3)):
+        for wide, tolerance in ((True, 1e-6), (False, 1e-3)):  # noqa: B007 - read after the loop
             inputs = "float64" if wide else "its own dtype's"
             try:
                 with torch.enable_grad():
@@ -188,7 +189,6 @@ def refuse_gradient_hooks(model: torch.nn.Module, found: list[str]) -> None:
     """A gradient hook changes the gradient where autograd passes it. The compiled
     program's backward is traced from the forward's ops, and export keeps no hook:
     forward's ``register_hook`` and a module's backward hooks would be dropped, silently."""
-    from torch.nn.modules import module as M
 
     modules = [n or "<root>" for n, m in model.named_modules()
                if getattr(m, "_backward_hooks", None) or getattr(m, "_backward_pre_hooks", None)]

@@ -1,6 +1,6 @@
 """Pack the post-backward gradient reductions into buckets.
 
-Reads:  a part of the whole-step program (``joint.py``); its step-phase all-reduces
+Reads:  a part of the step program (``joint.py``); its step-phase all-reduces
         (``meta[COMM]["phase"] == "step"``: a parameter's gradient summed over data, or
         over any axis whose ranks saw different tokens) and ``ctx.options``' bucket caps
 Writes: one all-reduce per bucket: the gradients packed into one buffer (under the

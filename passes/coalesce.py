@@ -1,6 +1,6 @@
 """Gather a block's weights, and reduce-scatter its weight gradients, in one collective.
 
-Reads:  a part of the whole-step program (``joint.py``): its weight all-gathers (input
+Reads:  a part of the step program (``joint.py``): its weight all-gathers (input
         computed from placeholders alone) and its backward reduce-scatters of weight
         gradients, with ``meta[COMM]["module"]`` (the module that issued each);
         ``ctx.options.bucket_mb`` (0 turns packing off)
@@ -38,8 +38,8 @@ import torch
 import torch.fx as fx
 
 from shardc.core.context import COMM, CompileContext
-from shardc.passes.joint import RUN_FUNCTIONS, collective_nodes
 from shardc.passes.reshard import REGATHER
+from shardc.passes.step_nodes import RUN_FUNCTIONS, collective_nodes
 from shardc.runtime import functional as F
 
 aten = torch.ops.aten
@@ -173,7 +173,7 @@ def _gather_together(g: fx.Graph, members: list[fx.Node]) -> None:
         rows = g.call_function(aten.view.default, (done, [gsize, n]))
         rows.meta["val"] = done.meta["val"].view(gsize, n)
         off = 0
-        for m, w, f in zip(members, waits, flats):
+        for w, f in zip(waits, flats):
             k = f.meta["val"].numel()
             piece = g.call_function(aten.slice.Tensor, (rows, 1, off, off + k))
             piece.meta["val"] = rows.meta["val"][:, off:off + k]
@@ -231,7 +231,7 @@ def _scatter_together(g: fx.Graph, members: list[fx.Node]) -> bool:
         done = g.call_function(F.WAIT, (issue,))
         done.meta["val"] = issue.meta["val"]
         off = 0
-        for m, w, c in zip(members, waits, cols):
+        for w, c in zip(waits, cols):
             k = c.meta["val"].shape[1]
             piece = g.call_function(aten.slice.Tensor, (done, 0, off, off + k))
             piece.meta["val"] = done.meta["val"][off:off + k]

@@ -1,7 +1,7 @@
 """Return an output that waits on a collective without waiting: the wait happens when the
 output is first read.
 
-Reads:  the forward part of the whole-step program (``joint.py``; ``gm.meta[PART]``,
+Reads:  the forward part of the step program (``joint.py``; ``gm.meta[PART]``,
         ``gm.meta[N_OUTPUTS]``): its outputs and the waits they depend on
 Writes: ``gm.meta[DEFERRED]``: per deferred output, its index, the tail (a GraphModule
         of the wait and what follows it, whose placeholders are the tail's inputs) and
@@ -21,24 +21,13 @@ training loop logs the loss, or at the end of backward at the latest.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch.fx as fx
 
 from shardc.core.context import CompileContext
-from shardc.passes.joint import N_OUTPUTS, PART, RUN_FUNCTIONS
+from shardc.core.ir import DEFERRED, Deferred
+from shardc.passes.schedule import SCHEDULE, overlaps
+from shardc.passes.step_nodes import N_OUTPUTS, PART, RUN_FUNCTIONS
 from shardc.runtime import functional as F
-
-DEFERRED = "shardc_deferred"  # gm.meta: list[Deferred]
-
-
-@dataclass
-class Deferred:
-    index: int  # the output's place among the user's outputs
-    tail: fx.GraphModule  # tail(*inputs) -> the output's value
-    n_inputs: int  # how many values the forward returns for it, after the saved ones
-    like: Any  # the output's traced (fake) value: its shape, strides and dtype
 
 
 def _tail(g: fx.Graph, out: fx.Node) -> list[fx.Node]:
@@ -97,12 +86,11 @@ def defer_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         for n in reversed(tail):
             g.erase_node(n)
     if deferred:
-        from shardc.passes.schedule import SCHEDULE, _overlaps
 
         out_node.args = (tuple(outs) + tuple(extra),)
         g.lint()
         gm.recompile()
         if SCHEDULE in gm.meta:
-            gm.meta[SCHEDULE] = _overlaps(g)
+            gm.meta[SCHEDULE] = overlaps(g)
     gm.meta[DEFERRED] = deferred
     return gm

@@ -1,6 +1,6 @@
-"""Run each GEMM of the whole-step program in a chosen form: NN, NT or TN.
+"""Run each GEMM of the step program in a chosen form: NN, NT or TN.
 
-Reads:  a part of the whole-step program (``joint.py``); each ``aten.mm``, ``aten.bmm``
+Reads:  a part of the step program (``joint.py``); each ``aten.mm``, ``aten.bmm``
         and ``aten.addmm`` node and its operands' values (``meta["val"]``: shape,
         strides, dtype, device); ``ctx.options.gemm_modes``
 Writes: before a GEMM whose operands are not stored as its form asks, a copy of the
@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from shardc.core.context import CompileContext
+from shardc.passes.schedule import SCHEDULE, overlaps
 from shardc.runtime import functional as F
 from shardc.runtime import gemm as G
 
@@ -109,10 +110,9 @@ def settle(parts: list[fx.GraphModule], ctx: CompileContext) -> None:
     G.CHOSEN.update(G.agree(local))
     for gm in parts:
         _rewrite(gm, {n: G.CHOSEN.get(key(n), "traced") for n in gemm_nodes(gm.graph)})
-        from shardc.passes.schedule import SCHEDULE, _overlaps
 
         if SCHEDULE in gm.meta:
-            gm.meta[SCHEDULE] = _overlaps(gm.graph)
+            gm.meta[SCHEDULE] = overlaps(gm.graph)
 
 
 def _rewrite(gm: fx.GraphModule, choice: dict[fx.Node, str]) -> fx.GraphModule:

@@ -21,8 +21,16 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from shardc.core.context import (COMM, GLOBAL_VAL, KIND, PARAM, PLACEMENT, PROGRAM, REQUIRES_GRAD,
-                            CompileContext)
+from shardc.core.context import (
+    COMM,
+    GLOBAL_VAL,
+    KIND,
+    PARAM,
+    PLACEMENT,
+    PROGRAM,
+    REQUIRES_GRAD,
+    CompileContext,
+)
 from shardc.core.mesh import AXES
 from shardc.core.placement import Layout, Replicate
 from shardc.runtime import collectives as C

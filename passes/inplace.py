@@ -1,6 +1,6 @@
 """Reduce fresh buffers in place.
 
-Reads:  a part of the whole-step program (``joint.py``); each all-reduce node and the
+Reads:  a part of the step program (``joint.py``); each all-reduce node and the
         node that made its input
 Writes: ``kwargs["inplace"] = True`` on an all-reduce whose input is a fresh tensor that
         nothing else reads: made by an op that returns new memory (not a view, not an
@@ -21,7 +21,6 @@ import torch.fx as fx
 
 from shardc.core.context import CompileContext
 from shardc.runtime import functional as F
-
 
 # ops that return a view of their input although their schema declares no alias
 # (``_unsafe_view(Tensor self, SymInt[] size) -> Tensor``: matmul's decomposition reshapes

@@ -1,6 +1,6 @@
 """Write a weight gradient made by a GEMM straight into its bucket.
 
-Reads:  a part of the whole-step program after ``bucket.py``: each ``F.pack_into`` (a
+Reads:  a part of the step program after ``bucket.py``: each ``F.pack_into`` (a
         gradient copied into its bucket) whose gradient is an ``aten.mm`` seen through
         views that only it reads (the dW GEMM, then autograd's transposes)
 Writes: ``F.mm_into(buf, a, b, offset, shape)`` in the copy's place: the same product,

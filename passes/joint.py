@@ -4,7 +4,7 @@ every collective of either a node with its own issue and wait.
 Reads:  the rank's forward program (after ``grad_sync``: every backward collective is
         decided, as the adjoint of a forward node or a ``grad_all_reduce``), the
         parameters' post-backward reductions (``reduce_params``), this rank's inputs
-Writes: a ``JointProgram``: the joint graph split into the part that runs when the
+Writes: a ``StepProgram``: the step program's graph split into the part that runs when the
         module is called (forward) and the part that runs in ``backward()``; every
         collective node calls a ``runtime.functional.run_*`` function that counts its
         bytes, and carries ``meta[COMM] = {collective, axis, phase}``
@@ -24,19 +24,35 @@ the tangents. This saves what autograd itself would save, give or take the views
 """
 from __future__ import annotations
 
-import contextlib
 import operator
 import threading
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from shardc.core.context import COMM, GLOBAL_VAL, PARAM, PLACEMENT, PROGRAM, SOURCE, CompileContext
+from shardc.core.context import (
+    COMM,
+    GLOBAL_VAL,
+    PARAM,
+    PLACEMENT,
+    PROGRAM,
+    SOURCE,
+    CompileContext,
+)
+from shardc.core.ir import StepProgram
 from shardc.core.placement import Layout
 from shardc.core.precision import reduce_dtype
+from shardc.passes.reshard import reshard_pass
+from shardc.passes.step_nodes import (
+    N_OUTPUTS,
+    PART,
+    forward_nodes,
+    is_grad_use,
+)
 from shardc.runtime import collectives as C
 from shardc.runtime import functional as F
 
@@ -49,37 +65,13 @@ SWAP = {
     C.grad_all_reduce: F.grad_all_reduce,
 }
 
-PART = "shardc_part"  # node.meta (and a part's gm.meta): "forward" or "backward"
-N_OUTPUTS = "shardc_n_outputs"  # gm.meta of the unsplit joint graph and of the forward
 _TRACE_LOCK = threading.Lock()
 
 
-@dataclass
-class JointProgram:
-    """What the step runs: ``forward(*primals) -> (*outputs, *saved)`` and
-    ``backward(*saved, *tangents) -> grads`` (one per entry of ``grad_of``)."""
-
-    forward: fx.GraphModule
-    backward: fx.GraphModule
-    n_outputs: int
-    diff_outputs: list[int]  # outputs that take a tangent
-    grad_of: list[int]  # primal index of each gradient backward returns
-    joint: fx.GraphModule  # the unsplit graph (for explain and tests)
-    # what the step calls for each part: the GraphModule itself, or its compiled form
-    # (backend="inductor": shardc/program/backend.py); set by ShardedModule when it is built
-    run_forward: Any = None
-    run_backward: Any = None
-
-    def runners(self) -> tuple[Any, Any]:
-        return (self.run_forward or self.forward, self.run_backward or self.backward)
 
 
-RUN_FUNCTIONS = {fn for fn, _ in F.RUNNERS.values()}
 
 
-def collective_nodes(g: fx.Graph) -> list[fx.Node]:
-    """The collective issues of a joint graph (after tracing), in graph order."""
-    return [n for n in g.nodes if n.op == "call_function" and n.target in RUN_FUNCTIONS]
 
 
 class _NamingInterpreter(fx.Interpreter):
@@ -96,7 +88,7 @@ class _NamingInterpreter(fx.Interpreter):
 
 def trace_joint(program: fx.GraphModule, ctx: CompileContext, primals: Sequence[Any],
                 needs_grad: Sequence[bool], param_names: Sequence[str | None],
-                offline: bool = False) -> JointProgram:
+                offline: bool = False) -> StepProgram:
     """Trace the joint step of ``program`` for inputs shaped like ``primals``.
 
     ``needs_grad[i]``: primal i gets a gradient (a trainable parameter or an input that
@@ -137,21 +129,13 @@ class _Unforeseen(Exception):
 def _graph_module(root: Any, graph: fx.Graph) -> fx.GraphModule:
     """A GraphModule that writes its Python code at its first call, not at every
     ``recompile()``: the step passes rewrite each part several times and only the final
-    parts run (codegen of a joint graph is ~20% of building it). torch's lazy class is
-    private; without it, an ordinary GraphModule."""
-    try:
-        from torch.fx._lazy_graph_module import _LazyGraphModule
-    except ImportError:  # pragma: no cover - every torch shardc accepts has it
-        return fx.GraphModule(root, graph)
+    parts run (codegen of a step program's graph is ~20% of building it). torch's lazy class is
+    private (every torch shardc accepts has it)."""
     return _LazyGraphModule(root, graph)
 
 
 def _lazy_graph_modules() -> Any:
     """make_fx's GraphModule lazy too (see ``_graph_module``)."""
-    try:
-        from torch.fx._lazy_graph_module import _use_lazy_graph_module
-    except ImportError:  # pragma: no cover
-        return contextlib.nullcontext()
     return _use_lazy_graph_module(True)
 
 
@@ -178,7 +162,7 @@ def _tangent_specs(program: fx.GraphModule, ctx: CompileContext
 def _trace(prog: fx.GraphModule, program: fx.GraphModule, ctx: CompileContext,
            primals: Sequence[Any], needs_grad: Sequence[bool],
            param_names: Sequence[str | None],
-           specs: list[tuple[int, tuple[int, ...], torch.dtype]]) -> JointProgram:
+           specs: list[tuple[int, tuple[int, ...], torch.dtype]]) -> StepProgram:
     reduce_params: dict[str, list[str]] = program.meta[PROGRAM].reduce_params
     grad_idx = [i for i, w in enumerate(needs_grad) if w]
     n_primals = len(primals)
@@ -239,12 +223,11 @@ def _trace(prog: fx.GraphModule, program: fx.GraphModule, ctx: CompileContext,
         if name is not None:
             ph.meta[PARAM] = name
     if ctx.options.reshard_after_forward:
-        from shardc.passes.reshard import reshard_pass
 
         gm.meta[N_OUTPUTS] = (n_outputs, n_primals)
         gm = reshard_pass(gm, ctx)
     fwd, bwd = _split(gm, n_primals, n_outputs, len(diff_outputs))
-    return JointProgram(fwd, bwd, n_outputs, list(diff_outputs), grad_of, gm)
+    return StepProgram(fwd, bwd, n_outputs, list(diff_outputs), grad_of, gm)
 
 
 def copy_graph(g: fx.Graph) -> fx.Graph:
@@ -265,7 +248,6 @@ def _probe_outputs(prog: fx.GraphModule, primals: Sequence[Any], needs_grad: Seq
                    ) -> list[torch.Tensor | None]:
     """Run the program on fake tensors to learn which outputs carry a gradient (and
     their local shapes), with the collectives' log kept clean."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
@@ -327,7 +309,7 @@ def _split(gm: fx.GraphModule, n_primals: int, n_outputs: int, n_tangents: int
         if n.op not in ("placeholder", "output"):
             n.meta[PART] = "forward" if n in fwd else "backward"
     saved = [n for n in g.nodes if n in fwd and any(u not in fwd and u.op != "output" or
-                                                    (u.op == "output" and _is_grad_use(u, n, n_outputs))
+                                                    (u.op == "output" and is_grad_use(u, n, n_outputs))
                                                     for u in n.users)]
     # forward graph
     fg = fx.Graph()
@@ -359,27 +341,8 @@ def _split(gm: fx.GraphModule, n_primals: int, n_outputs: int, n_tangents: int
     return fwd_gm, bwd_gm
 
 
-def forward_nodes(g: fx.Graph, n_outputs: int, n_primals: int) -> set[fx.Node]:
-    """The primals (the placeholders before the tangents) and every node a forward
-    output depends on."""
-    out_node = next(n for n in g.nodes if n.op == "output")
-    fwd: set[fx.Node] = set([n for n in g.nodes if n.op == "placeholder"][:n_primals])
-    stack = [o for o in list(out_node.args[0])[:n_outputs] if isinstance(o, fx.Node)]
-    while stack:
-        n = stack.pop()
-        if n in fwd:
-            continue
-        fwd.add(n)
-        stack.extend(n.all_input_nodes)
-    return fwd
 
 
-def _is_grad_use(out: fx.Node, n: fx.Node, n_outputs: int) -> bool:
-    """Whether ``n`` appears among the gradients the joint graph returns (a gradient that
-    is a forward value, e.g. of an input used once through an identity)."""
-    outs = out.args[0]
-    assert isinstance(outs, (tuple, list))
-    return any(o is n for o in list(outs)[n_outputs:])
 
 
 def _arg(o: Any, env: dict[fx.Node, fx.Node]) -> Any:

@@ -21,6 +21,7 @@ FSDP/ZeRO-3 part), and the first use all-gathers it over z.
 from __future__ import annotations
 
 import contextlib
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -29,58 +30,34 @@ import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental import symbolic_shapes
 
-from shardc.core.context import (COMM, FALLBACK, GLOBAL_VAL, KIND, PARAM, PLACEMENT, PROGRAM, SOURCE,
-                            CompileContext)
+from shardc.core.context import (
+    COMM,
+    FALLBACK,
+    GLOBAL_VAL,
+    KIND,
+    PARAM,
+    PLACEMENT,
+    PROGRAM,
+    SOURCE,
+    CompileContext,
+)
 from shardc.core.errors import ShardcError
+from shardc.core.ir import Fallback, SourceInfo, Val, source_of, where
 from shardc.core.mesh import BATCH_AXES, Mesh
 from shardc.core.placement import Layout
 from shardc.core.precision import reduce_dtype
+from shardc.passes.rules import RULES, fallback_rule
+from shardc.passes.rules.routing import region_rules
 from shardc.runtime import collectives as C
+from shardc.runtime import ops as R
 
 aten = torch.ops.aten
 
 
-@dataclass
-class Val:
-    """A value of the global program as this rank holds it."""
-
-    node: fx.Node | None  # node of the new graph (None: a parameter not yet materialised)
-    layout: Layout | None  # None: a parameter whose layout its first use will choose
-    val: Any  # the global fake tensor (shape, dtype)
-    param: str | None = None  # set when the value is a parameter, maybe transposed
-    ptrans: bool = False  # the value is the parameter transposed (t / permute)
-    pchain: tuple = ()  # dtype casts applied to the parameter, replayed after gathering
-    # a narrowing cast (fp32 -> bf16) applied to the parameter: done before gathering, by
-    # the all-gather itself, so the weight travels in the narrow dtype
-    pcast: Any = None
-
-    @property
-    def shape(self) -> list[int]:
-        return list(self.val.shape)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.val.shape)
 
 
-@dataclass
-class SourceInfo:
-    op: str
-    module: str
-    line: str
 
 
-@dataclass
-class Fallback:
-    op: str
-    module: str
-    line: str
-    gathered: list[str]
-
-    def __str__(self) -> str:
-        where = f" in {self.module}" if self.module else ""
-        g = f"; gathered {', '.join(self.gathered)}" if self.gathered else ""
-        return f"{self.op}{where} at {self.line}: no sharding rule, ran replicated{g}"
 
 
 # torch's error for a decision on a size known only at run time (a rule asking whether an
@@ -97,8 +74,6 @@ def _unbacked(n: fx.Node) -> bool:
         return False
 
 
-def where(s: SourceInfo) -> str:
-    return f"in {s.module or 'the top module'} at {s.line or '?'}"
 
 
 # why a size known only at run time cannot be laid out, and the rewrite that avoids one
@@ -147,25 +122,6 @@ class LowerResult:
     decisions: list[str] = field(default_factory=list)  # human-readable choices, for explain
 
 
-def source_of(node: fx.Node) -> SourceInfo:
-    stack = node.meta.get("nn_module_stack") or {}
-    module = ""
-    if stack:
-        module = list(stack.values())[-1][0]
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
-    line = ""
-    # the innermost frame outside torch itself: the model's own line, not nn.Linear's
-    files = [ln.strip() for ln in trace if ln.strip().startswith("File ")]
-    user = [ln for ln in files if "/torch/" not in ln]
-    for ln in reversed(user or files):
-        if ln.startswith("File "):
-            parts = ln.split(",")
-            f = parts[0][5:].strip().strip('"').split("/")[-1]
-            no = parts[1].strip().replace("line ", "") if len(parts) > 1 else "?"
-            line = f"{f}:{no}"
-            break
-    op = str(node.target)
-    return SourceInfo(op, module, line)
 
 
 class Lowering:
@@ -440,7 +396,6 @@ class Lowering:
     # --------------------------------------------------------------------- driver
     def rule_for(self, node: fx.Node) -> Callable[["Lowering", fx.Node], Any]:
         """The table's rule for ``node``'s op (``fallback_rule`` when it has none)."""
-        from shardc.passes.rules import RULES, fallback_rule  # the table fills on import
 
         rule = RULES.get(node.target)
         if rule is None and isinstance(node.target, torch._ops.OpOverload):
@@ -450,7 +405,6 @@ class Lowering:
         return rule or fallback_rule
 
     def run(self) -> LowerResult:
-        from shardc.passes.rules.routing import region_rules
 
         # ops whose rule depends on a region around them, not on the op alone
         regions = region_rules(self, self.old.graph)
@@ -547,7 +501,6 @@ def _cast_val(val: Any, dtype: torch.dtype) -> Any:
 def _may_carry_grad(node: fx.Node) -> bool:
     """False for values that are detached by construction (the row maxima that only shift
     cross-entropy's exponentials) or not floating point; True otherwise."""
-    from shardc.runtime import ops as R
 
     if node.target is R.row_max:
         return False
@@ -576,9 +529,7 @@ def _drop_dead_collectives(g: fx.Graph) -> None:
     program's trace drops them anyway, so keeping them made the comm report count bytes
     no step moves. In-place ops, random draws (the generator's position is part of the
     result) and the runtime's own functions stay."""
-    import operator
 
-    from shardc.runtime import collectives as C
 
     issues = {C.all_gather_start, C.all_reduce_start, C.reduce_scatter_start,
               C.all_to_all_start, C.grad_all_reduce, C.wait, C.concat_gathered,

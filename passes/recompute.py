@@ -32,68 +32,24 @@ the report's backward rows stay exact.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.split_module import split_module
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from shardc.core.context import SOURCE
+from shardc.core.ir import Selective
 from shardc.runtime import collectives as C
 
 RECOMPUTE = "shardc_recompute"  # node.meta: the block whose recompute re-runs this node
 
-# GEMMs and attention as they reach the dispatcher (linear is addmm/mm there; the fused
-# attention kernels of each backend); only those this torch has are used
-DEFAULT_SAVE = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm",
-                "aten._scaled_dot_product_flash_attention",
-                "aten._scaled_dot_product_flash_attention_for_cpu",
-                "aten._scaled_dot_product_efficient_attention",
-                "aten._scaled_dot_product_cudnn_attention")
 
 
-def _op_named(name: str) -> Any:
-    """``"aten.mm"`` -> torch.ops.aten.mm (an overload packet), or None."""
-    ns, _, op = name.partition(".")
-    if not op or "." in op:
-        return None
-    try:
-        return getattr(getattr(torch.ops, ns), op)
-    except (AttributeError, RuntimeError):
-        return None
 
 
-@dataclass(frozen=True)
-class Selective:
-    """A selective activation-checkpointing policy: inside each repeated block, keep the
-    outputs of the ops in ``save`` (names like ``"aten.mm"``: ATen overload packets) and
-    recompute everything else in backward. ``Selective()`` saves GEMMs and attention."""
-
-    save: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        names = tuple(self.save) if self.save else tuple(n for n in DEFAULT_SAVE if _op_named(n))
-        if isinstance(self.save, str):
-            raise TypeError(f"shardc.Selective: save must be a list of op names, got the string "
-                            f"{self.save!r}; write save=[{self.save!r}].")
-        bad = [n for n in names if not isinstance(n, str) or _op_named(n) is None]
-        if bad:
-            raise ValueError(f"shardc.Selective: {', '.join(map(repr, bad))} name no op this torch "
-                             "has; name ATen ops as 'aten.<op>' (an overload packet, e.g. "
-                             "'aten.mm', 'aten.addmm', 'aten._scaled_dot_product_flash_attention').")
-        object.__setattr__(self, "save", names)
-
-    def policy(self) -> Callable[..., Any]:
-        from torch.utils.checkpoint import CheckpointPolicy
-
-        keep = {_op_named(n) for n in self.save}
-
-        def decide(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-            packet = getattr(op, "overloadpacket", op)
-            return CheckpointPolicy.MUST_SAVE if packet in keep else CheckpointPolicy.PREFER_RECOMPUTE
-        return decide
 
 _STARTS = (C.all_gather_start, C.all_reduce_start, C.reduce_scatter_start, C.all_to_all_start)
 
@@ -193,11 +149,11 @@ def mark_and_split(gm: fx.GraphModule, blocks: list[str], rt: str,
     for name, sub in list(split.named_children()):
         idx = int(name.rsplit("_", 1)[1])
         if idx % 2:
-            setattr(split, name, _Checkpointed(sub, rt, selective))
+            setattr(split, name, Checkpointed(sub, rt, selective))
     return split
 
 
-class _Checkpointed(nn.Module):
+class Checkpointed(nn.Module):
     """A block's segment run under non-reentrant ``torch.utils.checkpoint``, its recompute
     counted in the backward phase."""
 
@@ -222,7 +178,6 @@ class _Checkpointed(nn.Module):
         def contexts() -> tuple[Any, Any]:
             if self.selective is None:
                 return contextlib.nullcontext(), recomputing()
-            from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
             fwd, rec = create_selective_checkpoint_contexts(self.selective.policy())
             return fwd, _both(rec, recomputing())

@@ -1,6 +1,6 @@
 """Reshard after forward: gather weights again in backward instead of keeping them.
 
-Reads:  the unsplit whole-step graph (``joint.py``, before its split into forward and
+Reads:  the unsplit step program's graph (``joint.py``, before its split into forward and
         backward; ``gm.meta[N_OUTPUTS]``), its forward weight all-gathers (an all-gather
         whose input is computed from placeholders alone: a parameter shard) and
         ``ctx.options.reshard_after_forward``; placeholders that hold a parameter carry
@@ -29,7 +29,12 @@ from __future__ import annotations
 import torch.fx as fx
 
 from shardc.core.context import COMM, PARAM, CompileContext
-from shardc.passes.joint import N_OUTPUTS, RUN_FUNCTIONS, collective_nodes, forward_nodes
+from shardc.passes.step_nodes import (
+    N_OUTPUTS,
+    RUN_FUNCTIONS,
+    collective_nodes,
+    forward_nodes,
+)
 from shardc.runtime import functional as F
 
 REGATHER = "shardc_regather_of"  # node.meta of a backward copy: the forward issue's origin

@@ -1,6 +1,6 @@
-"""Order each part of the whole-step program so collectives overlap compute.
+"""Order each part of the step program so collectives overlap compute.
 
-Reads:  a part (forward or backward) of the whole-step program (``joint.py``): its
+Reads:  a part (forward or backward) of the step program (``joint.py``): its
         collective issues (``run_*`` nodes) and their ``wait_tensor`` nodes
 Writes: nothing new; a new order of the nodes; ``gm.meta[SCHEDULE]``: per collective,
         the compute it now overlaps (nodes between its issue and its wait), and whether
@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from shardc.core.context import COMM, CompileContext
 from shardc.passes import aliases
-from shardc.passes.joint import collective_nodes
+from shardc.passes.step_nodes import collective_nodes
 from shardc.runtime import functional as F
 
 SCHEDULE = "shardc_schedule"  # gm.meta: list of {collective, axis, phase, overlapped}
@@ -151,7 +151,7 @@ def _write_order(g: fx.Graph, body: list[fx.Node]) -> list[tuple[fx.Node, fx.Nod
 def schedule_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     g = gm.graph
     if not ctx.options.overlap:
-        gm.meta[SCHEDULE] = _overlaps(g)
+        gm.meta[SCHEDULE] = overlaps(g)
         return gm
     order = {n: i for i, n in enumerate(g.nodes)}
     body = [n for n in g.nodes if n.op not in ("placeholder", "output")]
@@ -194,11 +194,11 @@ def schedule_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         out.prepend(n)
     g.lint()
     gm.recompile()
-    gm.meta[SCHEDULE] = _overlaps(g)
+    gm.meta[SCHEDULE] = overlaps(g)
     return gm
 
 
-def _overlaps(g: fx.Graph) -> list[dict[str, Any]]:
+def overlaps(g: fx.Graph) -> list[dict[str, Any]]:
     """Per collective: how many compute nodes (and which GEMMs) run between its issue and
     its wait; what explain prints."""
     pos = {n: i for i, n in enumerate(g.nodes)}

@@ -1,6 +1,6 @@
 """Let a view of the step program meet the strides its input really has.
 
-Reads:  a part of the whole-step program (``joint.py``): its ``aten.view`` nodes
+Reads:  a part of the step program (``joint.py``): its ``aten.view`` nodes
 Writes: ``aten.reshape`` in their place
 Keeps:  every value, and every alias a view made: ``reshape`` returns the same view
         wherever ``view`` could make one, and copies only where ``view`` would raise

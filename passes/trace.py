@@ -19,23 +19,34 @@ the parameters (an fp32 activation meeting a bf16 weight in a GEMM).
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
 import random
 import warnings
 import weakref
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental import symbolic_shapes
 
 from shardc.core.errors import ShardcError, ShardcWarning, TraceError
+from shardc.core.ir import source_of, where
 from shardc.core.precision import CastAtUse
-from shardc.passes.autograd_functions import (check_backwards, is_user_file,
-                                              record_autograd_functions, record_gradient_hooks,
-                                              refuse_gradient_hooks)
+from shardc.passes.autograd_functions import (
+    check_backwards,
+    is_user_file,
+    record_autograd_functions,
+    record_gradient_hooks,
+    refuse_gradient_hooks,
+)
 from shardc.passes.branch_checks import Unchecked, add_branch_checks, mark_branch_checks
-from shardc.passes.checkpoint_calls import record_checkpoint_calls, unique
+from shardc.passes.lower import FIXED_SIZE, data_sized_origin
+from shardc.passes.recompute_calls import record_recompute_calls, unique
+from shardc.passes.rules import RULES
+from shardc.passes.rules.common import existing_ops
 from shardc.runtime.ctc import traceable_ctc_loss
 
 _CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, dict[Any, torch.export.ExportedProgram]]" = \
@@ -45,7 +56,7 @@ CHECKPOINTED: "weakref.WeakKeyDictionary[torch.export.ExportedProgram, tuple[str
     weakref.WeakKeyDictionary()
 
 
-def _signature(inputs: tuple) -> Any:
+def signature(inputs: tuple) -> Any:
     return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else repr(a) for a in inputs)
 
 
@@ -53,10 +64,8 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
           ) -> torch.export.ExportedProgram:
     """``compute``: the policy's compute dtype (``shardc.core.precision``); fp32 traces the
     model as it is."""
-    from shardc.passes.rules import RULES
-    from shardc.passes.rules.common import existing_ops
 
-    key = (_signature(example_inputs), model.training, compute)
+    key = (signature(example_inputs), model.training, compute)
     per_model = _CACHE.setdefault(model, {})
     if key in per_model:
         return per_model[key]
@@ -66,7 +75,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
     # The trace must not consume the default generator: a compiled model has to draw the
     # same dropout masks as the single-device model seeded identically.
     with torch.random.fork_rng(devices=[]), _host_draws_frozen(model), \
-            record_checkpoint_calls(model, found), record_autograd_functions(functions), \
+            record_recompute_calls(model, found), record_autograd_functions(functions), \
             record_gradient_hooks(hooks), traceable_ctc_loss():
         try:
             root = model if compute == torch.float32 else CastAtUse(model, compute)
@@ -208,7 +217,6 @@ def _detach_no_grad_regions(gm: torch.fx.GraphModule) -> None:
 
 def _data_dependent(e: BaseException) -> bool:
     """Did export fail on a branch on tensor values (a guard on a data-dependent value)?"""
-    from torch.fx.experimental import symbolic_shapes
 
     kind = getattr(symbolic_shapes, "GuardOnDataDependentSymNode", None)
     seen = set()
@@ -228,7 +236,6 @@ def _draft(model: torch.nn.Module, root: torch.nn.Module, args: tuple, cause: Ex
     (not, say, an op without a fake kernel); otherwise the export's own error stands.
     Returns the program and each fixed branch's guard: (expression, the value it had,
     where in the model's code)."""
-    import logging
 
     draft = getattr(torch.export, "draft_export", None)
     if draft is None:  # torch < 2.8 (below the floor) has it only under a private name
@@ -261,7 +268,7 @@ def _user_line(failure: Any) -> str:
         return "an unknown line"
     f = frames[-1]
     try:  # the report names files by their index in torch's structured-log table
-        from torch._logging.structured import INTERN_TABLE
+        from torch._logging.structured import INTERN_TABLE  # noqa: PLC0415 - a private torch module; without it only the file name is lost
 
         files = {v: k for k, v in INTERN_TABLE.items()}
         name = files.get(f.get("filename"), "?")
@@ -277,13 +284,8 @@ def _host_draws_frozen(model: torch.nn.Module) -> Iterator[None]:
     consume torch's). export runs that code once and records its numbers as constants,
     so the compiled program reuses them every step: transformers' wav2vec2 draws its
     SpecAugment mask with numpy, and would train with one frozen mask."""
-    np: Any
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
-        np = None
     py = random.getstate()
-    npst = np.random.get_state() if np is not None else None
+    npst = np.random.get_state()
     try:
         yield
     finally:
@@ -350,7 +352,6 @@ def _decomposition_failure(model: torch.nn.Module, ep: torch.export.ExportedProg
                            e: Exception) -> str:
     """torch's decompositions failed on the exported program: where it makes a size that
     depends on the data (the usual cause on older torch), that and the rewrite."""
-    from shardc.passes.lower import FIXED_SIZE, data_sized_origin, source_of, where
 
     origin = data_sized_origin(ep.graph)
     if origin is None:

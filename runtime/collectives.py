@@ -37,8 +37,13 @@ import torch.distributed as dist
 
 from shardc.core.errors import CollectiveError
 from shardc.core.mesh import Mesh
+
 # reduce-scatter, and small all-reduces: gloo's by an all-to-all
-from shardc.runtime.algorithms import all_gather_flat, all_reduce_flat, reduce_scatter_flat
+from shardc.runtime.algorithms import (
+    all_gather_flat,
+    all_reduce_flat,
+    reduce_scatter_flat,
+)
 from shardc.runtime.groups import axis_groups
 from shardc.runtime.volume import ring_bytes
 
@@ -511,11 +516,6 @@ def local_chunk(x: torch.Tensor, rt: str, axis: str, dim: int, k: int = 1) -> to
     v = x.reshape(shape[:dim] + [k, n // k] + shape[dim + 1:])
     v = v.narrow(dim + 1, i * (n // k // g), n // k // g)
     return v.reshape(shape[:dim] + [n // g] + shape[dim + 1:])
-
-
-def axis_index(rt: str, axis: str) -> int:
-    """This rank's coordinate on ``axis``."""
-    return get_runtime(rt).coord(axis)
 
 
 def grad_reduce_hook(rt: str, axis: str, name: str | None = None, dtype: torch.dtype | None = None):

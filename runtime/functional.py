@@ -8,7 +8,7 @@ be traced, and its backward collectives happen inside autograd where no pass rea
 them. Here the same operations issue torch's functional collectives
 (``_c10d_functional.*``, which return a tensor and are waited by ``wait_tensor``), and
 each autograd Function's backward issues the adjoint with functional collectives too.
-Tracing ``forward + autograd.grad`` through them with ``make_fx`` gives the joint program
+Tracing ``forward + autograd.grad`` through them with ``make_fx`` gives the step program
 (``passes/joint.py``); nothing here runs at training time.
 
 Each function has the signature of its counterpart in ``runtime.collectives``, so the
@@ -31,8 +31,14 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from shardc.runtime.collectives import (REDUCE_OPS, all_gather_flat, all_reduce_flat,
-                                        get_runtime, guarded, reduce_scatter_flat)
+from shardc.runtime.collectives import (
+    REDUCE_OPS,
+    all_gather_flat,
+    all_reduce_flat,
+    get_runtime,
+    guarded,
+    reduce_scatter_flat,
+)
 
 _fc = torch.ops._c10d_functional
 
@@ -400,6 +406,6 @@ RUNNERS = {
     _fc.all_reduce.default: (run_all_reduce, "all_reduce"),
     _fc.all_to_all_single.default: (run_all_to_all, "all_to_all"),
 }
-# what every wait node of a joint program calls (the traced ``wait_tensor`` is swapped)
+# what every wait node of a step program calls (the traced ``wait_tensor`` is swapped)
 WAIT = run_wait
 TRACED_WAIT = _fc.wait_tensor.default

@@ -68,7 +68,12 @@ from typing import Any, Callable
 import torch
 
 from shardc.runtime.collectives import get_runtime, grad_reduce_hook
-from shardc.runtime.functional import STATE, run_all_reduce, run_reduce_scatter, run_wait
+from shardc.runtime.functional import (
+    STATE,
+    run_all_reduce,
+    run_reduce_scatter,
+    run_wait,
+)
 
 ALL_REDUCE, REDUCE_SCATTER = "all_reduce", "reduce_scatter"
 

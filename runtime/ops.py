@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from shardc.core.placement import Layout, local_slice
 from shardc.runtime.collectives import get_runtime
 
 
@@ -189,7 +190,6 @@ def global_draw_like(x: torch.Tensor, op: Any, args: list, kwargs: dict, global_
 
 def _this_ranks_piece(whole: torch.Tensor, rt: str, dims: tuple[tuple[str, ...], ...],
                       interleave: tuple[int, ...]) -> torch.Tensor:
-    from shardc.core.placement import Layout, local_slice
 
     r = get_runtime(rt)
     layout = Layout(whole.dim(), dims, (), interleave)

@@ -6,7 +6,7 @@ data yet. The first operation that reads it (``.item()``, printing, arithmetic,
 from then on every read sees that value; a detached copy stays pending and shares the
 value. Operations that read only its shape (``torch.ones_like``, the seed of
 ``loss.backward()``) do not wait, which is the point: the wait moves past backward.
-``JointStep.backward`` settles the step's pending outputs when it ends, and the next
+``StepRunner.backward`` settles the step's pending outputs when it ends, and the next
 forward settles any left over, so no collective is left unwaited for long.
 
 Like torch's ``AsyncCollectiveTensor``, but the pending part is a small program (the
@@ -48,7 +48,7 @@ class Cell:
                 try:
                     with torch.no_grad():
                         self._value = compute()
-                except BaseException as e:
+                except BaseException as e:  # noqa: BLE001 - kept and raised at every read
                     # the wait failed (a dead peer: CollectiveError): every later read
                     # of this output raises the same error, not a value
                     self._error = e

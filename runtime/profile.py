@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from rich.progress import Progress
 from torch.multiprocessing.spawn import spawn
 
 from shardc.core.machine import Machine
@@ -101,7 +102,6 @@ def _worker(
     progress: Any = None
     task: Any = None
     if rank == 0 and show_progress:
-        from rich.progress import Progress
 
         progress = Progress(transient=False)
         progress.start()

@@ -1,4 +1,4 @@
-"""Running a joint program (``passes/joint.py``) as one autograd node.
+"""Running a step program (``passes/joint.py``) as one autograd node.
 
 Calling the compiled module runs the program's forward graph; ``backward()`` runs its
 backward graph, in which every backward collective (and every post-backward gradient
@@ -13,15 +13,14 @@ from typing import Any
 
 import torch
 
-from shardc.passes.defer import DEFERRED, Deferred
-from shardc.passes.joint import JointProgram
+from shardc.core.ir import DEFERRED, Deferred, StepProgram
 from shardc.runtime import functional as F
 from shardc.runtime.pending import Cell, PendingOutput
 
 
-class JointStep(torch.autograd.Function):
+class StepRunner(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, jp: JointProgram, *primals: Any) -> Any:
+    def forward(ctx: Any, jp: StepProgram, *primals: Any) -> Any:
         res = list(jp.runners()[0](*primals))
         deferred: list[Deferred] = jp.forward.meta.get(DEFERRED, [])
         extra = sum(d.n_inputs for d in deferred)
@@ -46,7 +45,7 @@ class JointStep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *gouts: Any) -> Any:
-        jp: JointProgram = ctx.jp
+        jp: StepProgram = ctx.jp
         tangents = [gouts[i].contiguous() for i in jp.diff_outputs]
         grads = jp.runners()[1](*ctx.saved_tensors, *tangents)
         out: list[Any] = [None] * ctx.n_primals

@@ -25,7 +25,12 @@ import torch
 import torch.nn as nn
 
 from shardc.runtime.collectives import get_runtime
-from shardc.runtime.functional import STATE, run_all_gather, run_reduce_scatter, run_wait
+from shardc.runtime.functional import (
+    STATE,
+    run_all_gather,
+    run_reduce_scatter,
+    run_wait,
+)
 
 
 @dataclass

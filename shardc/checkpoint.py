@@ -61,14 +61,32 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+)
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
-                                                   Metadata, MetadataIndex, TensorProperties,
-                                                   TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadItem, SavePlan,
-                                                  TensorWriteData, WriteItem, WriteItemType)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import (
+    create_read_items_for_chunk_list,
+)
 
 from shardc.core.errors import ShardcError
 from shardc.core.mesh import AXES, Mesh
@@ -286,7 +304,6 @@ class _SafeReader(FileSystemReader):
         md = read_metadata(str(self.path))
         # what FileSystemReader.read_metadata adds after unpickling (torch >= 2.4)
         if hasattr(self, "load_id") and hasattr(md, "storage_meta"):
-            from torch.distributed.checkpoint.metadata import StorageMeta
             if md.storage_meta is None:
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id

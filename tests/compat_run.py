@@ -39,9 +39,9 @@ def check(rank: int, world_size: int) -> None:
     import torch.distributed as dist
 
     import shardc
-    from shardc.tools.models import GPT, lm_batch
     from shardc.runtime import algorithms as A
     from shardc.runtime import collectives as C
+    from shardc.tools.models import GPT, lm_batch
 
     for qualified in NEWER_THAN_FLOOR:
         module, name = qualified.rsplit(".", 1)

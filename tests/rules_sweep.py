@@ -402,7 +402,7 @@ def run_case_on_rank(case: Case, ref: Reference, rank: int, step_graph: bool = T
     """One rank's part of ``case`` (collective); raises AssertionError listing every
     mismatch of this rank's pieces. All collectives run before any check, so a mismatch on
     one rank never leaves the others waiting. ``step_graph``: compile's option (see
-    ``run_threaded`` for why the breadth runs without the whole-step program)."""
+    ``run_threaded`` for why the breadth runs without the step program)."""
     spec = case.spec
     mesh = mesh_of(case.mesh)
     coords = mesh.coords(rank)
@@ -607,10 +607,10 @@ def run_threaded(cases: list[Case]) -> dict[str, str | None]:
     The breadth runs each rank's program under autograd's own backward
     (``step_graph=False``): what is tested here is the rank program a rule writes and the
     adjoint of each op and collective in it, which both runtimes execute alike. The
-    whole-step program traces that same backward once more (``make_fx``, about 30 ms a
+    step program traces that same backward once more (``make_fx``, about 30 ms a
     rank for a one-op program), which made the breadth 3.8x slower (the reduction family:
     27 s against 7 s) for no rule the autograd run does not already check. The gloo subset
-    (``test_rules_random``) runs the default whole-step program, and
+    (``test_rules_random``) runs the default step program, and
     ``test_step_graph_gloo`` holds it bitwise equal to autograd's on real models."""
     todo = [c for c in cases if c.id not in _RESULTS]
     by_world: dict[int, list[Case]] = {}

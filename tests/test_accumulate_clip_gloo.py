@@ -20,12 +20,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import shardc
-from shardc.core.context import GLOBAL_VAL, KIND
 from harness import drive_with, run_on_ranks
 from models import GPT, llama
 from test_train_gloo import ATOL, EPS, LR, RTOL, _grad_failures
+
+import shardc
+from shardc.core.context import GLOBAL_VAL, KIND
 
 pytestmark = pytest.mark.distributed
 

@@ -7,9 +7,15 @@ import torch
 import torch.nn as nn
 
 import shardc
-from shardc.program.agreement import _digest, reorder_like, describe, first_difference, node_keys
-from shardc.core.context import Options
+from shardc.core.options import Options
 from shardc.passes.trace import trace
+from shardc.program.agreement import (
+    _digest,
+    describe,
+    first_difference,
+    node_keys,
+    reorder_like,
+)
 
 
 class Net(nn.Module):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
 from harness import run_on_ranks
 
 OPS = ("SUM", "MAX", "MIN", "PRODUCT")

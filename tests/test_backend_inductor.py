@@ -1,6 +1,6 @@
 """compile(..., backend="inductor"): the compute between collectives through inductor,
 collectives, random draws and in-place writes eager (shardc/program/backend.py), in the forward
-program and in both parts of the whole-step program."""
+program and in both parts of the step program."""
 from __future__ import annotations
 
 import copy
@@ -10,11 +10,16 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-
-import shardc
 from harness import run_on_ranks
 from models import GPT, MLPChain
-from shardc.program.backend import InductorProgram, is_collective, is_random, runs_eagerly
+
+import shardc
+from shardc.program.backend import (
+    InductorProgram,
+    is_collective,
+    is_random,
+    runs_eagerly,
+)
 from shardc.tools.models import lm_batch
 
 # Against float64, as tests/test_train_gloo.py measures the eager program: inductor fuses
@@ -84,7 +89,7 @@ def _inductor_vs_eager(rank: int, world_size: int, spec: str) -> None:
         loss = sm(*local)
         loss.backward()
         results[backend] = (shardc.global_mean(loss, mesh).item(), sm.full_grads(), sm)
-    # training runs the whole-step program (forward and backward in one graph, with the
+    # training runs the step program (forward and backward in one graph, with the
     # step passes), each part cut at its collectives and compiled piece by piece
     (jp,) = results["inductor"][2]._joint.values()
     for part in jp.runners():

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from bounded_ranks import run_bounded
 
 import shardc
-from bounded_ranks import run_bounded
 
 pytestmark = pytest.mark.distributed
 
@@ -314,7 +314,7 @@ def _(e: Env) -> None:
     shardc.compile(WritesItsInputInPlace(through_view=True), MESH, (e.x.clone(),))
 
 
-@case("option of the wrong type", shardc.ShardcError, r"option overlap='no' must be a bool, got str")
+@case("option of the wrong type", shardc.ShardcError, r"option overlap='no' must be a bool \(True or False\), got str")
 def _(e: Env) -> None:
     shardc.compile(_mlp(), MESH, (e.x, e.t), overlap="no")  # type: ignore[arg-type]
 

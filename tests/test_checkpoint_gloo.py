@@ -29,13 +29,13 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from harness import run_on_ranks
+from models import GPT, gpt2
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.testing import assert_close
 
 import shardc
 import shardc.checkpoint as ckpt
-from harness import run_on_ranks
-from models import GPT, gpt2
 
 pytestmark = pytest.mark.distributed
 

@@ -9,12 +9,13 @@ import resource
 import pytest
 import sympy
 import torch
+from models import GPT, MLPChain
 
 import shardc
-from shardc.tools.cli import compile_offline, main as cli_main
-from shardc.tools.gate import assert_comm_within_baseline, check_against_baseline
 from shardc.program.report import SYMBOLS
-from models import GPT, MLPChain
+from shardc.tools.cli import compile_offline
+from shardc.tools.cli import main as cli_main
+from shardc.tools.gate import assert_comm_within_baseline, check_against_baseline
 
 Gx, Gy, Gz, Gd = (SYMBOLS[a] for a in ("x", "y", "z", "data"))
 

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from models import GPT, MLPChain
 
 import shardc
 from shardc.core.context import GLOBAL_VAL, KIND, SOURCE
 from shardc.runtime import collectives as C
-from models import GPT, MLPChain
 
 MESHES_8 = shardc.Mesh.all(8)
 
@@ -370,7 +370,7 @@ class _DataDependent(nn.Module):
 @pytest.mark.skipif(not hasattr(torch.export, "draft_export"), reason="torch < 2.8: no draft_export")
 def test_value_branch_is_traced_on_the_examples_side_and_checked(fake_world) -> None:
     """A branch on tensor values compiles with a warning naming the line, the program
-    checks the branch every step, and the whole-step program stands aside (it traces on
+    checks the branch every step, and the step program stands aside (it traces on
     fake tensors, which have no value to check); the gloo test runs both sides."""
     from shardc.runtime.ops import check_branch
 
@@ -751,7 +751,7 @@ def test_weight_gathers_are_prefetched_in_topological_order(fake_world, depth: i
 
 
 def test_gemm_modes_need_the_whole_step_program(fake_world) -> None:
-    """The forms are a pass of the whole-step program: where it does not run, refused."""
+    """The forms are a pass of the step program: where it does not run, refused."""
     fake_world(1)
     for kw in ({"step_graph": False}, {"backend": "inductor"}, {"activation_checkpoint": "blocks"}):
         with pytest.raises(ValueError, match="gemm_modes='auto' rewrites the GEMMs of the whole-step"):
@@ -980,7 +980,7 @@ def test_an_example_input_that_is_model_state_is_refused(fake_world, which: str)
 
 def test_step_program_builds_through_a_zero_derivative(fake_world) -> None:
     """``sgn``'s derivative reaches a weight gather's backward as an efficient zero
-    tensor, whose ops trace to device "meta" under make_fx: the whole-step program could
+    tensor, whose ops trace to device "meta" under make_fx: the step program could
     not be built and the model silently lost the step passes (autograd's backward ran)."""
     fake_world(2)
 
@@ -998,10 +998,10 @@ def test_step_program_builds_through_a_zero_derivative(fake_world) -> None:
     sm = shardc.compile(SignOfMax(), mesh, example_inputs=(x,))
     with warnings.catch_warnings():
         # the fallback is a warning: make it fail here
-        warnings.filterwarnings("error", message="shardc: the whole-step program")
+        warnings.filterwarnings("error", message="shardc: the step program")
         sm(shardc.shard_batch(x, mesh)).backward()
     assert sm._joint_failed is None
-    assert sm._joint, "no whole-step program was built"
+    assert sm._joint, "no step program was built"
 
 
 def test_a_parameter_replaced_after_compile_is_read_and_trained(fake_world) -> None:

@@ -1,7 +1,7 @@
 """The step-time model (shardc/planning/cost.py) and the planner's use of it.
 
 Each term is held against what it counts: FLOPs against torch's flop counter over the
-rank's own forward program, calls against the whole-step program's collectives, the
+rank's own forward program, calls against the step program's collectives, the
 plan's step time against its terms. Whether the model ranks meshes as they measure is a
 benchmark (``shardc bench``, figures in the README), not a timed test.
 """
@@ -14,12 +14,12 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import shardc
-from shardc.planning.cost import BACKWARD_FLOPS, OPTIMIZER_PASSES, step_shape, work
 from shardc.core.machine import Machine
 from shardc.core.mesh import AXES
-from shardc.tools.models import GPT, lm_batch
+from shardc.passes.step_nodes import collective_nodes
+from shardc.planning.cost import BACKWARD_FLOPS, OPTIMIZER_PASSES, step_shape, work
 from shardc.program.offline import compile_offline
-from shardc.passes.joint import collective_nodes
+from shardc.tools.models import GPT, lm_batch
 
 BATCH = lm_batch(16, 64, 512)
 MESHES = ["x2y2z2d1", "x1y1z1d8", "x4y1z1d2", "x1y2z2d2", "x1y8z1d1"]

@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from bounded_ranks import run_bounded
 
 import shardc
-from bounded_ranks import run_bounded
 
 pytestmark = pytest.mark.distributed
 

@@ -20,11 +20,11 @@ import argparse
 import sys
 
 import pytest
+import rules_sweep as S
+import test_train_gloo as T
 import torch
 
-import rules_sweep as S
 import shardc
-import test_train_gloo as T
 from shardc.passes.trace import trace
 
 # The models and meshes of the gloo suite that exercise every kind of collective the

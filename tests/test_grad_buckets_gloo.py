@@ -29,12 +29,12 @@ from typing import Any
 
 import pytest
 import torch
-
-import shardc
 from harness import run_on_ranks
 from models import GPT
-from shardc.planning.cost import step_shape
 from test_train_gloo import _case_failures
+
+import shardc
+from shardc.planning.cost import step_shape
 
 pytestmark = pytest.mark.distributed
 

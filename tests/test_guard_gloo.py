@@ -11,10 +11,10 @@ import math
 
 import pytest
 import torch
-
-import shardc
 from harness import run_on_ranks
 from models import GPT
+
+import shardc
 
 pytestmark = pytest.mark.distributed
 

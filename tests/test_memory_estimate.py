@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import GPT
 
 import shardc
 from shardc.planning.memory import estimate, peak_bytes
 from shardc.program.offline import compile_offline
-from models import GPT
 
 
 def _tokens(n: int = 16) -> torch.Tensor:
@@ -78,7 +78,11 @@ def test_a_gather_groups_buffer_is_held_from_its_first_gather_to_its_last_wait(f
     gather and freed at the last member's wait, once in forward and again where block
     recompute gathers the block in backward; the estimate holds it beside the members'
     own copies."""
-    from shardc.planning.memory import _gather_group_buffers, _grad_bucket_buffers, traced_step
+    from shardc.planning.memory import (
+        _gather_group_buffers,
+        _grad_bucket_buffers,
+        traced_step,
+    )
 
     fake_world(4)
     torch.manual_seed(0)

@@ -9,10 +9,10 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from models import GPT, MLPChain
 from torch.utils.checkpoint import checkpoint
 
 import shardc
-from models import GPT, MLPChain
 
 
 def _mlp() -> tuple[nn.Module, tuple]:
@@ -26,7 +26,7 @@ def _mlp() -> tuple[nn.Module, tuple]:
     ({"activation_checkpoint": "selective", "backend": "inductor"}, ValueError,
      "selective recompute .* not supported"),
     ({"precision": "fp16"}, ValueError, "precision='fp16' is not one of"),
-    ({"shard_optimizer": "yes"}, TypeError, "shard_optimizer must be True or False"),
+    ({"shard_optimizer": "yes"}, TypeError, r"option shard_optimizer=.yes. must be a bool \(True or False\)"),
 ])
 def test_options_not_built_are_refused(fake_world, kw: dict, err: type, match: str) -> None:
     fake_world(4)
@@ -104,7 +104,7 @@ class CheckpointedModules(Checkpointed):
         return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def test_model_checkpoint_calls_are_honoured(fake_world) -> None:
+def test_model_recompute_calls_are_honoured(fake_world) -> None:
     """Checkpoint on submodules: those blocks are recomputed (and said so); nothing is
     lost, so nothing warns."""
     fake_world(4)
@@ -132,14 +132,14 @@ def test_both_checkpoint_forms_are_recomputed(fake_world) -> None:
     assert not any(n.target is torch.ops.aten.detach.default for n in sm.graph_module.graph.nodes)
 
 
-def test_model_checkpoint_calls_that_cannot_be_honoured_are_named(fake_world) -> None:
+def test_model_recompute_calls_that_cannot_be_honoured_are_named(fake_world) -> None:
     fake_world(4)
     tokens = torch.randint(0, 64, (8, 16))
     with pytest.warns(shardc.ShardcWarning, match=r"torch.utils.checkpoint on .*<lambda>.* "
                       r"cannot recompute"):
         sm = shardc.compile(CheckpointedFunction(), shardc.Mesh(x=2, z=2), (tokens, tokens))
     assert sm._recompute is None
-    # with an option that runs the whole-step program, the submodules' calls are named too
+    # with an option that runs the step program, the submodules' calls are named too
     with pytest.warns(shardc.ShardcWarning, match=r"inner.blocks.0, inner.blocks.1, which the "
                       r"compiled program cannot recompute"):
         sm = shardc.compile(Checkpointed(), shardc.Mesh(x=2, z=2), (tokens, tokens),

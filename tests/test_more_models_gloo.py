@@ -41,9 +41,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import run_on_ranks
 
 import shardc
-from harness import run_on_ranks
 from shardc.tools.models import HFCausalLM
 
 pytestmark = pytest.mark.distributed
@@ -238,7 +238,7 @@ def _speech(make):
 
 
 def _ctc_head():
-    """The CTC loss without a branch on values before it: the whole-step program (HuBERT's
+    """The CTC loss without a branch on values before it: the step program (HuBERT's
     `labels.max()` check leaves it to autograd's backward) runs the loss's backward op."""
     from test_ctc import _CTCHead
 
@@ -268,7 +268,7 @@ def _padded(make, classes: int | None = None):
 # ViT-MAE's pretraining: each step masks a random half of the patches (torch.rand inside
 # forward) and gathers the kept ones by index. With reshard_after_forward the gather of
 # those patches, computed from the batch alone, was taken for a weight's and copied into
-# backward before its input existed; the whole-step program failed and comm_report raised.
+# backward before its input existed; the step program failed and comm_report raised.
 _VITMAE = _hf_loss("ViTMAEConfig", "ViTMAEForPreTraining", ("pixel_values",), hidden_size=32,
                    num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16,
                    patch_size=4, decoder_hidden_size=32, decoder_num_hidden_layers=1,

@@ -62,7 +62,7 @@ def test_shape_only_reads_and_detach_do_not_wait() -> None:
 
 
 class _Step(torch.autograd.Function):
-    """An autograd function that, as JointStep does, returns its output pending and
+    """An autograd function that, as StepRunner does, returns its output pending and
     settles it at the end of its backward."""
 
     @staticmethod

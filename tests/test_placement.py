@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 import shardc
-from shardc.program.module import write_local
 from shardc.core.placement import Layout, local_slice
+from shardc.program.module import write_local
 
 
 def test_str_and_queries() -> None:

@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
+from models import MLPChain
 
 import shardc
-from shardc.tools.cli import main as cli_main
 from shardc.core.machine import Machine
-from models import MLPChain
+from shardc.tools.cli import main as cli_main
 
 B, D, L = 64, 64, 6  # tokens, hidden, layers of the linear-only model
 

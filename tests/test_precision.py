@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import GPT, llama
 
 import shardc
 from shardc.core.context import GLOBAL_VAL, KIND
 from shardc.runtime import collectives as C
-from models import GPT, llama
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,11 +31,11 @@ import warnings
 
 import pytest
 import torch
-
-import shardc
 from harness import run_on_ranks
 from models import GPT, llama
 from test_train_gloo import EPS, GRAD_FACTOR, LR
+
+import shardc
 
 pytestmark = pytest.mark.distributed
 

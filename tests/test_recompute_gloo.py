@@ -17,12 +17,12 @@ import warnings
 
 import pytest
 import torch
-
-import shardc
 from harness import run_on_ranks, train_side_by_side
-from shardc.planning.memory import estimate, measured_peak
 from models import GPT, gpt_bigcode, llama
 from test_train_gloo import ATOL, EPS, LR, RTOL, _steps_grad_failures
+
+import shardc
+from shardc.planning.memory import estimate, measured_peak
 
 pytestmark = pytest.mark.distributed
 

@@ -2,10 +2,8 @@
 mask and with grouped-query heads. See ``rules_sweep.py``."""
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
 import rules_sweep as S
+import torch.nn.functional as F
 
 _SPECS: list[S.OpSpec] | None = None
 MESHES = ("x2", "y2", "z2", "d2", "x2y2")

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import itertools
 
-import torch
-import torch.nn.functional as F
-
 import rules_sweep as S
+import torch.nn.functional as F
 
 _SPECS: list[S.OpSpec] | None = None
 

@@ -3,10 +3,9 @@ feature-parallel over y), with and without ``padding_idx``, and the table an act
 See ``rules_sweep.py``."""
 from __future__ import annotations
 
+import rules_sweep as S
 import torch
 import torch.nn.functional as F
-
-import rules_sweep as S
 
 _SPECS: list[S.OpSpec] | None = None
 MESHES = ("x2", "y2", "z2", "d2", "x2y2")

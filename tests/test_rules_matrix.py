@@ -3,10 +3,9 @@ tiny module (Algorithm 1's layouts, normal and transposed), and products of two
 activations (bmm, matmul, mm). See ``rules_sweep.py``."""
 from __future__ import annotations
 
+import rules_sweep as S
 import torch
 import torch.nn.functional as F
-
-import rules_sweep as S
 
 _SPECS: list[S.OpSpec] | None = None
 MESHES = ("x2", "y2", "x2y2", "z2", "d2")

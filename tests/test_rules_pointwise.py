@@ -8,12 +8,10 @@ import itertools
 import sys
 import types
 
-import pytest
+import rules_sweep as S
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
-
-import rules_sweep as S
 
 aten = torch.ops.aten
 MESHES_1 = ("x2", "y2", "z2", "d2")

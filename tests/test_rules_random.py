@@ -9,10 +9,9 @@ See ``rules_sweep.py``."""
 from __future__ import annotations
 
 import pytest
+import rules_sweep as S
 import torch
 import torch.nn.functional as F
-
-import rules_sweep as S
 
 _SPECS: list[S.OpSpec] | None = None
 # (module, function) whose specs the gloo ranks rebuild; the subset is a slice of each

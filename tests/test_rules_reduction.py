@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import itertools
 
+import rules_sweep as S
 import torch
 import torch.nn.functional as F
-
-import rules_sweep as S
 
 aten = torch.ops.aten
 _SPECS: list[S.OpSpec] | None = None
@@ -20,7 +19,6 @@ def specs() -> list[S.OpSpec]:
     g = S.gen(4)
     x = lambda *s: S._t(s, g)  # noqa: E731
     rot = itertools.cycle(("x2", "y2", "z2", "d2"))
-    f = torch.float64
 
     def Rd(name, fn, *inputs, two=False, params=None, kinds=None):
         meshes = (next(rot),) + (("x2y2",) if two else ())
@@ -132,7 +130,6 @@ def specs() -> list[S.OpSpec]:
         Rd("cross_entropy.masked_block", lambda m, a, t: F.cross_entropy(a.masked_fill(vmask, float("-inf")), t),
            x(8, 6), tgt_masked, two=True, kinds=int_only),
     ]
-    unused = f
     return _SPECS
 
 

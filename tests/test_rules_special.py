@@ -17,9 +17,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-import torch
-
 import rules_sweep as S
+import torch
 
 FAMILIES = ("pointwise", "view", "matrix", "reduction", "embedding", "attention", "conv")
 VALUES = {"neginf": float("-inf"), "nan": float("nan")}

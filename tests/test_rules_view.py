@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import itertools
 
+import rules_sweep as S
 import torch
 import torch.nn.functional as F
-
-import rules_sweep as S
 
 aten = torch.ops.aten
 _SPECS: list[S.OpSpec] | None = None

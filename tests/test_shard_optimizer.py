@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from models import GPT
 
 import shardc
-from models import GPT
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:

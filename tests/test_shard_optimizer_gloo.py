@@ -19,12 +19,12 @@ import warnings
 
 import pytest
 import torch
-
-import shardc
-import shardc.checkpoint
 from harness import drive_with, run_on_ranks
 from models import GPT, llama
 from test_train_gloo import EPS, LR, RTOL, _case_failures, _grad_failures
+
+import shardc
+import shardc.checkpoint
 
 pytestmark = pytest.mark.distributed
 

@@ -22,9 +22,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from harness import run_on_ranks
 
 import shardc
-from harness import run_on_ranks
 
 pytestmark = pytest.mark.distributed
 

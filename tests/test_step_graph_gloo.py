@@ -1,9 +1,9 @@
-"""The whole-step program (forward and backward in one traced graph) and its passes, on
+"""The step program (forward and backward in one traced graph) and its passes, on
 real gloo processes (4 ranks, spawned once; every case runs inside).
 
 For each model and mesh of ``CASES``, the same model is compiled with autograd's own backward
 (``step_graph=False, bucket_mb=0``, the reference: one sum a gradient) and with the
-whole-step program under several
+step program under several
 pass settings, and trained two SGD steps on the same batches:
 
 * scheduling (``overlap``) only reorders nodes, and with ``bucket_mb=0`` every
@@ -35,15 +35,15 @@ import copy
 
 import pytest
 import torch
+from harness import run_on_ranks
+from models import GPT, MLPChain, gpt2, litgpt_llama
 
 import shardc
-from harness import run_on_ranks
 from shardc.core.compat import torch_version
+from shardc.core.ir import DEFERRED
 from shardc.planning.cost import step_shape
-from shardc.passes.defer import DEFERRED
 from shardc.runtime.functional import mm_into
 from shardc.runtime.pending import PendingOutput
-from models import GPT, MLPChain, gpt2, litgpt_llama
 
 pytestmark = pytest.mark.distributed
 

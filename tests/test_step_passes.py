@@ -15,7 +15,8 @@ import torch
 import torch.fx as fx
 
 import shardc
-from shardc.core.context import COMM, CompileContext, Options
+from shardc.core.context import COMM, CompileContext
+from shardc.core.options import Options
 from shardc.passes.bucket import BUCKET, bucket_pass
 from shardc.passes.schedule import SCHEDULE, schedule_pass
 from shardc.runtime import functional as F
@@ -322,7 +323,7 @@ def _joint(sm: shardc.ShardedModule):
 
 
 def _shape(jp) -> tuple:
-    """What a joint program computes, without its node names."""
+    """What a step program computes, without its node names."""
     def ops(gm):
         return [(n.op, str(n.target)) for n in gm.graph.nodes]
     return jp.n_outputs, jp.diff_outputs, jp.grad_of, ops(jp.forward), ops(jp.backward)
@@ -449,9 +450,9 @@ def test_bucket_copies_each_gradient_as_it_is_made() -> None:
     (F.pack_into), each right after the gradient it copies; the chain ends in the
     bucket's all-reduce, which reduces it in place (nothing else reads it), and the
     memory model sees every link as the one buffer."""
-    from shardc.planning.memory import _alias_of
     from shardc.passes.bucket import bucket_pass
     from shardc.passes.inplace import inplace_pass
+    from shardc.planning.memory import alias_of
 
     b = G()
     grads, outs = [], []
@@ -468,7 +469,7 @@ def test_bucket_copies_each_gradient_as_it_is_made() -> None:
     n = issue.args[0]
     while n.target is F.pack_into:
         chain.append(n)
-        assert _alias_of(n) is n.args[0]
+        assert alias_of(n) is n.args[0]
         n = n.args[0]
     assert n.target is aten.empty.memory_format and len(chain) == 3
     chain.reverse()
@@ -484,7 +485,7 @@ def test_bucket_copies_each_gradient_as_it_is_made() -> None:
 def _forward_with_loss(overlap: bool = True, save_loss: bool = False):
     """A forward part: a local loss, all-reduced over data, scaled; returns the loss
     and, as saved for backward, an activation (and the loss itself if ``save_loss``)."""
-    from shardc.passes.joint import N_OUTPUTS, PART
+    from shardc.passes.step_nodes import N_OUTPUTS, PART
 
     b = G()
     x, w = b.input("x", 8, 16), b.input("w", 16, 16)
@@ -497,7 +498,8 @@ def _forward_with_loss(overlap: bool = True, save_loss: bool = False):
 
 
 def test_defer_returns_the_loss_unwaited_with_its_tail() -> None:
-    from shardc.passes.defer import DEFERRED, defer_pass
+    from shardc.core.ir import DEFERRED
+    from shardc.passes.defer import defer_pass
 
     gm, ar, ctx = _forward_with_loss()
     gm = defer_pass(gm, ctx)
@@ -516,7 +518,8 @@ def test_defer_returns_the_loss_unwaited_with_its_tail() -> None:
 
 
 def test_defer_leaves_a_value_backward_reads_and_overlap_off() -> None:
-    from shardc.passes.defer import DEFERRED, defer_pass
+    from shardc.core.ir import DEFERRED
+    from shardc.passes.defer import defer_pass
 
     for gm, _, ctx in (_forward_with_loss(save_loss=True), _forward_with_loss(overlap=False)):
         before = [n.name for n in gm.graph.nodes]
@@ -577,8 +580,8 @@ def test_a_view_meets_the_strides_its_input_really_has() -> None:
     kernel that returns its input's transposed layout instead made it raise (Qwen3-Next's
     softplus_backward). As reshape it still aliases where a view exists, and copies only
     where the view would have raised; the direct-call binding runs it as Tensor.reshape."""
-    from shardc.program.backend import direct_calls
     from shardc.passes.strides import strides_pass
+    from shardc.program.backend import direct_calls
 
     aten = torch.ops.aten
     g = fx.Graph()

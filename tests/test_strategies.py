@@ -10,9 +10,9 @@ import torch
 import torch.fx as fx
 
 import shardc
-from shardc.passes.lower import Val
-from shardc.passes.rules import STRATEGIES
+from shardc.core.ir import Val
 from shardc.core.placement import Layout
+from shardc.passes.rules import STRATEGIES
 
 aten = torch.ops.aten
 MESH = shardc.Mesh(x=2, y=2, z=2)

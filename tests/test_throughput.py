@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import GPT, gpt2
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from models import GPT, gpt2
-from shardc.tools.models import lm_batch
 from shardc.planning.throughput import gpu_peak_flops, model_flops, throughput
+from shardc.tools.models import lm_batch
 
 
 def test_gpt_flops_equal_a_hand_count() -> None:

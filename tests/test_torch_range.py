@@ -10,7 +10,13 @@ import sys
 import pytest
 import torch
 
-from shardc.core.compat import NEWER_THAN_FLOOR, TORCH_CEILING, TORCH_FLOOR, supported, torch_version
+from shardc.core.compat import (
+    NEWER_THAN_FLOOR,
+    TORCH_CEILING,
+    TORCH_FLOOR,
+    supported,
+    torch_version,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

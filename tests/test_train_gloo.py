@@ -25,10 +25,20 @@ from typing import Any
 
 import pytest
 import torch
+from harness import run_on_ranks, train_side_by_side
+from models import (
+    GPT,
+    MLPChain,
+    gpt2,
+    gpt_bigcode,
+    gpt_neox,
+    litgpt_llama,
+    llama,
+    opt,
+    phi3,
+)
 
 import shardc
-from harness import run_on_ranks, train_side_by_side
-from models import GPT, MLPChain, gpt2, gpt_bigcode, gpt_neox, litgpt_llama, llama, opt, phi3
 
 pytestmark = pytest.mark.distributed
 
@@ -392,7 +402,7 @@ MEMORY_OPTIONS: dict[str, dict[str, Any]] = {
 def _accepted(kw: dict[str, Any]) -> bool:
     """Does compile take these options together? (A pair it refuses, such as
     reshard_after_forward without the step program, is refused by name: test_memory_options.)"""
-    from shardc.core.context import Options
+    from shardc.core.options import Options
 
     try:
         Options(**kw)

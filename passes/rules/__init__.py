@@ -22,9 +22,24 @@ batch's rows undone before its order is read) that the lowering finds before it 
 """
 from __future__ import annotations
 
-from shardc.passes.rules import (attention, conv, embedding, matrix, pointwise,  # noqa: F401
-                                 random, reduction, view)
-from shardc.passes.rules.common import (RULES, STRATEGIES, Rule, Strategy, fallback_rule,
-                                        register_rule, strategy)
+from shardc.passes.rules import (  # noqa: F401
+                                 attention,
+                                 conv,
+                                 embedding,
+                                 matrix,
+                                 pointwise,
+                                 random,
+                                 reduction,
+                                 view,
+)
+from shardc.passes.rules.common import (
+                                 RULES,
+                                 STRATEGIES,
+                                 Rule,
+                                 Strategy,
+                                 fallback_rule,
+                                 register_rule,
+                                 strategy,
+)
 
 __all__ = ["RULES", "STRATEGIES", "Rule", "Strategy", "fallback_rule", "register_rule", "strategy"]

@@ -2,17 +2,28 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.fx as fx
 
+from shardc.core.ir import Val
 from shardc.core.mesh import Mesh
 from shardc.core.placement import Layout
+from shardc.passes.rules.common import (
+    Strategy,
+    apply_strategy,
+    aten,
+    fallback_rule,
+    no_partial,
+    register_rule,
+    replicate_dims,
+    strategy,
+)
 from shardc.runtime import ops as R
-from shardc.passes.lower import Lowering, Val
-from shardc.passes.rules.common import (Strategy, apply_strategy, aten, fallback_rule, no_partial,
-                                        register_rule, replicate_dims, strategy)
+
+if TYPE_CHECKING:  # the lowering calls the rules; they only name its type
+    from shardc.passes.lower import Lowering
 
 
 # -------------------------------------------------------------------- attention

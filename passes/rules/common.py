@@ -3,20 +3,25 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from shardc.core.context import FALLBACK
-from shardc.passes.branch_checks import CHECKED_NUMBER, KEEP_CHECK
+from shardc.core.ir import Fallback, Val
 from shardc.core.mesh import Mesh
 from shardc.core.placement import Layout
-from shardc.passes.lower import Fallback, Lowering, Val
+from shardc.passes.branch_checks import CHECKED_NUMBER, KEEP_CHECK
+from shardc.runtime.ops import as_strided_on_traced_storage, check_branch
+
+if TYPE_CHECKING:  # the lowering calls the rules; they only name its type
+    from shardc.passes.lower import Lowering
 
 
 aten = torch.ops.aten
-Rule = Callable[[Lowering, fx.Node], Any]
+Rule = Callable[["Lowering", fx.Node], Any]
 
 
 def existing_ops(*names: str) -> tuple:
@@ -41,10 +46,6 @@ def register_rule(*ops: Any) -> Callable[[Rule], Rule]:
 
 
 # ------------------------------------------------------------------------ helpers
-def is_val(a: Any) -> bool:
-    return isinstance(a, Val)
-
-
 def local_args(L: Lowering, node: fx.Node, repl: dict[fx.Node, fx.Node]) -> tuple[tuple, dict]:
     """The node's args with old nodes replaced by their new nodes."""
     def sub(n: fx.Node) -> Any:
@@ -189,7 +190,6 @@ def fallback_rule(L: Lowering, node: fx.Node) -> Any:
         # strides for the input as the model laid it out (Longformer's chunking: a view
         # whose storage is ordered (seq, batch*heads, head_dim)), which a gathered or
         # otherwise re-laid-out input does not have. Rebuild that storage first.
-        from shardc.runtime.ops import as_strided_on_traced_storage
 
         base = node.args[0].meta["val"]
         size, stride = args[1], args[2]
@@ -221,7 +221,6 @@ def fallback_rule(L: Lowering, node: fx.Node) -> Any:
 
 
 def _unbacked(v: Any) -> bool:
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     if not isinstance(v, (torch.SymInt, torch.SymBool, torch.SymFloat)):
         return False
@@ -246,7 +245,6 @@ def drop_rule(L: Lowering, node: fx.Node) -> Any:
     ``lengths.max().item() <= slen`` would gather the lengths each step for nothing),
     except those guarding a branch draft_export fixed (passes/trace.py): without them a
     batch that takes the other branch would be computed on the wrong one."""
-    from shardc.runtime.ops import check_branch
 
     where = node.meta.get(KEEP_CHECK)
     if where and node.target is aten._assert_scalar.default:

@@ -12,16 +12,28 @@ any parameter that meets different samples on different ranks.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch.fx as fx
 
 from shardc.core.mesh import Mesh
 from shardc.core.placement import Layout
-from shardc.passes.lower import Lowering
-from shardc.passes.rules.common import (Strategy, apply_strategy, aten, emit_like, emit_outputs,
-                                        materialise_then, no_partial, register_rule,
-                                        replicate_dims, strategy, tensor_vals)
+from shardc.passes.rules.common import (
+    Strategy,
+    apply_strategy,
+    aten,
+    emit_like,
+    emit_outputs,
+    materialise_then,
+    no_partial,
+    register_rule,
+    replicate_dims,
+    strategy,
+    tensor_vals,
+)
+
+if TYPE_CHECKING:  # the lowering calls the rules; they only name its type
+    from shardc.passes.lower import Lowering
 
 # convolutions mix every channel (dim 1) as well as the window's dims
 _CONV = (aten.convolution.default, aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,

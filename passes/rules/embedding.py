@@ -1,14 +1,23 @@
 """Embeddings: vocabulary-parallel over x, feature-parallel over y."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
+from shardc.core.ir import Val
 from shardc.core.placement import Layout
+from shardc.passes.rules.common import (
+    aten,
+    local_args,
+    no_partial,
+    register_rule,
+    replicate_dims,
+)
 from shardc.runtime import ops as R
-from shardc.passes.lower import Lowering, Val
-from shardc.passes.rules.common import aten, local_args, no_partial, register_rule, replicate_dims
+
+if TYPE_CHECKING:  # the lowering calls the rules; they only name its type
+    from shardc.passes.lower import Lowering
 
 
 # ------------------------------------------------------------------- embeddings

@@ -5,17 +5,28 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 
 from shardc.core.errors import ShardcError
+from shardc.core.ir import Val
 from shardc.core.placement import Layout
-from shardc.passes.lower import Lowering, Val
-from shardc.passes.rules.common import (aten, emit_like, existing_ops, fallback_rule, local_args,
-                                        no_partial, register_rule, replicate_dims)
+from shardc.passes.rules.common import (
+    aten,
+    emit_like,
+    existing_ops,
+    fallback_rule,
+    local_args,
+    no_partial,
+    register_rule,
+    replicate_dims,
+)
 from shardc.passes.rules.pointwise import pointwise_layouts
+
+if TYPE_CHECKING:  # the lowering calls the rules; they only name its type
+    from shardc.passes.lower import Lowering
 
 
 # ------------------------------------------------------------------------- GEMMs
@@ -158,9 +169,11 @@ def gemm_rule(L: Lowering, node: fx.Node) -> Any:
         + "".join(f"; {w_}" for w_ in whole))
     gval = node.meta["val"]
     target = aten.mm.default if t is aten.addmm.default else t
+    # the rows a GEMM lays out must have a size known at compile time: asking for it
+    # raises torch's data-dependent guard on rows picked by nonzero or a mask, which the
+    # lowering turns into the message naming the op that made the size and the rewrite
+    int(math.prod(x.shape[:-1]))
     mm = L.emit(target, (xn, wn), layout=out, val=gval)
-    mm.meta["shardc_gemm"] = {"m": int(math.prod(x.shape[:-1])), "k": K, "n": N,
-                              "transposed": transposed, "param": w.param}
     res = Val(mm, out.clean(mesh), gval)
     if bias_node is None:
         return res

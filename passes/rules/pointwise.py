@@ -2,19 +2,32 @@
 output, and a partial value flows on only through ops linear in it."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.fx as fx
 
+from shardc.core.ir import Val
 from shardc.core.mesh import BATCH_AXES, Mesh
 from shardc.core.placement import PARTIAL_OPS, Layout
 from shardc.core.precision import narrows
-from shardc.passes.lower import Lowering, Val
-from shardc.passes.rules.common import (Strategy, apply_strategy, aten, emit_like, fallback_rule,
-                                        input_vals, materialise_then, register_rule, strategy,
-                                        tensor_inputs, tensor_vals)
+from shardc.passes.rules.common import (
+    Strategy,
+    apply_strategy,
+    aten,
+    emit_like,
+    fallback_rule,
+    input_vals,
+    materialise_then,
+    register_rule,
+    strategy,
+    tensor_inputs,
+    tensor_vals,
+)
 from shardc.runtime import ops as R
+
+if TYPE_CHECKING:  # the lowering calls the rules; they only name its type
+    from shardc.passes.lower import Lowering
 
 
 # --------------------------------------------------------------------- factories

@@ -4,15 +4,18 @@ that ``Tensor.exponential_()`` and friends become): the global tensor one device
 draw, cut to this rank's piece."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 
+from shardc.core.ir import Val
 from shardc.core.placement import Layout
-from shardc.runtime import ops as R
-from shardc.passes.lower import Lowering, Val
 from shardc.passes.rules.common import aten, existing_ops, fallback_rule, register_rule
+from shardc.runtime import ops as R
+
+if TYPE_CHECKING:  # the lowering calls the rules; they only name its type
+    from shardc.passes.lower import Lowering
 
 
 @register_rule(aten.dropout.default, aten.native_dropout.default)

@@ -4,19 +4,34 @@ cross-entropy over cut vocabulary is Megatron's fused form."""
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.fx as fx
 
+from shardc.core.ir import Val
 from shardc.core.mesh import Mesh
 from shardc.core.placement import Layout
+from shardc.passes.rules.common import (
+    Strategy,
+    apply_strategy,
+    as_list,
+    aten,
+    drop_dims,
+    emit_like,
+    emit_outputs,
+    fallback_rule,
+    input_vals,
+    materialise_then,
+    no_partial,
+    register_rule,
+    replicate_dims,
+    strategy,
+)
 from shardc.runtime import ops as R
-from shardc.passes.lower import Lowering, Val
-from shardc.passes.rules.common import (Strategy, apply_strategy, as_list, aten, drop_dims,
-                                        emit_like, emit_outputs, fallback_rule, input_vals,
-                                        materialise_then, no_partial, register_rule,
-                                        replicate_dims, strategy)
+
+if TYPE_CHECKING:  # the lowering calls the rules; they only name its type
+    from shardc.passes.lower import Lowering
 
 
 # -------------------------------------------------------------------- reductions

@@ -36,14 +36,17 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.fx as fx
 
+from shardc.core.ir import Val
 from shardc.core.placement import Layout
-from shardc.passes.lower import Lowering, Val
 from shardc.passes.rules.common import existing_ops
+
+if TYPE_CHECKING:  # the lowering calls the rules; they only name its type
+    from shardc.passes.lower import Lowering
 
 aten = torch.ops.aten
 

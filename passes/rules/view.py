@@ -2,19 +2,34 @@
 from __future__ import annotations
 
 import operator
-from typing import Any, Mapping, cast
+from typing import TYPE_CHECKING, Any, Mapping, cast
 
 import torch
 import torch.fx as fx
 
+from shardc.core.ir import Val
 from shardc.core.mesh import Mesh
 from shardc.core.placement import Layout
-from shardc.passes.lower import Lowering, Val
-from shardc.passes.rules.common import (Strategy, apply_strategy, as_list, aten, drop_dims,
-                                        emit_like, emit_outputs, fallback_rule, input_vals,
-                                        materialise_then, no_partial, register_rule,
-                                        replicate_dims, strategy)
+from shardc.passes.rules.common import (
+    Strategy,
+    apply_strategy,
+    as_list,
+    aten,
+    drop_dims,
+    emit_like,
+    emit_outputs,
+    fallback_rule,
+    input_vals,
+    materialise_then,
+    no_partial,
+    register_rule,
+    replicate_dims,
+    strategy,
+)
 from shardc.runtime import ops as R
+
+if TYPE_CHECKING:  # the lowering calls the rules; they only name its type
+    from shardc.passes.lower import Lowering
 
 
 # ---------------------------------------------------------------- shape-changing
@@ -26,21 +41,31 @@ def _view_groups(src: list[int], dst: list[int]) -> list[tuple[list[int], list[i
         gi, gj = [], []
         pi = pj = 1
         if i < len(src):
-            gi.append(i); pi *= src[i]; i += 1
+            gi.append(i)
+            pi *= src[i]
+            i += 1
         if j < len(dst):
-            gj.append(j); pj *= dst[j]; j += 1
+            gj.append(j)
+            pj *= dst[j]
+            j += 1
         while pi != pj:
             if pi < pj and i < len(src):
-                gi.append(i); pi *= src[i]; i += 1
+                gi.append(i)
+                pi *= src[i]
+                i += 1
             elif j < len(dst):
-                gj.append(j); pj *= dst[j]; j += 1
+                gj.append(j)
+                pj *= dst[j]
+                j += 1
             else:
                 break
         # absorb trailing size-1 dims into this group
         while i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
-            gi.append(i); i += 1
+            gi.append(i)
+            i += 1
         while j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
-            gj.append(j); j += 1
+            gj.append(j)
+            j += 1
         groups.append((gi, gj))
     return groups
 

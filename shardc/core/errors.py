@@ -7,6 +7,14 @@ class ShardcError(ValueError):
     """Bad input to shardc: the message says what, where and how to fix it."""
 
 
+class OptionError(ShardcError):
+    """An option of ``compile`` with a value it cannot take, or two that cannot go together."""
+
+
+class OptionTypeError(OptionError, TypeError):
+    """An option of ``compile`` of the wrong type (also a TypeError, as Python's own are)."""
+
+
 class TraceError(ShardcError):
     """The model could not be traced."""
 

@@ -177,7 +177,7 @@ class Machine:
 
     def models_step(self) -> bool:
         """Whether any step-time term beyond bandwidth is set (the planner then traces each
-        pattern's whole-step program to count its collectives, ops and overlaps)."""
+        pattern's step program to count its collectives, ops and overlaps)."""
         return bool(self.intra_node_latency or self.inter_node_latency or self.gemm_flops
                     or self.memory_bandwidth or self.op_overhead)
 

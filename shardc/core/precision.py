@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from shardc.core.errors import ShardcError
+from shardc.core.errors import OptionError, ShardcError
 
 _DEVICE_TYPES = ("cpu", "cuda")
 
@@ -83,12 +83,12 @@ class Precision:
     def __post_init__(self) -> None:
         ok = (torch.float32, torch.bfloat16)
         if self.compute not in ok or self.reduce not in ok:
-            raise ValueError(
+            raise OptionError(
                 f"shardc.Precision: compute and reduce must each be torch.float32 or "
                 f"torch.bfloat16, got compute={self.compute}, reduce={self.reduce} (fp16 would "
                 "need loss scaling, which shardc does not do).")
         if self.compute == torch.float32 and self.reduce != torch.float32:
-            raise ValueError("shardc.Precision: reducing gradients in a narrower dtype than the "
+            raise OptionError("shardc.Precision: reducing gradients in a narrower dtype than the "
                              "fp32 compute gains nothing a user would want; use "
                              "Precision(torch.bfloat16, torch.bfloat16) or precision='fp32'.")
 
@@ -109,7 +109,7 @@ def as_precision(value: Any) -> Precision:
         return value
     if isinstance(value, str) and value in _NAMES:
         return Precision(_NAMES[value], torch.float32)
-    raise ValueError(f"shardc.compile: precision={value!r} is not one of ('fp32', 'bf16') or a "
+    raise OptionError(f"shardc.compile: precision={value!r} is not one of ('fp32', 'bf16') or a "
                      "shardc.Precision(compute=..., reduce=...).")
 
 

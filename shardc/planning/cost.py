@@ -3,7 +3,7 @@
     t_step = t_compute + sum over axes of (bytes / beta + calls * alpha) - t_hidden
 
 * ``bytes`` per axis: the comm report (exact; a formula in the axis sizes).
-* ``calls`` per axis: the collectives the whole-step program issues, after the bucketing
+* ``calls`` per axis: the collectives the step program issues, after the bucketing
   and coalescing passes packed them (the comm report's rows, one per call, where the
   step program does not run: ``step_graph=False``, block recompute).
 * ``beta`` and ``alpha``: the machine's bandwidth and latency of that axis's groups.
@@ -31,10 +31,16 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from shardc.core.context import GLOBAL_VAL, PLACEMENT
 from shardc.core.machine import Machine
 from shardc.core.mesh import AXES, Mesh
+from shardc.passes.schedule import SCHEDULE
+from shardc.passes.step_nodes import collective_nodes
+from shardc.planning.memory import alias_of
+from shardc.program.report import comm_report, eager_calls
+from shardc.runtime import functional as F
 from shardc.runtime.volume import ring_factor
 
 # A GEMM's backward runs two products of its forward's size (dI and dW); the same
@@ -101,9 +107,7 @@ def work(gm: fx.GraphModule, recompute: bool
     allocates its output (views move nothing), ``READ_WRITE`` times its output's bytes,
     divided by the axes cutting the output. Backward counts ``BACKWARD_FLOPS`` times
     forward for both; recompute once more."""
-    from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-    from shardc.planning.memory import _alias_of
 
     factor = 1.0 + BACKWARD_FLOPS + (1.0 if recompute else 0.0)
 
@@ -116,7 +120,7 @@ def work(gm: fx.GraphModule, recompute: bool
         lay, val = n.meta.get(PLACEMENT), n.meta.get(GLOBAL_VAL)
         if (n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload)
                 or lay is None or not isinstance(val, torch.Tensor)
-                or not val.dtype.is_floating_point or _alias_of(n) is not None):
+                or not val.dtype.is_floating_point or alias_of(n) is not None):
             continue
         divs = tuple(a for axes in lay.dims for a in axes)
         flops = 0
@@ -150,12 +154,8 @@ def _composite(op: torch._ops.OpOverload) -> bool:
 
 
 def step_shape(sm: Any) -> StepShape:
-    """Count ``sm``'s calls, ops and overlaps (no communication: the whole-step program is
+    """Count ``sm``'s calls, ops and overlaps (no communication: the step program is
     traced offline), and its FLOPs."""
-    from shardc.passes.joint import collective_nodes
-    from shardc.passes.schedule import SCHEDULE
-    from shardc.program.report import comm_report, eager_calls
-    from shardc.runtime import functional as F
 
     opts = sm.ctx.options
     flops, traffic = work(sm.graph_module, opts.recompute)

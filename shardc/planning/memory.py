@@ -11,7 +11,7 @@ option the program follows:
 
 - the collectives' buffers (gathered weights, reduced partial sums) and their dtypes,
   hence the precision policy;
-- ``reshard_after_forward`` (the traced whole-step program re-gathers in backward);
+- ``reshard_after_forward`` (the traced step program re-gathers in backward);
 - block recompute: torch.utils.checkpoint is traced through, its recompute appears in
   backward where autograd runs it;
 - selective recompute: the same trace, where each recomputed op the policy saves reads
@@ -24,7 +24,7 @@ option the program follows:
   copies, from its all-gather to its last member's wait, again where recompute re-gathers.
 
 What it leaves out: the allocator's rounding and fragmentation; the step passes
-(the trace is the joint program before bucketing, coalescing and scheduling: packed
+(the trace is the step program before bucketing, coalescing and scheduling: packed
 copies of gradients, at most ``bucket_mb`` at a time); buffers a backend allocates inside
 a collective (gloo's coalesced reduce-scatter clones its inputs, 1.3 MiB at the
 backward peak of the 8-block GPT on z2d2, and stages every all-gather through a flat
@@ -42,8 +42,17 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental import proxy_tensor
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.checkpoint import checkpoint
 
+from shardc.core.ir import Selective, op_named
+from shardc.passes.joint import SWAP, trace_joint
+from shardc.passes.recompute import Checkpointed
+from shardc.runtime import functional as F
+from shardc.runtime.collectives import get_runtime
 from shardc.runtime.functional import ALIASES
+from shardc.runtime.grad_buckets import REDUCE_SCATTER
 
 # the output node's meta in a traced forward program's step: the parameter (or None) of
 # each gradient the step returns, in order
@@ -97,8 +106,7 @@ def _grad_bucket_buffers(sm: Any, graph: fx.Graph) -> dict[fx.Node, int]:
     reduce-scatter bucket's (its members' whole gradients) from its first member's
     gradient until the next reduce-scatter bucket is issued (its last member's gradient),
     and its result (the shards' sums) from its own issue to the end. (The traced
-    whole-step program is the joint graph before bucketing: nothing to add there.)"""
-    from shardc.runtime.grad_buckets import REDUCE_SCATTER
+    step program is the step program's graph before bucketing: nothing to add there.)"""
 
     gb = getattr(sm, "_grad_buckets", None)
     if gb is None or not gb.buckets or (sm._recompute is None and sm.ctx.options.step_graph):
@@ -137,8 +145,7 @@ def _gather_group_buffers(sm: Any, graph: fx.Graph) -> dict[fx.Node, int]:
     groups = getattr(sm, "_gather_groups", [])
     if not groups or (sm._recompute is None and sm.ctx.options.step_graph):
         return {}
-    from shardc.runtime.collectives import get_runtime
-    from shardc.runtime.functional import _fc
+    _fc = torch.ops._c10d_functional  # the ops functional collectives trace to
 
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(sm._feeds):
@@ -237,7 +244,6 @@ def traced_step(sm: Any) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
     """One training step of ``sm`` as a graph of ATen ops and functional collectives in
     execution order, and (selective recompute) each recomputed node the policy saves ->
     the forward node whose output it reads instead."""
-    from shardc.passes.joint import trace_joint
 
     args, needs = sm._example_args()
     names = [t if role == "param" else None for role, t in sm._feeds]
@@ -250,13 +256,7 @@ def traced_step(sm: Any) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
 def _trace_forward_program(sm: Any, args: list[Any], needs: list[bool]
                            ) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
     """The forward program (recompute-wrapped where it is) and autograd's backward."""
-    from torch.fx.experimental import proxy_tensor
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.utils.checkpoint import checkpoint
 
-    from shardc.passes.joint import SWAP
-    from shardc.passes.recompute import Selective, _Checkpointed
-    from shardc.runtime import functional as F
 
     run = copy.deepcopy(sm._recompute if sm._recompute is not None else sm.graph_module)
     for m in run.modules():
@@ -271,7 +271,7 @@ def _trace_forward_program(sm: Any, args: list[Any], needs: list[bool]
         def call(*a: Any) -> Any:
             # the tracing mode's graph (get_proxy_mode; older torch: the legacy name)
             current: Any = getattr(proxy_tensor, "get_proxy_mode", None) or \
-                getattr(proxy_tensor, "get_innermost_proxy_mode")
+                proxy_tensor.get_innermost_proxy_mode
             graph = current().tracer.graph
             start = len(graph.nodes)
             out = inner(*a)
@@ -279,11 +279,11 @@ def _trace_forward_program(sm: Any, args: list[Any], needs: list[bool]
             return out
         return call
 
-    blocks = [m for m in run.modules() if isinstance(m, _Checkpointed)]
+    blocks = [m for m in run.modules() if isinstance(m, Checkpointed)]
     for i, m in enumerate(blocks):
         # plain checkpoint: its recompute is traced into backward (a selective policy's
         # saving is applied to the trace afterwards; under make_fx it would only tag)
-        def fwd(*a: Any, _m: _Checkpointed = m, _i: int = i) -> Any:
+        def fwd(*a: Any, _m: Checkpointed = m, _i: int = i) -> Any:
             return checkpoint(recording(_m.inner, _i), *a, use_reentrant=False, early_stop=False)
         m.forward = fwd  # type: ignore[method-assign]
     grad_at = [i for i, w in enumerate(needs) if w]
@@ -322,15 +322,14 @@ def _saved_by(graph: fx.Graph, spans: list[tuple[int, int, int]], policy: Any
               ) -> dict[fx.Node, fx.Node]:
     """Pair each block's recomputed ops with its forward ops (the recompute replays the
     forward in order) and keep the pairs whose op the policy saves."""
-    from shardc.passes.recompute import _op_named
 
-    keep = {_op_named(n) for n in policy.save}
+    keep = {op_named(n) for n in policy.save}
     nodes = list(graph.nodes)
     calls: dict[int, list[tuple[int, int]]] = {}
     for block, a, b in spans:
         calls.setdefault(block, []).append((a, b))
     out: dict[fx.Node, fx.Node] = {}
-    for block, seen in calls.items():
+    for seen in calls.values():
         if len(seen) != 2:
             continue
         (fa, fb), (ra, rb) = seen
@@ -354,7 +353,7 @@ def _tensor_bytes(v: Any) -> int:
     return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 
 
-def _alias_of(n: fx.Node) -> fx.Node | None:
+def alias_of(n: fx.Node) -> fx.Node | None:
     """The input whose storage ``n``'s output shares (a view, detach, an in-place op's
     result), or None when the op allocates."""
     if n.op != "call_function" or n.target is operator.getitem:
@@ -385,7 +384,7 @@ def peak_bytes(graph: fx.Graph, saved_as: dict[fx.Node, fx.Node] | None = None,
     where = {n: i for i, n in enumerate(nodes)}
     root: dict[fx.Node, fx.Node] = {}
     for n in nodes:
-        base = saved_as.get(n) or _alias_of(n)
+        base = saved_as.get(n) or alias_of(n)
         root[n] = root.get(base, base) if base is not None else n
     last: dict[fx.Node, int] = {}
     for n in nodes:

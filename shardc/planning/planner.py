@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -30,12 +31,16 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from rich.console import Console
+from rich.table import Table
 
 from shardc.core.context import GLOBAL_VAL, KIND, PLACEMENT, SOURCE
-from shardc.planning.cost import StepShape, StepTime, per_rank, predict, step_shape
 from shardc.core.errors import ShardcError
 from shardc.core.machine import Machine
 from shardc.core.mesh import AXES, Mesh
+from shardc.passes.trace import signature, trace
+from shardc.planning.cost import StepShape, StepTime, per_rank, predict, step_shape
+from shardc.planning.memory import estimate
 from shardc.program.offline import compile_offline
 from shardc.program.report import comm_report
 from shardc.runtime.volume import ring_factor
@@ -309,7 +314,6 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
     if memory not in ("formula", "traced"):
         raise ValueError(f"shardc.plan: memory must be 'formula' or 'traced', got {memory!r}.")
     checkpointing = checkpointing or compile_kw.get("activation_checkpoint", "none") != "none"
-    from shardc.passes.trace import trace
 
     machine = resolve_machine(machine)
     if world_size < 1:
@@ -336,10 +340,9 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
     if not meshes:
         _nothing_fits(world_size, machine, dropped)
 
-    from shardc.passes.trace import _signature
 
     cache = _ANALYSES.setdefault(model, {})
-    stem = (_signature(inputs), model.training, world_size, checkpointing, machine.models_step(),
+    stem = (signature(inputs), model.training, world_size, checkpointing, machine.models_step(),
             repr(sorted(compile_kw.items())))
 
     def analysis_for(pattern: tuple[bool, ...], members: list[Mesh]) -> _Pattern | str:
@@ -448,7 +451,6 @@ def _traced_memory(model: torch.nn.Module, inputs: tuple, cands: list[Candidate]
                    machine: Machine, dropped: list[Dropped], optimizer: str | int,
                    compile_kw: dict) -> list[Candidate]:
     """The top candidates' memory from their compiled programs (shardc.planning.memory)."""
-    from shardc.planning.memory import estimate
 
     out: list[Candidate] = []
     for i, c in enumerate(cands):
@@ -479,10 +481,7 @@ def _verify(model: torch.nn.Module, inputs: tuple, best: Candidate, compile_kw: 
 
 def print_plan(model: torch.nn.Module, inputs: tuple, world_size: int, machine: str, top: int = 10,
                checkpointing: bool = False) -> Plan:
-    import time
 
-    from rich.console import Console
-    from rich.table import Table
 
     t0 = time.perf_counter()
     p = plan(model, world_size, machine, inputs, checkpointing=checkpointing, exact_top=max(top, 1))

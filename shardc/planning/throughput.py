@@ -33,7 +33,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
+
+from shardc.passes.trace import trace
 
 _aten = torch.ops.aten
 
@@ -139,7 +142,6 @@ def model_flops(model: torch.nn.Module, example_inputs: tuple, tokens: int | Non
     """Model FLOPs of one training step of ``model`` on ``example_inputs`` (the global
     batch). ``tokens`` defaults to the number of elements of the first input (token
     ids of shape (batch, seq))."""
-    from shardc.passes.trace import trace
 
     ep = trace(model, tuple(example_inputs))  # cached: free after shardc.compile
     if tokens is None:
@@ -240,7 +242,6 @@ def summed_peak_flops(device: torch.device | str, dtype: torch.dtype = torch.flo
     """The peak FLOP/s of all ranks together (collective when torch.distributed is
     initialised: every rank measures or looks up its own, at the same time, and they are
     summed), with where the figures come from."""
-    import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return device_peak_flops(device, dtype)

@@ -38,13 +38,13 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardc.core.context import BACKENDS
+from shardc.core.options import BACKENDS
 from shardc.runtime import collectives as C
 from shardc.runtime import functional as F
 from shardc.runtime import ops as R
 
 # Runtime functions that hand tensors to torch.distributed (or wait on them): the
-# forward program's and the whole-step program's (passes/joint.py). Every other call in
+# forward program's and the step program's (passes/joint.py). Every other call in
 # a program is local compute, pure given its inputs and the rank.
 _COLLECTIVE_FUNCTIONS = frozenset({
     C.all_gather_start, C.all_reduce_start, C.reduce_scatter_start, C.all_to_all_start,
@@ -82,7 +82,7 @@ def is_random(node: fx.Node) -> bool:
 
 
 def writes_in_place(node: fx.Node) -> bool:
-    """Does ``node`` write into one of its arguments? ``make_fx``'s whole-step program keeps
+    """Does ``node`` write into one of its arguments? ``make_fx``'s step program keeps
     a few in-place ops (dropout's ``div_`` of the mask it just drew), where export's forward
     program has none."""
     t = node.target

@@ -1,14 +1,21 @@
 """``shardc.explain``: the compiled program as a person reads it."""
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from shardc.core.context import FALLBACK, GLOBAL_VAL, KIND, PLACEMENT
-from shardc.program.report import _fmt_bytes, comm_report
+from shardc.passes.bucket import BUCKET
+from shardc.passes.coalesce import COALESCED, block_of
+from shardc.passes.gemm_modes import GEMM, gemm_nodes
+from shardc.passes.schedule import SCHEDULE
+from shardc.passes.step_nodes import collective_nodes
+from shardc.program.report import comm_report, fmt_bytes
 from shardc.runtime import collectives as C
+from shardc.runtime import functional as F
 from shardc.runtime import ops as R
 
 _NAMES = {
@@ -87,7 +94,7 @@ def explain(sm: Any) -> str:
     rep = comm_report(sm)
     per_node: dict[str, list[str]] = {}
     for r in rep.rows:
-        per_node.setdefault(r.node, []).append(f"{r.phase} {r.collective}@{r.axis} {_fmt_bytes(r.bytes)}")
+        per_node.setdefault(r.node, []).append(f"{r.phase} {r.collective}@{r.axis} {fmt_bytes(r.bytes)}")
     lines = [f"shardc program for {mesh} ({mesh.world_size} ranks; byte counts are per rank)", ""]
     policy = sm.ctx.options.precision
     if policy.mixed:
@@ -137,7 +144,7 @@ def explain(sm: Any) -> str:
     step_rows = [r for r in rep.rows if r.phase == "step"]
     if step_rows:
         lines.append("  after backward: " + "; ".join(
-            f"all_reduce@{r.axis} {r.param} {_fmt_bytes(r.bytes)}" for r in step_rows))
+            f"all_reduce@{r.axis} {r.param} {fmt_bytes(r.bytes)}" for r in step_rows))
     lines.append("")
     if sm.decisions:
         lines.append("decisions:")
@@ -157,9 +164,9 @@ def explain(sm: Any) -> str:
     lines += _step_section(sm)
     lines.append("communication per step (bytes one rank sends, ring model):")
     for phase in ("forward", "backward", "step"):
-        per_axis = [f"{a} {_fmt_bytes(rep.total_bytes(axis=a, phase=phase))}"
+        per_axis = [f"{a} {fmt_bytes(rep.total_bytes(axis=a, phase=phase))}"
                     for a in ("x", "y", "z", "data") if rep.total_bytes(axis=a, phase=phase)]
-        lines.append(f"  {phase:8s} {_fmt_bytes(rep.total_bytes(phase=phase))}"
+        lines.append(f"  {phase:8s} {fmt_bytes(rep.total_bytes(phase=phase))}"
                      + (f"  ({', '.join(per_axis)})" if per_axis else ""))
     return "\n".join(lines) + "\n"
 
@@ -191,7 +198,6 @@ def _eager_buckets(sm: Any) -> list[str]:
 def _written_by_gemm(link: Any) -> int:
     """How many of a bucket's members their GEMM wrote into it (``passes/into_bucket.py``):
     the links of the chain that fills the buffer."""
-    from shardc.runtime import functional as F
 
     count = 0
     while isinstance(link, fx.Node) and link.target in (F.pack_into, F.mm_into):
@@ -201,17 +207,13 @@ def _written_by_gemm(link: Any) -> int:
 
 
 def _step_section(sm: Any) -> list[str]:
-    """The whole-step program's collectives in the order they run, with what the step
+    """The step program's collectives in the order they run, with what the step
     passes did: each collective's compute overlap and each bucket's members."""
-    from shardc.passes.bucket import BUCKET
-    from shardc.passes.coalesce import COALESCED, block_of
-    from shardc.passes.joint import collective_nodes
-    from shardc.passes.schedule import SCHEDULE
     o = sm.ctx.options
     buckets = f"{o.bucket_bytes / 2 ** 20:g}"
     if o.first_bucket_bytes != o.bucket_bytes:
         buckets += f", first {o.first_bucket_bytes / 2 ** 20:g}"
-    head = (f"whole-step program (step_graph={o.step_graph}, overlap={o.overlap}, "
+    head = (f"step program (step_graph={o.step_graph}, overlap={o.overlap}, "
             f"bucket_mb={buckets}):")
     if not o.step_graph:
         return [head, "  off: backward is autograd's walk over the forward program",
@@ -237,7 +239,7 @@ def _step_section(sm: Any) -> list[str]:
             c = n.meta["shardc_comm"]
             val = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
             size = val.numel() * val.element_size() if val is not None else 0
-            text = f"    {n.name}: {c['collective']}@{c['axis']} {c['phase']} input {_fmt_bytes(size)}"
+            text = f"    {n.name}: {c['collective']}@{c['axis']} {c['phase']} input {fmt_bytes(size)}"
             b = n.meta.get(BUCKET)
             if b:
                 text += f"  bucket of {b['members']} gradients"
@@ -263,9 +265,7 @@ def _step_section(sm: Any) -> list[str]:
 
 def _gemm_lines(gm: Any, modes: str) -> list[str]:
     """How many GEMMs of a part run in which form, and which the pass changed."""
-    from collections import Counter
 
-    from shardc.passes.gemm_modes import GEMM, gemm_nodes
 
     nodes = gemm_nodes(gm.graph)
     if modes == "default" or not nodes:

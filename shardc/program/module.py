@@ -11,17 +11,27 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from shardc.program import validate
 from shardc.core.context import KIND, PARAM, PLACEMENT, PROGRAM, CompileContext
-from shardc.core.precision import check_no_autocast, reduce_dtype
 from shardc.core.errors import ShardcError
 from shardc.core.mesh import Mesh
 from shardc.core.placement import Layout, local_slice, shard_offsets
+from shardc.core.precision import check_no_autocast, reduce_dtype
+from shardc.passes import STEP_PIPELINE, run_step_pipeline
+from shardc.passes.coalesce import block_of
+from shardc.passes.gemm_modes import gemm_modes_pass, settle
+from shardc.passes.joint import trace_joint
+from shardc.passes.reshard import REGATHER
+from shardc.passes.step_nodes import collective_nodes
+from shardc.program import validate
+from shardc.program.backend import build_runner
 from shardc.runtime import collectives as C
 from shardc.runtime import zero
 from shardc.runtime.grad_buckets import ALL_REDUCE, REDUCE_SCATTER, GradBuckets, Spec
 from shardc.runtime.groups import axis_groups
+from shardc.runtime.ops import check_branch
 from shardc.runtime.pending import PendingOutput, settle_all
+from shardc.runtime.step import StepRunner
+from shardc.runtime.volume import as_number
 
 
 def _check_same(name: str, new: torch.Tensor, old: torch.Tensor) -> None:
@@ -150,7 +160,6 @@ class ShardedModule(nn.Module):
         # step program does it inside its backward graph, so the hooks stand aside then.
         self._joint: dict[tuple, Any] = {}
         self._joint_failed: str | None = None
-        from shardc.runtime.ops import check_branch
 
         if any(n.target is check_branch for n in program.graph.nodes):
             # the checks read a value (``.item()``) that make_fx's fake tensors do not have
@@ -280,7 +289,6 @@ class ShardedModule(nn.Module):
     def _group_gathers(self, gathers: list[Any]) -> None:
         """The forward program's weight all-gathers, one collective a block at run time
         (collectives.GatherGroup): by (block, axis, cast dtype), in the program's order."""
-        from shardc.passes.coalesce import block_of
 
         groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
         for n in gathers:
@@ -409,7 +417,7 @@ class ShardedModule(nn.Module):
         return run(*args)
 
     def _run(self, args: list[Any]) -> Any:
-        """The whole-step program when a backward may follow, else the forward program.
+        """The step program when a backward may follow, else the forward program.
 
         The forward program runs instead: without gradients; with step_graph=False; under
         ``no_sync`` and until the synced backward after it (no_sync defers reductions the
@@ -432,14 +440,11 @@ class ShardedModule(nn.Module):
             if jp is None:
                 return self._forward_program(args)
             self._joint[key] = jp
-        from shardc.runtime.step import JointStep
 
         self._hooks_active = False
-        return JointStep.apply(jp, *args)
+        return StepRunner.apply(jp, *args)
 
     def _build_joint(self, args: list[Any], needs: list[bool]) -> Any:
-        from shardc.passes.joint import trace_joint
-        from shardc.passes import run_step_pipeline
 
         names = [target if role == "param" else None for role, target in self._feeds]
         jp, err = None, None
@@ -455,15 +460,13 @@ class ShardedModule(nn.Module):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() > 0:
             self._joint_failed = err or "another rank could not build it"
-            warnings.warn("shardc: the whole-step program could not be built "
+            warnings.warn("shardc: the step program could not be built "
                           f"({self._joint_failed}); running the forward program with "
                           "autograd's backward (no overlap or bucketing passes).", stacklevel=3)
             return None
-        from shardc.passes.gemm_modes import settle
 
         assert jp is not None
         settle([jp.forward, jp.backward], self.ctx)
-        from shardc.program.backend import build_runner
 
         jp.run_forward = build_runner(jp.forward, self.ctx.options.backend)
         jp.run_backward = build_runner(jp.backward, self.ctx.options.backend)
@@ -473,8 +476,6 @@ class ShardedModule(nn.Module):
         """With ``reshard_after_forward``: the forward program's all-gather nodes whose
         weight the step program gathers again in backward. Traced offline (fake tensors,
         no communication) when no step has run yet."""
-        from shardc.passes.joint import collective_nodes
-        from shardc.passes.reshard import REGATHER
 
         if not self.ctx.options.reshard_after_forward:
             return []
@@ -497,15 +498,12 @@ class ShardedModule(nn.Module):
         return out
 
     def offline_step(self) -> Any:
-        """The whole-step program (a ``JointProgram``) as the first training step builds
+        """The step program (a ``StepProgram``) as the first training step builds
         it, traced on fake tensors without communication, for what reads its structure
         (the comm report under ``reshard_after_forward``, the planner's step-time model).
         Not for running. The step passes run on it, except that ``gemm_modes="auto"``
         times nothing here (its choice changes copies, not collectives)."""
         if self._offline is None:
-            from shardc.passes import STEP_PIPELINE, run_step_pipeline
-            from shardc.passes.gemm_modes import gemm_modes_pass
-            from shardc.passes.joint import trace_joint
 
             args, needs = self._example_args()
             names = [t if role == "param" else None for role, t in self._feeds]
@@ -657,7 +655,6 @@ class ShardedModule(nn.Module):
     def measured_comm(self) -> dict[tuple[str, str, str], int | float]:
         """Bytes handed to torch.distributed since the last reset, per (collective, axis,
         phase), ring model."""
-        from shardc.runtime.volume import as_number
         return {k: as_number(v) for k, v in self.runtime.measured.items() if v}
 
     def reset_measured_comm(self) -> None:

@@ -10,14 +10,14 @@ from typing import Any
 
 import torch
 
+from shardc.core.mesh import Mesh
+from shardc.core.options import Options
+from shardc.program.build import build, check_batch
+
 
 def compile_offline(model: torch.nn.Module, inputs: tuple, mesh: Any, rank: int = 0, **kw: Any) -> Any:
     """Compile the program of rank ``rank`` of ``mesh`` (a Mesh or a spec such as
     ``"x2y2z2d1"``) for global-shaped ``inputs``; ``kw`` are ``shardc.compile``'s options."""
-    from shardc.compiler import _check_batch, _compile
-    from shardc.core.context import Options
-    from shardc.core.mesh import Mesh
-
     mesh = Mesh.parse(mesh) if isinstance(mesh, str) else mesh
-    _check_batch(tuple(inputs), mesh)
-    return _compile(model, mesh, tuple(inputs), Options(**kw), rank)
+    check_batch(tuple(inputs), mesh)
+    return build(model, mesh, tuple(inputs), Options(**kw), rank)

@@ -17,11 +17,21 @@ from typing import Any, Iterable
 import sympy
 import torch
 import torch.fx as fx
+from rich.console import Console
+from rich.table import Table
 
-from shardc.core.context import GLOBAL_VAL, KIND, PARAM, PLACEMENT, REQUIRES_GRAD, SOURCE
+from shardc.core.context import (
+    GLOBAL_VAL,
+    KIND,
+    PARAM,
+    PLACEMENT,
+    REQUIRES_GRAD,
+    SOURCE,
+)
 from shardc.core.mesh import AXES, Mesh
 from shardc.core.placement import Layout
 from shardc.core.precision import Precision, reduce_dtype
+from shardc.passes.step_nodes import collective_nodes
 from shardc.runtime import collectives as C
 from shardc.runtime.volume import as_number, ring_bytes
 
@@ -218,7 +228,7 @@ class CommReport:
         self.rows = list(rows)
         self.mesh = mesh
         self.title = title
-        # (collective, axis, phase) -> collectives the whole-step program issues per step,
+        # (collective, axis, phase) -> collectives the step program issues per step,
         # after bucketing and coalescing (the rows count each tensor); None until the
         # module has run a training step (the program is built then)
         self.calls = calls
@@ -287,7 +297,6 @@ class CommReport:
 
     # ---------------------------------------------------------------- printing
     def __rich__(self) -> Any:
-        from rich.table import Table
 
         t = Table(title=self.title or (f"communication per step, one rank, {self.mesh}" if self.mesh
                                        else "communication per step, one rank"))
@@ -303,15 +312,15 @@ class CommReport:
             groups[(r.module, r.op, r.collective, r.axis, r.phase)].append(r)
         for (module, op, coll, axis, phase), rs in groups.items():
             t.add_row(module or "-", op, coll, axis, phase, str(len(rs)),
-                      _fmt_bytes(sum(Fraction(r.bytes) for r in rs)))
+                      fmt_bytes(sum(Fraction(r.bytes) for r in rs)))
         t.add_section()
         for axis in AXES:
             for phase in PHASES:
                 tot = self.total_bytes(axis=axis, phase=phase)
                 if tot:
                     t.add_row(f"total over {axis}", "", "", axis, phase,
-                              str(len(self.select(axis, phase))), _fmt_bytes(tot))
-        t.add_row("total", "", "", "", "", str(len(self.rows)), _fmt_bytes(self.total_bytes()),
+                              str(len(self.select(axis, phase))), fmt_bytes(tot))
+        t.add_row("total", "", "", "", "", str(len(self.rows)), fmt_bytes(self.total_bytes()),
                   style="bold")
         if self.calls:
             t.caption = ("collectives issued per step after bucketing and coalescing: " + ", ".join(
@@ -319,7 +328,6 @@ class CommReport:
         return t
 
     def __str__(self) -> str:
-        from rich.console import Console
 
         console = Console(width=140, record=True, force_terminal=False, color_system=None)
         with console.capture() as cap:
@@ -330,7 +338,7 @@ class CommReport:
         return f"CommReport({len(self.rows)} rows, {self.total_bytes()} bytes)"
 
 
-def _fmt_bytes(b: Any) -> str:
+def fmt_bytes(b: Any) -> str:
     b = float(b)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(b) < 1024 or unit == "TiB":
@@ -408,13 +416,12 @@ def _zero_calls(sm: Any, out: dict[tuple[str, str, str], int]) -> None:
 
 
 def step_calls(sm: Any) -> dict[tuple[str, str, str], int] | None:
-    """Collectives per (collective, axis, phase) that the built whole-step program issues
+    """Collectives per (collective, axis, phase) that the built step program issues
     in one step, with shard_optimizer's buckets (one reduce-scatter and one all-gather
     each, runtime/zero.py); None when the program is not built (or off)."""
     built = list(getattr(sm, "_joint", {}).values())
     if not built:
         return None
-    from shardc.passes.joint import collective_nodes
 
     out: dict[tuple[str, str, str], int] = defaultdict(int)
     for part in (built[-1].forward, built[-1].backward):

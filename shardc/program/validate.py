@@ -10,7 +10,6 @@ process group's timeout passes.
 """
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 import warnings
@@ -20,26 +19,12 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from shardc.core.context import GLOBAL_VAL, KIND, PLACEMENT
 from shardc.core.errors import ShardcError
 from shardc.core.placement import Layout
-
-_TYPES = {"bool": (bool,), "int": (int,), "str": (str,), "float": (float, int)}
-
-
-def check_option_types(options_cls: Any, **given: Any) -> None:
-    """Refuse an option of the wrong type before it is used: ``overlap="no"`` is truthy
-    and would silently mean True; ``prefetch_depth="2"`` fails deep inside a pass."""
-    types = {f.name: str(f.type) for f in dataclasses.fields(options_cls)}
-    for name, value in given.items():
-        want = _TYPES.get(types.get(name, ""))
-        if want is None:
-            continue
-        ok = isinstance(value, want) and (bool in want or not isinstance(value, bool))
-        if not ok:
-            raise ShardcError(f"shardc.compile: option {name}={value!r} must be a "
-                              f"{types[name]}, got {type(value).__name__}.")
+from shardc.runtime.groups import default_device
 
 
 def check_example_inputs(model: nn.Module, example_inputs: Any) -> None:
@@ -206,7 +191,6 @@ def _dt(dtype: torch.dtype) -> str:
 def _program_device(sm: Any) -> torch.device | None:
     for p in sm.parameters():
         return None if p.device.type == "meta" else p.device
-    from shardc.runtime.groups import default_device
 
     return default_device()
 
@@ -242,7 +226,6 @@ def _original_name(p: torch.Tensor) -> str | None:
 def _install_optimizer_check() -> None:
     global _HOOKED
     if not _HOOKED:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         register_optimizer_step_pre_hook(_check_optimizer)
         _HOOKED = True

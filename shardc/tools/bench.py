@@ -18,6 +18,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+import shardc
+from shardc.planning.planner import resolve_machine
+from shardc.planning.throughput import model_flops, summed_peak_flops, throughput
+from shardc.tools.models import GPT, lm_batch
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -53,11 +61,7 @@ def _worker(rank: int, world: int, store: str, specs: list[str], steps: int, rou
 
 
 def _measure(rank: int, specs: list[str], steps: int, rounds: int, out: str) -> None:
-    from rich.progress import Progress
 
-    import shardc
-    from shardc.tools.models import GPT, lm_batch
-    from shardc.planning.throughput import summed_peak_flops
 
     # every rank measures its matmul peak at the same time, sharing the cores as in training
     peak, source = summed_peak_flops("cpu")
@@ -99,12 +103,7 @@ def _steps(sm: Any, opt: Any, xl: Any, yl: Any, n: int) -> list[float]:
 
 
 def run_bench(args: Any) -> None:
-    from rich.console import Console
 
-    import shardc
-    from shardc.tools.models import GPT, lm_batch
-    from shardc.planning.planner import resolve_machine
-    from shardc.planning.throughput import model_flops, throughput
 
     for name in ("ranks", "steps", "rounds"):
         if getattr(args, name) < (2 if name == "ranks" else 1):
@@ -154,7 +153,6 @@ def run_bench(args: Any) -> None:
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump(summary, f, indent=1)
     _plot(summary, os.path.join(args.out, "fig2_local.png"), k)
-    from rich.table import Table
 
     t = Table(title=f"model rank vs measured step time ({args.ranks} CPU ranks, gloo)")
     for col in ("model rank", "mesh", "predicted step (s)", "compute", "comm", "hidden",
@@ -176,14 +174,14 @@ def run_bench(args: Any) -> None:
 
 def _plot(summary: dict, path: str, k: int) -> None:
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 - optional dependency (the [plot] extra)
     except ImportError:  # an optional extra: the figures are in bench.json all the same
         print(f"no plot: matplotlib is not installed (pip install 'shardc[plot]'); "
               f"the figures are in {os.path.dirname(path)}/bench.json")
         return
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - optional dependency (the [plot] extra)
 
     rows = summary["meshes"]
     fig, ax = plt.subplots(figsize=(7, 4))

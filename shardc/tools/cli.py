@@ -7,46 +7,23 @@ ready-made ones (``shardc.tools.specs:gpt_peer``, ``shardc.tools.specs:gpt_paper
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
-import os
-import sys
 from typing import Callable, Sequence
 
-import torch
+from rich.console import Console
 
+import shardc
+from shardc.planning.planner import print_plan
 from shardc.program.offline import compile_offline
-
-
-def load_spec(spec: str) -> tuple[torch.nn.Module, tuple]:
-    """``file.py:function`` or ``module:function`` -> (model, example_inputs)."""
-    if ":" not in spec:
-        raise SystemExit(f"shardc: SPEC must be 'path/to/file.py:function' or 'module:function', "
-                         f"got {spec!r}.")
-    where, fn_name = spec.rsplit(":", 1)
-    if where.endswith(".py"):
-        if not os.path.exists(where):
-            raise SystemExit(f"shardc: no file {where!r} (from SPEC {spec!r}).")
-        mod_spec = importlib.util.spec_from_file_location(f"_shardc_spec_{abs(hash(where))}", where)
-        assert mod_spec is not None and mod_spec.loader is not None
-        module = importlib.util.module_from_spec(mod_spec)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
-        mod_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    fn = getattr(module, fn_name, None)
-    if fn is None:
-        raise SystemExit(f"shardc: {where} has no function {fn_name!r}.")
-    out = fn()
-    if not (isinstance(out, tuple) and len(out) == 2):
-        raise SystemExit(f"shardc: {spec} must return (model, example_inputs), got {type(out).__name__}.")
-    model, inputs = out
-    return model, tuple(inputs)
+from shardc.runtime.profile import profile_machine
+from shardc.tools.bench import run_bench
+from shardc.tools.demo import run_demo
+from shardc.tools.gate import check_against_baseline
+from shardc.tools.specs import SpecError, load_spec
+from shardc.tools.timeline import run_trace
 
 
 # ---------------------------------------------------------------------- commands
 def cmd_inspect(args: argparse.Namespace) -> int:
-    import shardc
 
     model, inputs = load_spec(args.spec)
     sm = compile_offline(model, inputs, args.mesh, rank=args.rank)
@@ -55,10 +32,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_comm(args: argparse.Namespace) -> int:
-    from rich.console import Console
 
-    import shardc
-    from shardc.tools.gate import check_against_baseline
 
     model, inputs = load_spec(args.spec)
     sm = compile_offline(model, inputs, args.mesh)
@@ -84,14 +58,12 @@ def cmd_comm(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from shardc.tools.demo import run_demo
 
     run_demo(ranks=args.ranks, mesh=args.mesh, steps=args.steps, backend=args.backend)
     return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from shardc.planning.planner import print_plan
 
     model, inputs = load_spec(args.spec)
     print_plan(model, inputs, world_size=args.world_size, machine=args.machine, top=args.top,
@@ -100,7 +72,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from shardc.runtime.profile import profile_machine
 
     machine = profile_machine(args.ranks, message_bytes=int(args.message_mib * 2**20), iters=args.iters,
                               backend=None if args.backend == "auto" else args.backend)
@@ -115,14 +86,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from shardc.tools.bench import run_bench
 
     run_bench(args)
     return 0
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from shardc.tools.timeline import run_trace
 
     opts: dict = {}
     if args.no_overlap:
@@ -205,7 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = p.parse_args(argv)
     fn: Callable[[argparse.Namespace], int] = args.fn
-    return fn(args)
+    try:
+        return fn(args)
+    except SpecError as e:  # a mistyped SPEC is a usage error, not a crash: no traceback
+        raise SystemExit(str(e)) from None
 
 
 if __name__ == "__main__":

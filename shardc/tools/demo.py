@@ -10,6 +10,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rich.console import Console
+from rich.progress import Progress, TextColumn
+from rich.table import Table
+
+import shardc
+from shardc.planning.throughput import model_flops, summed_peak_flops, throughput
+from shardc.tools.models import GPT, lm_batch
 
 LONG_RUN = 20  # steps from which the demo shows a progress bar instead of a line per step
 
@@ -26,13 +33,7 @@ def _rank_main(rank: int, world_size: int, store: str, mesh_spec: str, steps: in
 
 
 def _train(rank: int, mesh_spec: str, steps: int, backend: str = "eager") -> None:
-    from rich.console import Console
-    from rich.progress import Progress, TextColumn
-    from rich.table import Table
 
-    import shardc
-    from shardc.tools.models import GPT, lm_batch
-    from shardc.planning.throughput import model_flops, summed_peak_flops, throughput
 
     console = Console()
     mesh = shardc.Mesh.parse(mesh_spec)
@@ -98,7 +99,6 @@ def _train(rank: int, mesh_spec: str, steps: int, backend: str = "eager") -> Non
 
 
 def run_demo(ranks: int = 8, mesh: str = "x2y2z2d1", steps: int = 5, backend: str = "eager") -> None:
-    import shardc
 
     m = shardc.Mesh.parse(mesh)
     if m.world_size != ranks:

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from litgpt import Config
+from litgpt.model import GPT as LitGPT
 
 
 class MLPChain(nn.Module):
@@ -142,7 +144,7 @@ class HFCausalLM(nn.Module):
 
 def gpt2(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 8, seq: int = 16,
          dropout: float = 0.0) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel  # noqa: PLC0415 - optional (the [test] extra installs transformers)
 
     cfg = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=dim, n_layer=layers, n_head=heads,
                      use_cache=False, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=0.0,
@@ -154,7 +156,7 @@ def llama(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 8, kv_he
           seq: int = 16) -> nn.Module:
     """transformers' LlamaForCausalLM: RMSNorm, rotary positions, grouped-query
     attention, SiLU-gated MLP, no biases, untied head."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415 - optional (the [test] extra installs transformers)
 
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim,
                       num_hidden_layers=layers, num_attention_heads=heads,
@@ -166,7 +168,7 @@ def llama(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 8, kv_he
 def opt(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 8, seq: int = 16) -> nn.Module:
     """transformers' OPTForCausalLM: learned positions with an offset, biases, ReLU MLP, an
     embedding with a padding row, LM head tied to it."""
-    from transformers import OPTConfig, OPTForCausalLM
+    from transformers import OPTConfig, OPTForCausalLM  # noqa: PLC0415 - optional (the [test] extra installs transformers)
 
     cfg = OPTConfig(vocab_size=vocab, hidden_size=dim, ffn_dim=2 * dim, num_hidden_layers=layers,
                     num_attention_heads=heads, max_position_embeddings=seq, word_embed_proj_dim=dim,
@@ -193,8 +195,6 @@ def litgpt_llama(vocab: int = 64, dim: int = 64, layers: int = 2, heads: int = 8
     laid out per query group (the group's q heads, then its k, then its v), RMSNorm,
     rotary positions, SiLU-gated MLP, no biases, untied head. ``query_groups == heads``
     is plain multi-head attention, fewer is grouped-query attention."""
-    from litgpt import Config
-    from litgpt.model import GPT as LitGPT
 
     cfg = Config(name="shardc-tiny-llama", block_size=seq, vocab_size=vocab,
                  padded_vocab_size=vocab, n_layer=layers, n_embd=dim, n_head=heads,
@@ -209,7 +209,7 @@ def gpt_neox(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 8,
     """transformers' GPTNeoXForCausalLM: one fused ``query_key_value`` whose columns are
     interleaved per head (head h's q, k, v side by side, viewed as (heads, 3 * hd)),
     partial rotary, parallel residual, biases, untied head."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM  # noqa: PLC0415 - optional (the [test] extra installs transformers)
 
     # partial rotary under its legacy name: transformers 4.x takes it, 5.x maps it into
     # rope_parameters["partial_rotary_factor"] (so it is not in 5.x's typed signature)
@@ -227,7 +227,7 @@ def gpt_bigcode(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 8,
     """transformers' GPTBigCodeForCausalLM (StarCoder): multi-query attention through one
     fused ``c_attn`` of width dim + 2 * head_dim (all q heads, then the single k and v),
     learned positions, biases, tied head."""
-    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM  # noqa: PLC0415 - optional (the [test] extra installs transformers)
 
     cfg = GPTBigCodeConfig(vocab_size=vocab, n_positions=seq, n_embd=dim, n_layer=layers,
                            n_head=heads, n_inner=2 * dim, multi_query=True, use_cache=False,
@@ -240,7 +240,7 @@ def phi3(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 8, kv_hea
          seq: int = 16) -> nn.Module:
     """transformers' Phi3ForCausalLM: fused ``qkv_proj`` (all q heads, then k, then v, GQA)
     and fused ``gate_up_proj`` (gate then up, split in halves), RMSNorm, rotary, no biases."""
-    from transformers import Phi3Config, Phi3ForCausalLM
+    from transformers import Phi3Config, Phi3ForCausalLM  # noqa: PLC0415 - optional (the [test] extra installs transformers)
 
     cfg = Phi3Config(vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim,
                      num_hidden_layers=layers, num_attention_heads=heads,
@@ -256,7 +256,7 @@ def falcon(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 8, kv_h
     """transformers' FalconForCausalLM, new decoder architecture: fused ``query_key_value``
     laid out per kv group (the group's q heads, then its k, then its v), two layer norms
     feeding a parallel attention/MLP, rotary, no biases, tied head."""
-    from transformers import FalconConfig, FalconForCausalLM
+    from transformers import FalconConfig, FalconForCausalLM  # noqa: PLC0415 - optional (the [test] extra installs transformers)
 
     cfg = FalconConfig(vocab_size=vocab, hidden_size=dim, num_hidden_layers=layers,
                        num_attention_heads=heads, num_kv_heads=kv_heads,

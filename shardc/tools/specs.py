@@ -1,9 +1,48 @@
-"""Ready-made SPECs for the command line: each returns (model, example_inputs)."""
+"""SPECs for the command line: ``load_spec`` reads one (``path/to/file.py:function`` or
+``package.module:function``); the functions below are ready-made ones. Each returns
+``(model, example_inputs)``."""
 from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
 
 import torch
 
+from shardc.core.errors import ShardcError
 from shardc.tools.models import GPT, MLPChain, lm_batch
+
+
+class SpecError(ShardcError):
+    """A SPEC that names no loadable function, or one that returns something else."""
+
+
+def load_spec(spec: str) -> tuple[torch.nn.Module, tuple]:
+    """``file.py:function`` or ``module:function`` -> (model, example_inputs). A SPEC that
+    names nothing loadable raises ``SpecError`` (the CLI prints its message and exits 1)."""
+    if ":" not in spec:
+        raise SpecError(f"shardc: SPEC must be 'path/to/file.py:function' or 'module:function', "
+                        f"got {spec!r}.")
+    where, fn_name = spec.rsplit(":", 1)
+    if where.endswith(".py"):
+        if not os.path.exists(where):
+            raise SpecError(f"shardc: no file {where!r} (from SPEC {spec!r}).")
+        mod_spec = importlib.util.spec_from_file_location(f"_shardc_spec_{abs(hash(where))}", where)
+        assert mod_spec is not None and mod_spec.loader is not None
+        module = importlib.util.module_from_spec(mod_spec)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
+        mod_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    fn = getattr(module, fn_name, None)
+    if fn is None:
+        raise SpecError(f"shardc: {where} has no function {fn_name!r}.")
+    out = fn()
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise SpecError(f"shardc: {spec} must return (model, example_inputs), got {type(out).__name__}.")
+    model, inputs = out
+    return model, tuple(inputs)
 
 
 def mlp_chain() -> tuple[torch.nn.Module, tuple]:

@@ -1,5 +1,5 @@
 """Overlap you can see: one training step per rank under ``torch.profiler``, written as a
-Chrome/Perfetto trace in which every collective of the whole-step program is one span
+Chrome/Perfetto trace in which every collective of the step program is one span
 from its issue to its wait, on a track of its own per mesh axis, beside the compute it
 overlapped.
 
@@ -22,6 +22,11 @@ import tempfile
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import shardc
+from shardc.tools.specs import load_spec
 
 _ISSUE = re.compile(r"shardc\.issue#(\d+) (\w+)@(\w+) (\w+) (\d+)B")
 _WAIT = re.compile(r"shardc\.wait#(\d+)")
@@ -34,7 +39,6 @@ def trace_step(sm: Any, inputs: tuple, out_dir: str, warmup: int = 1) -> str:
 
     Collective: every rank must call it. The parameters' ``.grad`` are set to None
     before and after (the traced steps' gradients are not kept)."""
-    import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     os.makedirs(out_dir, exist_ok=True)
@@ -124,10 +128,10 @@ def render_png(trace_path: str, png_path: str, title: str = "") -> None:
     """Draw one rank's step: the GEMMs and other ops of the issuing thread, and each
     collective's flight on its axis' row."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 - optional dependency (the [plot] extra)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # noqa: PLC0415 - optional dependency (the [plot] extra)
     except ImportError as missing:  # an optional extra
         raise RuntimeError("shardc trace --png needs matplotlib: pip install 'shardc[plot]'"
                            ) from missing
@@ -165,10 +169,7 @@ def render_png(trace_path: str, png_path: str, title: str = "") -> None:
 # ----------------------------------------------------------------- the CLI command
 def _rank_main(rank: int, world: int, store: str, spec: str, mesh_spec: str, out: str,
                overrides: dict) -> None:
-    import torch.distributed as dist
 
-    import shardc
-    from shardc.tools.cli import load_spec
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -185,9 +186,7 @@ def _rank_main(rank: int, world: int, store: str, spec: str, mesh_spec: str, out
 def run_trace(spec: str, mesh_spec: str, out: str, png: bool = False, **overrides: Any) -> list[str]:
     """``shardc trace``: every rank of ``mesh_spec`` on local gloo processes traces one
     step of SPEC; returns the trace files (and rank 0's picture with ``png``)."""
-    import torch.multiprocessing as mp
 
-    import shardc
 
     world = shardc.Mesh.parse(mesh_spec).world_size
     os.makedirs(out, exist_ok=True)

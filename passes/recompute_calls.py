@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-
 import torch.nn as nn
 import torch.utils.checkpoint as tuc
 
@@ -30,7 +29,7 @@ def _name_of(fn: Any, names: dict[int, str]) -> str:
 
 
 @contextlib.contextmanager
-def record_checkpoint_calls(model: nn.Module, found: list[str]) -> Iterator[None]:
+def record_recompute_calls(model: nn.Module, found: list[str]) -> Iterator[None]:
     """While active, append to ``found`` the qualified name of each module (or the name of
     each function) that ``torch.utils.checkpoint.checkpoint`` is called on."""
     names = {id(m): n for n, m in model.named_modules()}
@@ -75,4 +74,4 @@ def unique(names: list[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-__all__ = ["record_checkpoint_calls", "unique"]
+__all__ = ["record_recompute_calls", "unique"]

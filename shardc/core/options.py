@@ -1,0 +1,214 @@
+"""``shardc.Options``: every option of ``compile`` in one object, validated in one place."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from shardc.core.errors import OptionError, OptionTypeError
+from shardc.core.ir import Selective
+from shardc.core.precision import as_precision
+
+GEMM_MODES = ("auto", "default", "NN", "NT", "TN")
+CHECKPOINT_POLICIES = ("none", "blocks")
+BACKENDS = ("eager", "inductor")  # how the rank's program runs (shardc/program/backend.py)
+
+
+# torch DDP's defaults: bucket_cap_mb, and the first bucket when that is left unset
+# (dist._DEFAULT_FIRST_BUCKET_BYTES)
+DEFAULT_BUCKET_MB = 25.0
+FIRST_BUCKET_MB = 1.0
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every option of ``shardc.compile``, checked once, here. Pass one to
+    ``compile(..., options=Options(...))`` or give the same names as keywords (keywords
+    override the fields of ``options``); the README's options table documents each.
+    A value of the wrong type raises ``OptionTypeError`` (a ``TypeError``), a wrong value
+    or a combination that cannot work ``OptionError`` (a ``ValueError``); both are
+    ``ShardcError`` and name the option(s) and the way out.
+
+    ``transpose_alternate`` (default True) lays every other GEMM of a chain out
+    transposed (Algorithm 1's layer-by-layer alternation), so that one GEMM's output is
+    already laid out as the next one's input and the chain needs no re-distribution.
+
+    ``step_graph`` (default True) runs forward and backward as one traced program whose
+    passes move and pack the backward collectives: ``overlap`` schedules them against
+    compute (OAR, ORS, early buckets) and returns an output whose last step is a
+    collective (a loss averaged over data) before that collective is waited, as a
+    ``shardc.PendingOutput`` that waits on its first read (``loss.backward()`` does not
+    read it); ``bucket_mb`` packs the post-backward gradient reductions into buckets of
+    that many MiB (0: one per gradient); left unset it is DDP's default, 25 MiB buckets
+    after a first one of 1 MiB, and a size given caps every bucket, the first too, as
+    DDP's ``bucket_cap_mb`` does. ``step_graph=False``
+    runs autograd's own backward over the forward program (bitwise the same gradients as
+    the step program with ``bucket_mb=0``). ``reshard_after_forward`` frees each gathered
+    weight after forward and gathers it again in backward (FSDP2's default): less memory,
+    one more all-gather per such weight, counted by the comm report.
+
+    ``activation_checkpoint="blocks"`` recomputes every repeated block in backward (run
+    with autograd's backward over the forward program: the step passes do not apply);
+    ``"selective"`` (or ``shardc.Selective(save=[...])``) cuts the same blocks but keeps
+    the outputs of their GEMMs and attention (or of the ops named) and recomputes the
+    rest, as torch's selective activation checkpointing does.
+    ``precision="bf16"`` computes and communicates in bf16 with fp32 parameters and
+    gradient reductions; a ``shardc.Precision(compute, reduce)`` says both dtypes (see
+    ``shardc.core.precision``). ``shard_optimizer=True`` shards the optimizer state
+    over data (ZeRO-1/2): ``sm.parameters()`` are then each rank's 1/G_data slices of the
+    stored shards (``runtime/zero.py``).
+    ``prefetch_depth`` (default 1) issues each weight's all-gather that many GEMMs ahead,
+    in forward and in a recompute's replay of a block (a gather stays in its block's
+    segment: one issued ahead of a block boundary runs with the next block).
+
+    ``gemm_modes`` ("default", "NN", "NT", "TN", "auto") puts each GEMM of the step
+    program in a form (operand layouts); "auto" times the forms on the first batch.
+
+    ``backend="inductor"`` compiles the compute between the program's collectives with
+    ``torch.compile`` (the collectives stay eager; see ``shardc.program.backend``), in both parts
+    of the step program (and in the forward program, which runs without gradients).
+    """
+
+    transpose_alternate: bool = True
+    overlap: bool = True
+    prefetch_depth: int = 1
+    gemm_modes: str = "default"
+    # run forward and backward as one traced program (passes/joint.py) so the step
+    # passes can move and pack backward collectives; False: autograd's own backward
+    step_graph: bool = True
+    # size of the buckets the post-backward gradient reductions are packed into (MiB);
+    # 0 reduces each gradient on its own; None is DDP's default (see bucket_bytes)
+    bucket_mb: float | None = None
+    # gather weights again in backward instead of keeping forward's (FSDP2's default
+    # memory behaviour); needs step_graph
+    reshard_after_forward: bool = False
+    activation_checkpoint: Any = "none"
+    # "fp32", "bf16" or a shardc.Precision; a Precision after construction
+    precision: Any = "fp32"
+    shard_optimizer: bool = False
+    backend: str = "eager"
+    # a GEMM dim that its mesh axis does not divide (a 3-class head on x=2): False keeps
+    # that dim whole on that axis (every rank of it computes the product); True refuses
+    # it, as the planner asks (its pattern analysis drops meshes that do not divide the
+    # model, DESIGN.md). Not a compile() option.
+    refuse_indivisible: bool = False
+
+    @property
+    def bucket_bytes(self) -> int:
+        """The cap on a bucket, in bytes (0: no buckets)."""
+        return int((DEFAULT_BUCKET_MB if self.bucket_mb is None else self.bucket_mb) * 2 ** 20)
+
+    @property
+    def first_bucket_bytes(self) -> int:
+        """The cap on the first bucket: DDP's rule. Left at the default, the first bucket
+        closes at 1 MiB, so the last layers' gradients go out while backward still has most
+        of the model to do; a size the user gives caps every bucket, the first too (as
+        DDP's ``bucket_cap_mb`` does), which saves a collective a step where overlap buys
+        nothing: 8 gloo ranks sharing 2 cores (README, "Step time against torch's own
+        parallelisms")."""
+        if self.bucket_mb is None:
+            return min(self.bucket_bytes, int(FIRST_BUCKET_MB * 2 ** 20))
+        return self.bucket_bytes
+
+    @property
+    def recompute(self) -> bool:
+        """Does the program recompute blocks in backward ("blocks" or a selective policy)?"""
+        return bool(self.activation_checkpoint != "none")
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        try:
+            object.__setattr__(self, "precision", as_precision(self.precision))
+        except TypeError as e:
+            raise OptionTypeError(str(e)) from None
+        except ValueError as e:
+            raise OptionError(str(e)) from None
+        object.__setattr__(self, "activation_checkpoint",
+                           _as_checkpoint_policy(self.activation_checkpoint))
+        if self.backend not in BACKENDS:
+            raise OptionError(
+                f"shardc.compile: backend={self.backend!r} is not one of {BACKENDS}: 'eager' runs "
+                "the rank's program op by op, 'inductor' compiles the compute between its "
+                "collectives with torch.compile.")
+        if self.gemm_modes not in GEMM_MODES:
+            raise OptionError(
+                f"shardc.compile: gemm_modes={self.gemm_modes!r} is not one of {GEMM_MODES}."
+            )
+        if self.gemm_modes != "default" and (not self.step_graph or self.backend != "eager"
+                                             or self.recompute):
+            # the forms are a pass of the step program: refuse rather than run the
+            # traced forms while claiming others
+            raise OptionError(
+                f"shardc.compile: gemm_modes={self.gemm_modes!r} rewrites the GEMMs of the "
+                "step program, which step_graph=False and block or selective recompute "
+                "do not run, and backend='inductor' picks its own layouts; use "
+                "gemm_modes='default' with them.")
+        if self.reshard_after_forward and not self.step_graph:
+            raise OptionError("shardc.compile: reshard_after_forward=True re-gathers weights inside "
+                             "the step program; it needs step_graph=True.")
+        if self.bucket_mb is not None and self.bucket_mb < 0:
+            raise OptionError(f"shardc.compile: bucket_mb must be >= 0, got {self.bucket_mb}.")
+        # both run the forward program through something the other cannot wrap: refuse
+        # the pair rather than silently drop one
+        if self.recompute and self.backend != "eager":
+            raise OptionError("shardc.compile: block or selective recompute (activation_checkpoint) "
+                             f"with backend={self.backend!r} is not supported (the recompute wraps the "
+                             "eager program's blocks); use one of them.")
+        if self.reshard_after_forward and (self.backend != "eager"
+                                           or self.recompute):
+            raise OptionError("shardc.compile: reshard_after_forward=True is a pass of the "
+                             "step program, which block or selective recompute does not "
+                             "run, and has not been tested with backend='inductor'; use one of "
+                             "them.")
+        if self.prefetch_depth < 0:
+            raise OptionError(f"shardc.compile: prefetch_depth must be >= 0, got {self.prefetch_depth}.")
+
+
+def _as_checkpoint_policy(activation_checkpoint: Any) -> Any:
+    """"none", "blocks", or a Selective ("selective" is Selective())."""
+
+    if isinstance(activation_checkpoint, Selective):
+        return activation_checkpoint
+    if activation_checkpoint == "selective":
+        return Selective()
+    if isinstance(activation_checkpoint, str) and activation_checkpoint in CHECKPOINT_POLICIES:
+        return activation_checkpoint
+    raise OptionError(
+        f"shardc.compile: activation_checkpoint={activation_checkpoint!r} is not one of "
+        f"{CHECKPOINT_POLICIES + ('selective',)} or a shardc.Selective(save=[...]) policy.")
+
+
+# the declared type of each field -> the Python types a value may have; a bool is never
+# taken for an int (overlap=1 is a mistake, not True)
+_TYPES = {"bool": (bool,), "int": (int,), "str": (str,), "float | None": (float, int, type(None))}
+
+
+def _check_types(options: Options) -> None:
+    """Refuse an option of the wrong type before it is used: ``overlap="no"`` is truthy
+    and would silently mean True; ``prefetch_depth="2"`` fails deep inside a pass."""
+    for f in fields(options):
+        want = _TYPES.get(str(f.type))
+        value = getattr(options, f.name)
+        if want is None:
+            continue
+        if not isinstance(value, want) or (isinstance(value, bool) and bool not in want):
+            kind = ("a bool (True or False)" if want == (bool,)
+                    else f"{'an' if str(f.type)[0] in 'aeiou' else 'a'} {f.type}")
+            raise OptionTypeError(f"shardc.compile: option {f.name}={value!r} must be {kind}, got "
+                                  f"{type(value).__name__}.")
+
+
+def options_from(options: Options | None, given: dict[str, Any]) -> Options:
+    """``compile``'s options: ``options`` (or the defaults) with the keywords ``given``
+    over them; a keyword that is no option is refused with the list of those that are."""
+    if options is not None and not isinstance(options, Options):
+        raise OptionTypeError(f"shardc.compile: options must be a shardc.Options, got "
+                              f"{type(options).__name__}.")
+    known = {f.name for f in fields(Options)} - INTERNAL
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise OptionTypeError(f"shardc.compile: no option named {', '.join(map(repr, unknown))}; the "
+                              f"options are {', '.join(sorted(known))}.")
+    return replace(options, **given) if options is not None else Options(**given)
+
+# fields that other parts of shardc set (the planner), not compile's keywords
+INTERNAL = frozenset({"refuse_indivisible"})
