@@ -1,6 +1,6 @@
 """Peak bytes allocated during one forward and backward, activation_checkpoint "none"
-against "blocks" and "selective", on gloo CPU ranks (the figures of the README's activation
-checkpointing table):
+against "blocks" and "selective", on gloo CPU ranks (the figures of docs/recompute.md's
+table):
 
     python examples/recompute_memory.py LAYERS MESH [MESH ...] [--prefetch-depth N]
     python examples/recompute_memory.py 8 x1y1z1d4 x1y1z4d1

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 8 examples/train_gpt.py --mesh x2y2z2d1 --steps 10
 
 On CPU it uses gloo, on CUDA NCCL with one GPU per process (``LOCAL_RANK`` picks it);
-nothing else changes. Two nodes of 8 GPUs, x and y inside a node (see the README):
+nothing else changes. Two nodes of 8 GPUs, x and y inside a node (see docs/gpus.md):
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-endpoint $HEAD:29500 examples/train_gpt.py --mesh x4y2z2d1

@@ -1,8 +1,8 @@
 """The torch releases shardc supports, and the names it uses that are newer than the oldest.
 
-``pyproject.toml`` states the range; ``tools/torch_matrix.sh`` runs it (the README's
-torch versions section gives the versions it passed on, and why the floor is where it is);
-the README's audit table gives, for every torch API the project calls, the first release
+``pyproject.toml`` states the range; ``tools/torch_matrix.sh`` runs it (docs/torch_versions.md
+gives the versions it passed on, and why the floor is where it is);
+that page's audit table gives, for every torch API the project calls, the first release
 that has it. Everything there is at or below
 ``TORCH_FLOOR`` except the names in ``NEWER_THAN_FLOOR``, which the code reaches only
 through a fallback (``tests/test_torch_range.py`` hides them and trains).

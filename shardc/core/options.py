@@ -103,8 +103,7 @@ class Options:
         closes at 1 MiB, so the last layers' gradients go out while backward still has most
         of the model to do; a size the user gives caps every bucket, the first too (as
         DDP's ``bucket_cap_mb`` does), which saves a collective a step where overlap buys
-        nothing: 8 gloo ranks sharing 2 cores (README, "Step time against torch's own
-        parallelisms")."""
+        nothing: 8 gloo ranks sharing 2 cores (docs/step_time.md)."""
         if self.bucket_mb is None:
             return min(self.bucket_bytes, int(FIRST_BUCKET_MB * 2 ** 20))
         return self.bucket_bytes

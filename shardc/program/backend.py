@@ -356,7 +356,7 @@ def direct_calls(gm: fx.GraphModule) -> fx.GraphModule:
     the reports read, keeps its ``OpOverload`` targets. The same kernels run on the same
     arguments in the same order, so every value is the same bit for bit; what changes is
     the Python cost of a call: about 4% of the CPU of the TinyGPT's forward and backward on
-    ``x1y1z1d8`` (README, "Direct calls")."""
+    ``x1y1z1d8`` (docs/direct_calls.md)."""
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
