@@ -525,7 +525,7 @@ def lower_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 def _drop_dead_collectives(g: fx.Graph) -> None:
     """Collectives whose result nothing reads are not emitted, nor the pure ops between
     them and nothing: the operand of a check the lowering drops (XLM's ``assert
-    lengths.max().item() <= slen`` gathered the lengths for nothing). The whole-step
+    lengths.max().item() <= slen`` gathered the lengths for nothing). The step
     program's trace drops them anyway, so keeping them made the comm report count bytes
     no step moves. In-place ops, random draws (the generator's position is part of the
     result) and the runtime's own functions stay."""

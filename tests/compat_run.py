@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # shardc.core.compat by its path: importing it as shardc.core.compat would run shardc/__init__.py,
 # which loads the runtime (and its choice of collective) before the names are gone
 _spec = importlib.util.spec_from_file_location(
-    "_shardc_compat", os.path.join(os.path.dirname(__file__), "..", "shardc", "compat.py"))
+    "_shardc_compat", os.path.join(os.path.dirname(__file__), "..", "shardc", "core", "compat.py"))
 assert _spec is not None and _spec.loader is not None
 _compat = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_compat)

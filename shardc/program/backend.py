@@ -14,7 +14,7 @@ the in-flight buffer is only handed to the compute piece after its wait.
 Autograd needs nothing special: each compiled piece is differentiable (AOTAutograd builds
 its backward), and the collectives are the runtime's autograd functions, so backward runs
 compiled compute and eager collectives in reverse order. That is the forward program's
-case (run without gradients, or with ``step_graph=False``). Training runs the whole-step
+case (run without gradients, or with ``step_graph=False``). Training runs the step
 program (``passes/joint.py``), whose two parts are cut the same way; they run inside one
 autograd node, so their pieces compile as plain inference graphs. Its in-place writes
 (dropout's ``div_``) are cut out too, so every compiled piece is a pure function.
