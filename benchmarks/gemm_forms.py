@@ -66,7 +66,6 @@ def part1(args: argparse.Namespace) -> None:
 
 def part2(args: argparse.Namespace) -> None:
     import shardc
-    from shardc.runtime import gemm as RG
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as d:
@@ -109,8 +108,9 @@ def part2(args: argparse.Namespace) -> None:
             print(f"| auto | {1e3 * b:.1f} | {b / a:.2f}x |")
             print("\n" + "\n".join(line for line in shardc.explain(steps["auto"][0]).splitlines()
                                    if "GEMM forms" in line))
-            changed = {k: v for k, v in RG.CHOSEN.items() if v != "traced"}
-            print(f"auto chose another form for {len(changed)} of {len(RG.CHOSEN)} GEMM shapes: "
+            chosen = steps["auto"][0].runtime.gemm_forms
+            changed = {k: v for k, v in chosen.items() if v != "traced"}
+            print(f"auto chose another form for {len(changed)} of {len(chosen)} GEMM shapes: "
                   + ", ".join(f"{k[0].split('.')[1]} {k[1]} {k[2]}->{v}" for k, v in changed.items()))
         finally:
             dist.destroy_process_group()

@@ -33,6 +33,7 @@ from shardc.core.context import CompileContext
 from shardc.passes.schedule import SCHEDULE, overlaps
 from shardc.runtime import functional as F
 from shardc.runtime import gemm as G
+from shardc.runtime.collectives import get_runtime
 
 aten = torch.ops.aten
 GEMM = "shardc_gemm"  # node.meta of a GEMM: {"traced": form, "mode": form run, "key"}
@@ -90,7 +91,7 @@ def gemm_modes_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         times: dict[tuple, dict[str, float]] = {}
         for n in nodes:
             k = key(n)
-            if k not in G.CHOSEN and k not in times:
+            if k not in get_runtime(ctx.rt).gemm_forms and k not in times:
                 vals = _vals(n)
                 times[k] = G.time_forms(_op(n), vals, vals[-1].device)
         gm.meta[GEMM_TIMES] = times
@@ -107,9 +108,10 @@ def settle(parts: list[fx.GraphModule], ctx: CompileContext) -> None:
     local: dict[tuple, dict[str, float]] = {}
     for gm in parts:
         local.update(gm.meta.pop(GEMM_TIMES, {}))
-    G.CHOSEN.update(G.agree(local))
+    chosen = get_runtime(ctx.rt).gemm_forms
+    chosen.update(G.agree(local))
     for gm in parts:
-        _rewrite(gm, {n: G.CHOSEN.get(key(n), "traced") for n in gemm_nodes(gm.graph)})
+        _rewrite(gm, {n: chosen.get(key(n), "traced") for n in gemm_nodes(gm.graph)})
 
         if SCHEDULE in gm.meta:
             gm.meta[SCHEDULE] = overlaps(gm.graph)

@@ -89,6 +89,10 @@ class Runtime:
         # weight all-gathers that go out together, one collective a block (GatherGroup),
         # by the gather's key
         self.gather_groups: dict[str, GatherGroup] = {}
+        # gemm_modes="auto": GEMM key -> the form the ranks agreed on (runtime/gemm.py).
+        # The compiled module's first batch decides; its later step programs (another
+        # input shape) reuse each choice, and another compiled module makes its own
+        self.gemm_forms: dict[tuple, str] = {}
         _RUNTIMES[self.key] = self
 
     @property

@@ -23,10 +23,6 @@ import torch.distributed as dist
 MODES = ("NN", "NT", "TN")
 WANT = {"NN": ("N", "N"), "NT": ("N", "T"), "TN": ("T", "N")}
 
-# GEMM key -> the agreed form, for this process: the first batch decides, later step
-# programs (another input shape, another module) of the same GEMM reuse it
-CHOSEN: dict[tuple, str] = {}
-
 
 def layout(t: torch.Tensor) -> str:
     """"N" (rows contiguous), "T" (columns contiguous: a transposed row-major matrix) or

@@ -319,7 +319,6 @@ def _gemm_check() -> list[str]:
     form adds a product's terms in another order: judged against float64 like any other
     order) and measured == reported (the forms move no bytes)."""
     from shardc.passes.gemm_modes import GEMM, gemm_nodes
-    from shardc.runtime import gemm as RG
 
     out: list[str] = []
     for name, spec in (("gpt2", "x2y2z1d1"), ("litgpt_gqa", "x1y1z2d2")):
@@ -354,12 +353,12 @@ def _gemm_check() -> list[str]:
                 if not copies:
                     out.append(f"{label}: no operand copied into the TN form in forward")
             else:
-                mine = sorted(RG.CHOSEN.items())
+                mine = sorted(sm.runtime.gemm_forms.items())
                 everyone: list = [None] * torch.distributed.get_world_size()
                 torch.distributed.all_gather_object(everyone, mine)
                 if any(e != mine for e in everyone):
                     out.append(f"{label}: ranks chose different forms")
-                if not all(f["key"] in RG.CHOSEN for f in forms):
+                if not all(f["key"] in sm.runtime.gemm_forms for f in forms):
                     out.append(f"{label}: a GEMM without an agreed form")
             if f"GEMM forms (gemm_modes={mode})" not in shardc.explain(sm):
                 out.append(f"{label}: explain does not show the GEMM forms")

@@ -16,14 +16,10 @@ from shardc.core.errors import ShardcError
 from shardc.core.mesh import Mesh
 from shardc.core.placement import Layout, local_slice, shard_offsets
 from shardc.core.precision import check_no_autocast, reduce_dtype
-from shardc.passes import STEP_PIPELINE, run_step_pipeline
 from shardc.passes.coalesce import block_of
-from shardc.passes.gemm_modes import gemm_modes_pass, settle
-from shardc.passes.joint import trace_joint
 from shardc.passes.reshard import REGATHER
 from shardc.passes.step_nodes import collective_nodes
-from shardc.program import validate
-from shardc.program.backend import build_runner
+from shardc.program import step_program, validate
 from shardc.runtime import collectives as C
 from shardc.runtime import zero
 from shardc.runtime.grad_buckets import ALL_REDUCE, REDUCE_SCATTER, GradBuckets, Spec
@@ -445,31 +441,14 @@ class ShardedModule(nn.Module):
         return StepRunner.apply(jp, *args)
 
     def _build_joint(self, args: list[Any], needs: list[bool]) -> Any:
-
         names = [target if role == "param" else None for role, target in self._feeds]
-        jp, err = None, None
-        try:
-            jp = run_step_pipeline(trace_joint(self.graph_module, self.ctx, args, needs, names),
-                                   self.ctx)
-        except Exception as e:  # noqa: BLE001 - the eager program is always there
-            err = f"{type(e).__name__}: {e}"
-        # Every rank must run the same program, or their collectives would not match: a
-        # rank that could not build it makes every rank fall back (one small all-reduce,
-        # once per input signature).
-        flag = torch.tensor([1.0 if err else 0.0], device=_device_of(args))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0:
-            self._joint_failed = err or "another rank could not build it"
+        jp, failed = step_program.build(self.graph_module, self.ctx, args, needs, names,
+                                        _device_of(args))
+        if jp is None:
+            self._joint_failed = failed
             warnings.warn("shardc: the step program could not be built "
                           f"({self._joint_failed}); running the forward program with "
                           "autograd's backward (no overlap or bucketing passes).", stacklevel=3)
-            return None
-
-        assert jp is not None
-        settle([jp.forward, jp.backward], self.ctx)
-
-        jp.run_forward = build_runner(jp.forward, self.ctx.options.backend)
-        jp.run_backward = build_runner(jp.backward, self.ctx.options.backend)
         return jp
 
     def regathered(self) -> list[str]:
@@ -504,14 +483,9 @@ class ShardedModule(nn.Module):
         Not for running. The step passes run on it, except that ``gemm_modes="auto"``
         times nothing here (its choice changes copies, not collectives)."""
         if self._offline is None:
-
             args, needs = self._example_args()
             names = [t if role == "param" else None for role, t in self._feeds]
-            passes = [p for p in STEP_PIPELINE
-                      if not (p is gemm_modes_pass and self.ctx.options.gemm_modes == "auto")]
-            self._offline = run_step_pipeline(
-                trace_joint(self.graph_module, self.ctx, args, needs, names, offline=True),
-                self.ctx, passes)
+            self._offline = step_program.build_offline(self.graph_module, self.ctx, args, needs, names)
         return self._offline
 
     def _example_args(self) -> tuple[list[Any], list[bool]]:
