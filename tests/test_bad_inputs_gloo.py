@@ -329,7 +329,7 @@ def _(e: Env) -> None:
     shardc.compile(_mlp(), MESH, (e.x, e.t), gemm_modes="XX")
 
 
-@case("misspelt option", TypeError, r"unexpected keyword argument 'prefetch_dept'")
+@case("misspelt option", TypeError, r"no option named 'prefetch_dept' \(did you mean 'prefetch_depth'\?\)")
 def _(e: Env) -> None:
     shardc.compile(_mlp(), MESH, (e.x, e.t), prefetch_dept=2)  # type: ignore[call-arg]
 

@@ -1,6 +1,7 @@
 """``shardc.Options``: every option of ``compile`` in one object, validated in one place."""
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -205,8 +206,10 @@ def options_from(options: Options | None, given: dict[str, Any]) -> Options:
     known = {f.name for f in fields(Options)} - INTERNAL
     unknown = sorted(set(given) - known)
     if unknown:
-        raise OptionTypeError(f"shardc.compile: no option named {', '.join(map(repr, unknown))}; the "
-                              f"options are {', '.join(sorted(known))}.")
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise OptionTypeError(f"shardc.compile: no option named {', '.join(map(repr, unknown))}{hint}; "
+                              f"the options are {', '.join(sorted(known))}.")
     return replace(options, **given) if options is not None else Options(**given)
 
 # fields that other parts of shardc set (the planner), not compile's keywords
