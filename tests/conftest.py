@@ -1,9 +1,10 @@
-"""Shared fixtures: a one-process "fake" process group of any world size."""
+"""Shared fixtures: a one-process "fake" process group of any world size, and the pool of
+gloo ranks a module's distributed cases share."""
 from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch.distributed as dist
@@ -25,3 +26,16 @@ def fake_world() -> Iterator[Callable[[int, int], None]]:
     yield init
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[Any]:
+    """The module's gloo ranks (``harness.RankPools``): ``ranks.run(fn, world_size,
+    *args)`` runs ``fn(rank, world_size, *args)`` on a pool of that size, started on first
+    use and kept for the module's later cases; each rank's result comes back, or the
+    failing rank's traceback as an AssertionError (and the pool starts afresh)."""
+    from harness import RankPools
+
+    pools = RankPools()
+    yield pools
+    pools.close()

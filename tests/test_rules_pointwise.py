@@ -15,6 +15,8 @@ import torch.utils._pytree as pytree
 
 import rules_sweep as S
 
+pytestmark = pytest.mark.sweep  # and slow, but for the fast tier's slice (rules_sweep)
+
 aten = torch.ops.aten
 MESHES_1 = ("x2", "y2", "z2", "d2")
 _SPECS: list[S.OpSpec] | None = None
@@ -257,4 +259,4 @@ def specs() -> list[S.OpSpec]:
     return _SPECS
 
 
-CASES, results, test_rule = S.threaded_family("pointwise", specs)
+CASES, sweep_world, test_rule = S.threaded_family("pointwise", specs)

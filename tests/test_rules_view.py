@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import rules_sweep as S
+
+pytestmark = pytest.mark.sweep  # and slow, but for the fast tier's slice (rules_sweep)
 
 aten = torch.ops.aten
 _SPECS: list[S.OpSpec] | None = None
@@ -192,4 +195,4 @@ def _setitem(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out * a
 
 
-CASES, results, test_rule = S.threaded_family("view", specs)
+CASES, sweep_world, test_rule = S.threaded_family("view", specs)
