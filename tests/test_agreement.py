@@ -11,6 +11,8 @@ from shardc.agreement import _digest, reorder_like, describe, first_difference, 
 from shardc.context import Options
 from shardc.passes.trace import trace
 
+pytestmark: list = []  # one process, fast: the fast tier
+
 
 class Net(nn.Module):
     def __init__(self, hidden: int = 8, head: bool = False) -> None:

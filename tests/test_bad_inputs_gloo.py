@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import shardc
 from bounded_ranks import run_bounded
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 WORLD = 4
 MESH = shardc.Mesh(x=2, data=2)

@@ -16,6 +16,8 @@ from shardc.gate import assert_comm_within_baseline, check_against_baseline
 from shardc.report import SYMBOLS
 from models import GPT, MLPChain
 
+pytestmark: list = []  # one process, fast: the fast tier
+
 Gx, Gy, Gz, Gd = (SYMBOLS[a] for a in ("x", "y", "z", "data"))
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import shardc
 from bounded_ranks import run_bounded
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 PG_TIMEOUT_S = 5.0
 # Noticing a closed socket is immediate; a timeout fires after PG_TIMEOUT_S, and a

@@ -11,6 +11,8 @@ import shardc
 from shardc.backend import direct_calls
 from shardc.models import GPT
 
+pytestmark: list = []  # one process, fast: the fast tier
+
 aten = torch.ops.aten
 
 

@@ -9,6 +9,8 @@ import torch.nn as nn
 import shardc
 from models import GPT
 
+pytestmark: list = []  # one process, fast: the fast tier
+
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)

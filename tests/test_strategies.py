@@ -14,6 +14,8 @@ from shardc.passes.lower import Val
 from shardc.passes.rules import STRATEGIES
 from shardc.placement import Layout
 
+pytestmark: list = []  # one process, fast: the fast tier
+
 aten = torch.ops.aten
 MESH = shardc.Mesh(x=2, y=2, z=2)
 

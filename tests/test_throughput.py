@@ -11,6 +11,8 @@ from models import GPT, gpt2
 from shardc.models import lm_batch
 from shardc.throughput import gpu_peak_flops, model_flops, throughput
 
+pytestmark: list = []  # one process, fast: the fast tier
+
 
 def test_gpt_flops_equal_a_hand_count() -> None:
     torch.manual_seed(0)
