@@ -44,6 +44,9 @@ def run_bounded(fn: Callable, world_size: int, *args: Any, pg_timeout_s: float =
     "ok", "value" or "error"}; a rank still running then is killed and reported with
     ``"hung": True``. With ``before_init``, each rank first runs ``before_init(rank,
     world_size)`` and ``fn`` gets its result as its first extra argument."""
+    from harness import _may_spawn
+
+    _may_spawn()
     ctx = mp.get_context("spawn")
     wait_for = set(range(world_size)) if wait_for is None else wait_for
     with tempfile.TemporaryDirectory() as d:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import copy
 import faulthandler
 import os
+import shutil
+import signal
 import tempfile
+import time
 import traceback
 from typing import Any, Callable, NamedTuple
 
@@ -36,7 +39,8 @@ def _worker(rank: int, world_size: int, store: str, fn: Callable, args: tuple, e
 
 # Ranks start from a fork server that has imported torch and shardc once (Python's
 # "forkserver" start method): a spawned rank imports them afresh, 8 s of a 2-core
-# machine's time for 4 ranks, about 25 spawns in the suite. The server is a clean process
+# machine's time for 4 ranks, once for each module and world size in the suite (a module's
+# tests share a RankPool of each size: the ``ranks`` fixture). The server is a clean process
 # started on first use, not the test process, so a rank inherits none of the tests' state
 # (caches, process groups, threads) and no OpenMP pool, which plain fork would copy.
 _PRELOAD = ["torch", "torch.distributed", "shardc", "harness", "models"]
@@ -51,10 +55,22 @@ def _start_method() -> str:
     return "forkserver"
 
 
+# (test id, marked distributed) of the test running, set by conftest.py: a test that starts
+# ranks must be marked distributed (and so slow), or the fast tier would spawn processes
+SPAWNING_TEST: tuple[str, bool] | None = None
+
+
+def _may_spawn() -> None:
+    if SPAWNING_TEST is not None and not SPAWNING_TEST[1]:
+        raise RuntimeError(f"{SPAWNING_TEST[0]} starts gloo ranks: mark it distributed and slow "
+                           "(tests/conftest.py)")
+
+
 def run_on_ranks(fn: Callable, world_size: int, *args: Any, start_method: str | None = None) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; re-raise the
     first rank's error with its traceback. ``start_method``: "spawn" for a caller whose
     ranks must import everything afresh (``compat_run.py``), else the fork server."""
+    _may_spawn()
     with tempfile.TemporaryDirectory() as d:
         try:
             mp.start_processes(_worker, args=(world_size, f"{d}/store", fn, args, d),
@@ -72,6 +88,194 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, start_method: str | 
                     if stacks:
                         text += f"\n{f[:-6]}'s stacks when it died:\n{stacks}"
             raise AssertionError(f"a rank failed:\n{text}") from None
+
+
+# ------------------------------------------------------------- a pool of ranks
+def _pool_worker(rank: int, world_size: int, store: str, conn: Any, errdir: str) -> None:
+    """One rank of a ``RankPool``: joins the gloo group once, then runs the jobs
+    ``(fn, args)`` it receives, answering each with ("ok", fn's result) or ("error",
+    traceback). After an error it leaves (as a rank of ``run_on_ranks`` does), so peers
+    waiting for it in a collective are not left there; the pool then starts afresh."""
+    fault = open(os.path.join(errdir, f"rank{rank}.fault"), "w")
+    faulthandler.enable(file=fault, all_threads=True)
+    # the pool asks a rank that does not answer in time for its stacks before killing it
+    faulthandler.register(signal.SIGUSR1, file=fault, all_threads=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    except BaseException:  # noqa: BLE001
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", None))
+    try:
+        while True:
+            try:
+                job = conn.recv()
+            except EOFError:  # the test process went away
+                break
+            if job is None:
+                break
+            fn, args = job
+            try:
+                result = fn(rank, world_size, *args)
+            except BaseException:  # noqa: BLE001
+                conn.send(("error", traceback.format_exc()))
+                break
+            conn.send(("ok", result))
+    finally:
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` gloo ranks started once from the fork server (like ``run_on_ranks``'s)
+    and reused: ``run(fn, *args)`` runs ``fn(rank, world_size, *args)`` on every rank and
+    returns each rank's result, or raises AssertionError with the first failing rank's
+    traceback (a rank killed by a signal: every rank's faulthandler stacks; a rank that
+    does not answer within ``timeout``: the stacks of those still running). A failed job
+    leaves no rank behind: the pool is closed and the next job starts a fresh one."""
+
+    GRACE_S = 5.0  # after a rank fails, how long its peers may take to report theirs
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self.dir: str | None = None
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.procs)
+
+    def start(self, timeout: float = 600.0) -> None:
+        _may_spawn()
+        self.dir = tempfile.mkdtemp(prefix="shardc-ranks-")
+        ctx = mp.get_context(_start_method())
+        for rank in range(self.world_size):
+            here, there = ctx.Pipe()
+            p = ctx.Process(target=_pool_worker, args=(rank, self.world_size, f"{self.dir}/store",
+                                                       there, self.dir))
+            p.start()
+            there.close()
+            self.procs.append(p)
+            self.conns.append(here)
+        self._gather(timeout, "starting")  # every rank has joined the group
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 1800.0) -> list[Any]:
+        if not self.alive:
+            self.start()
+        for c in self.conns:
+            c.send((fn, args))
+        return self._gather(timeout, getattr(fn, "__name__", str(fn)))
+
+    def _gather(self, timeout: float, what: str) -> list[Any]:
+        from multiprocessing.connection import wait
+
+        n = self.world_size
+        results: list[Any] = [None] * n
+        errors: dict[int, str] = {}
+        dead: dict[int, int | None] = {}
+        pending = set(range(n))
+        deadline = time.monotonic() + timeout
+        while pending:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            waitables = {self.conns[r]: r for r in pending}
+            waitables.update({self.procs[r].sentinel: r for r in pending})
+            for obj in wait(list(waitables), timeout=deadline - now):
+                r = waitables[obj]
+                if r not in pending:
+                    continue
+                conn = self.conns[r]
+                if obj is conn or conn.poll():
+                    try:
+                        kind, value = conn.recv()
+                    except (EOFError, OSError):
+                        kind, value = "dead", None
+                else:
+                    kind, value = "dead", None
+                if kind == "ok":
+                    results[r] = value
+                elif kind == "error":
+                    errors[r] = value
+                else:
+                    self.procs[r].join(timeout=5)
+                    dead[r] = self.procs[r].exitcode
+                pending.discard(r)
+            if (errors or dead) and pending:
+                deadline = min(deadline, time.monotonic() + self.GRACE_S)
+        if not (errors or dead or pending):
+            return results
+        text = self._failure_text(errors, dead, pending, timeout, what)
+        self.close(kill=True)
+        raise AssertionError(f"a rank failed:\n{text}") from None
+
+    def _failure_text(self, errors: dict[int, str], dead: dict[int, int | None],
+                      pending: set[int], timeout: float, what: str) -> str:
+        # the rank that failed first, not a peer that then lost its connection to it
+        # (nor, when a rank died, the peers that lost theirs: then the dead rank's stacks)
+        ordered = sorted(errors.items(), key=lambda kv: ("gloo/transport" in kv[1], kv[0]))
+        if ordered and ("gloo/transport" not in ordered[0][1] or not dead):
+            r, text = ordered[0]
+            return f"rank {r}:\n{text}"
+        if pending and not dead:
+            for r in sorted(pending):  # ask the ranks still running for their stacks
+                if self.procs[r].pid is not None:
+                    try:
+                        os.kill(self.procs[r].pid, signal.SIGUSR1)
+                    except OSError:
+                        pass
+            time.sleep(2.0)
+            text = f"{what}: ranks {sorted(pending)} did not answer within {timeout:.0f} s"
+        else:
+            text = f"{what}: ranks {sorted(dead)} died (exit codes {[dead[r] for r in sorted(dead)]})"
+        for r in range(self.world_size):
+            path = os.path.join(self.dir or "", f"rank{r}.fault")
+            stacks = open(path).read() if os.path.exists(path) else ""
+            if stacks:
+                text += f"\nrank{r}'s stacks:\n{stacks}"
+        return text
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            for c in self.conns:
+                try:
+                    c.send(None)
+                except OSError:
+                    pass
+            for p in self.procs:
+                p.join(timeout=30)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        for c in self.conns:
+            c.close()
+        self.procs, self.conns = [], []
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+
+class RankPools:
+    """One ``RankPool`` per world size, one of them alive at a time (a module's cases are
+    ordered by world size, so each pool starts once): ``run(fn, world_size, *args)``. A
+    test module takes them as the ``ranks`` fixture (conftest.py), closed with the module."""
+
+    def __init__(self) -> None:
+        self.pools: dict[int, RankPool] = {}
+
+    def run(self, fn: Callable, world_size: int, *args: Any, timeout: float = 1800.0) -> list[Any]:
+        for ws, pool in self.pools.items():
+            if ws != world_size and pool.alive:
+                pool.close()
+        pool = self.pools.setdefault(world_size, RankPool(world_size))
+        return pool.run(fn, *args, timeout=timeout)
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
 
 
 class SideBySide(NamedTuple):

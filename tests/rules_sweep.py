@@ -24,14 +24,21 @@ Mechanism: breadth runs in ONE process on torch's threaded process group
 (``torch.testing._internal.distributed.multi_threaded_pg``, backend ``"threaded"``): one
 thread per rank, each with its own thread-local default world, running shardc's real
 runtime (``all_gather_into_tensor``, ``all_reduce``, ``reduce_scatter_tensor`` with
-``async_op`` and the per-axis subgroups of ``runtime/groups.py``). The threads live for the
-whole sweep of a world size; cases are handed to them one at a time. ``LocalTensorMode``
+``async_op`` and the per-axis subgroups of ``runtime/groups.py``). Each case is its own
+test, handed to the threads of its world size (``Worlds``: the threads live from a
+family's first case of that size to its last, the cases ordered by world size); what its
+spec's cases share, the trace and the single-device float64 run, is made by the first
+of them that runs (``reference_of``), so ``-k`` of one case runs that case alone. ``LocalTensorMode``
 does not fit: shardc compiles a different program per rank (``ctx.rank``) and its
 runtime reads ``dist.get_rank()`` for the rank's coordinates, which one SPMD-simulating
 thread cannot answer per rank. Dropout is the exception: its mask is drawn from the
 process-wide default generator, which threads share (each rank would consume the stream
 in turn and draw a different mask), so it runs on real gloo processes (``run_gloo``), as
-does a representative subset of every family.
+does a representative subset of every family, one case at a time on the module's pool
+of ranks (``run_gloo``).
+
+Tiers: every case is ``sweep``; the fast tier keeps a slice of each family
+(``in_fast_slice``), the rest is also ``slow``.
 
 Traces are cached per module object and input shapes, so each spec keeps one module
 object for all its placements and meshes, and is traced once on the main thread before
@@ -52,7 +59,7 @@ import traceback
 import types
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import pytest
 import torch
@@ -402,7 +409,7 @@ def run_case_on_rank(case: Case, ref: Reference, rank: int, step_graph: bool = T
     """One rank's part of ``case`` (collective); raises AssertionError listing every
     mismatch of this rank's pieces. All collectives run before any check, so a mismatch on
     one rank never leaves the others waiting. ``step_graph``: compile's option (see
-    ``run_threaded`` for why the breadth runs without the step program)."""
+    ``Worlds`` for why the breadth runs without the step program)."""
     spec = case.spec
     mesh = mesh_of(case.mesh)
     coords = mesh.coords(rank)
@@ -588,7 +595,7 @@ def _short_error(e: BaseException) -> str:
     return " ".join(ln.strip() for ln in lines)[:600]
 
 
-# ------------------------------------------------------------- running a family
+# ------------------------------------------------------------- one case at a time
 def prepare(spec: OpSpec) -> None:
     """Trace once on the main thread (the rank threads then hit shardc's trace cache)."""
     from shardc.passes.trace import trace
@@ -597,12 +604,32 @@ def prepare(spec: OpSpec) -> None:
     spec.targets = frozenset(n.target for n in ep.graph.nodes if n.op == "call_function")
 
 
+# What the cases of one spec share: its trace and its single-device float64 run, made by
+# the first of its cases that runs (any one: ``-k`` may pick a single case) and kept for
+# the others; or why the spec cannot run at all.
+_REFS: dict[OpSpec, Reference | str] = {}
+
+
+def reference_of(spec: OpSpec) -> Reference | str:
+    got = _REFS.get(spec)
+    if got is None:
+        try:
+            prepare(spec)
+            got = reference(spec)
+        except Exception as e:  # noqa: BLE001 - a spec that cannot run at all
+            got = "reference/trace failed: " + _short_error(e)
+        _REFS[spec] = got
+    return got
+
+
 _RESULTS: dict[str, str | None] = {}
 _TIMES: dict[str, float] = {}
 
 
-def run_threaded(cases: list[Case]) -> dict[str, str | None]:
-    """Run every case not run yet in this process; case id -> None (passed) or the error.
+class Worlds:
+    """The threaded world a case of the breadth runs in, one world size at a time (a
+    family's cases are ordered by world size, so each starts once; a family module
+    holds one ``Worlds`` as its module-scoped fixture and closes it at the end).
 
     The breadth runs each rank's program under autograd's own backward
     (``step_graph=False``): what is tested here is the rank program a rule writes and the
@@ -612,33 +639,37 @@ def run_threaded(cases: list[Case]) -> dict[str, str | None]:
     27 s against 7 s) for no rule the autograd run does not already check. The gloo subset
     (``test_rules_random``) runs the default step program, and
     ``test_step_graph_gloo`` holds it bitwise equal to autograd's on real models."""
-    todo = [c for c in cases if c.id not in _RESULTS]
-    by_world: dict[int, list[Case]] = {}
-    for c in todo:
-        by_world.setdefault(mesh_of(c.mesh).world_size, []).append(c)
-    refs: dict[int, Reference] = {}
-    for ws, cs in sorted(by_world.items()):
-        world = ThreadedWorld(ws)
-        try:
-            for c in cs:
-                t0 = time.monotonic()
-                try:
-                    if id(c.spec) not in refs:
-                        prepare(c.spec)
-                        refs[id(c.spec)] = reference(c.spec)
-                    ref = refs[id(c.spec)]
-                except Exception as e:  # noqa: BLE001 - a spec that cannot run at all
-                    _RESULTS[c.id] = "reference/trace failed: " + _short_error(e)
-                    continue
-                _RESULTS[c.id] = world.run(lambda r, c=c, ref=ref: run_case_on_rank(c, ref, r, False))
-                _TIMES[c.id] = time.monotonic() - t0
-                if world.broken:  # its threads stay blocked (daemons); start afresh
-                    world.mtpg._uninstall_threaded_pg()
-                    world = ThreadedWorld(ws)
-        finally:
-            world.close()
-    _record_failures()
-    return {c.id: _RESULTS[c.id] for c in cases}
+
+    def __init__(self) -> None:
+        self.world: ThreadedWorld | None = None
+
+    def run(self, case: Case) -> str | None:
+        """Run ``case``: None (passed) or the first rank's error."""
+        t0 = time.monotonic()
+        ref = reference_of(case.spec)
+        if isinstance(ref, str):
+            _RESULTS[case.id] = ref
+            return ref
+        ws = mesh_of(case.mesh).world_size
+        if self.world is not None and self.world.world_size != ws:
+            self.world.close()
+            self.world = None
+        if self.world is None:
+            self.world = ThreadedWorld(ws)
+        err = self.world.run(lambda r: run_case_on_rank(case, ref, r, False))
+        _TIMES[case.id] = time.monotonic() - t0
+        if self.world.broken:  # its threads stay blocked (daemons); start afresh
+            self.world.mtpg._uninstall_threaded_pg()
+            self.world = None
+        _RESULTS[case.id] = err
+        return err
+
+    def close(self) -> None:
+        if self.world is not None:
+            self.world.close()
+            self.world = None
+        _REFS.clear()
+        _record_failures()
 
 
 FAILURES_FILE = os.environ.get("SHARDC_RULE_FAILURES", "/tmp/rule_failures.txt")
@@ -656,64 +687,53 @@ def _record_failures() -> None:
 
 
 # ------------------------------------------------------------- gloo processes
-def _gloo_worker(rank: int, world_size: int, family_fns: list[tuple[str, str]], ids: list[str],
-                 outdir: str) -> None:
+_WORKER_CASES: dict[tuple, dict[str, Case]] = {}
+
+
+def gloo_case(rank: int, world_size: int, family_fns: tuple[tuple[str, str], ...], case_id: str
+              ) -> str | None:
+    """One rank's part of one case on real gloo processes (a rank of the ``ranks`` pool):
+    None, or this rank's error. The rank rebuilds the specs once, by calling
+    ``module.fn()`` for each (module, fn) in ``family_fns``; every rank reaches the same
+    collectives, and a barrier after the case keeps them in step when it failed on some
+    ranks only."""
     import importlib
 
     global IN_WORKER
     IN_WORKER = True
     torch.set_num_threads(1)
-    specs: list[OpSpec] = []
-    for mod_name, fn_name in family_fns:
-        specs += getattr(importlib.import_module(mod_name), fn_name)()
-    wanted = set(ids)
-    cases = [c for s in specs for c in cases_of(s) if c.id in wanted]
-    results = {}
-    refs: dict[int, Reference] = {}
-    for c in cases:
-        try:
-            if id(c.spec) not in refs:
-                prepare(c.spec)
-                refs[id(c.spec)] = reference(c.spec)
-            run_case_on_rank(c, refs[id(c.spec)], rank)
-            results[c.id] = None
-        except Exception as e:  # noqa: BLE001 - every rank reaches the same collectives
-            results[c.id] = _short_error(e)
-        # keep ranks in step after a case that failed on some ranks only
-        dist.barrier()
-    import json
-
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    cases = _WORKER_CASES.get(family_fns)
+    if cases is None:
+        specs: list[OpSpec] = []
+        for mod_name, fn_name in family_fns:
+            specs += getattr(importlib.import_module(mod_name), fn_name)()
+        cases = _WORKER_CASES[family_fns] = {c.id: c for s in specs for c in cases_of(s)}
+    case = cases[case_id]
+    try:
+        ref = reference_of(case.spec)
+        if isinstance(ref, str):
+            raise RuntimeError(ref)
+        run_case_on_rank(case, ref, rank)
+        result = None
+    except Exception as e:  # noqa: BLE001 - every rank reaches the same collectives
+        result = _short_error(e)
+    dist.barrier()
+    return result
 
 
-def run_gloo(family_fns: list[tuple[str, str]], cases: list[Case]) -> dict[str, str | None]:
-    """Run ``cases`` on real gloo processes, one spawn per world size. The ranks rebuild the
-    specs by calling ``module.fn()`` for each (module, fn) in ``family_fns``."""
-    import json
-    import tempfile
-
-    from harness import run_on_ranks
-
-    out: dict[str, str | None] = {}
-    by_world: dict[int, list[str]] = {}
-    for c in cases:
-        by_world.setdefault(mesh_of(c.mesh).world_size, []).append(c.id)
-    for ws, ids in sorted(by_world.items()):
-        with tempfile.TemporaryDirectory() as d:
-            run_on_ranks(_gloo_worker, ws, family_fns, ids, d)
-            for r in range(ws):
-                with open(os.path.join(d, f"rank{r}.json")) as f:
-                    for k, v in json.load(f).items():
-                        if v is not None and out.get(k) is None:
-                            out[k] = f"rank {r}: {v}" if not v.startswith("rank") else v
-                        else:
-                            out.setdefault(k, v)
-    for k, v in out.items():
-        _RESULTS.setdefault("gloo:" + k, v)
-        _RESULTS["gloo:" + k] = v
-    _record_failures()
-    return out
+def run_gloo(ranks: Any, family_fns: tuple[tuple[str, str], ...], case: Case) -> str | None:
+    """Run ``case`` on the gloo ranks of ``ranks`` (the module's pool, conftest.py): None
+    (passed) or the first failing rank's error."""
+    per_rank = ranks.run(gloo_case, mesh_of(case.mesh).world_size, tuple(family_fns), case.id)
+    err = None
+    for r, v in enumerate(per_rank):
+        if v is not None:
+            err = f"rank {r}: {v}" if not v.startswith("rank") else v
+            break
+    _RESULTS["gloo:" + case.id] = err
+    if err is not None:
+        _record_failures()
+    return err
 
 
 # ------------------------------------------------------------- pytest glue
@@ -724,21 +744,54 @@ KNOWN_FAILURES: dict[str, str] = {
 }
 
 
-def params(cases: list[Case], prefix: str = "") -> list[Any]:
-    out = []
+# A case's pytest id is its id in the characters ``-k`` reads (no "|", "@", ",", "(", ")",
+# "*"): ``linear|x2|[S(0)@x],[R]`` is ``linear/x2/[S0:x]+[R]``, so ``-k
+# "linear/x2/[S0:x]"`` picks it (and the cases it begins; end with "]" for just one).
+_K_SAFE = str.maketrans({"|": "/", "(": None, ")": None, "@": ":", ",": "+", "*": ".times."})
+
+
+def pytest_id(case_id: str) -> str:
+    return case_id.translate(_K_SAFE)
+
+
+# The fast tier's slice of each family (``pytest -m "not slow"``): every op sample, in
+# every sixth of its cases (over all its meshes and placements), starting at an offset
+# that moves from one sample to the next, so that each placement kind and mesh comes up
+# across the family; a sample with fewer cases than that still has one. Every other case
+# is also ``slow``; ``sweep`` marks them all.
+FAST_EVERY = 6
+
+
+def in_fast_slice(cases: list[Case]) -> set[str]:
+    per_spec: dict[int, list[Case]] = {}
     for c in cases:
-        marks = []
-        reason = KNOWN_FAILURES.get(prefix + c.id)
-        if reason is not None:
-            marks.append(pytest.mark.xfail(strict=True, reason=reason))
-        out.append(pytest.param(c, id=c.id, marks=marks))
+        per_spec.setdefault(id(c.spec), []).append(c)
+    out = set()
+    for i, mine in enumerate(per_spec.values()):
+        picked = [c for j, c in enumerate(mine) if j % FAST_EVERY == i % FAST_EVERY] \
+            or [mine[i % len(mine)]]
+        out.update(c.id for c in picked)
     return out
 
 
-def check(results: dict[str, str | None], case: Case) -> None:
-    err = results[case.id]
-    if err is not None:
-        raise AssertionError(f"{case.id}: {err}")
+def params(cases: list[Case], prefix: str = "", fast: set[str] | frozenset = frozenset()) -> list[Any]:
+    """The cases as pytest params, world size by world size (each threaded world or pool
+    of ranks then starts once), each ``sweep``, and ``slow`` unless its id is in ``fast``;
+    a case in ``KNOWN_FAILURES`` is ``xfail(strict=True)``."""
+    out = []
+    ids: set[str] = set()
+    for c in sorted(cases, key=lambda c: mesh_of(c.mesh).world_size):
+        marks: list[Any] = [pytest.mark.sweep]
+        if c.id not in fast:
+            marks.append(pytest.mark.slow)
+        reason = KNOWN_FAILURES.get(prefix + c.id)
+        if reason is not None:
+            marks.append(pytest.mark.xfail(strict=True, reason=reason))
+        pid = pytest_id(c.id)
+        assert pid not in ids, f"two cases with the pytest id {pid}"
+        ids.add(pid)
+        out.append(pytest.param(c, id=pid, marks=marks))
+    return out
 
 
 def report_count(family: str, cases: list[Case]) -> None:
@@ -771,18 +824,23 @@ _ = (itertools, types)
 
 
 def threaded_family(family: str, specs: Callable[[], list[OpSpec]]) -> tuple[list[Case], Any, Any]:
-    """One op family's cases, plus the module-scoped fixture that runs them all on the
-    threaded world and the test that checks each: a family file binds the three to
-    ``CASES, results, test_rule`` so pytest collects them there."""
+    """One op family's cases, plus the module-scoped fixture holding the threaded world
+    they run in and the test that runs and checks each (one case a test: ``-k`` of one
+    runs that one, sharing only its spec's reference with the others run): a family file
+    binds the three to ``CASES, sweep_world, test_rule`` so pytest collects them there."""
     cases = [] if IN_WORKER else [c for s in specs() for c in cases_of(s)]
     report_count(family, cases)
 
     @pytest.fixture(scope="module")
-    def results() -> dict[str, str | None]:
-        return run_threaded(cases)
+    def sweep_world() -> Iterator[Worlds]:
+        worlds = Worlds()
+        yield worlds
+        worlds.close()
 
-    @pytest.mark.parametrize("case", params(cases))
-    def test_rule(case: Case, results: dict[str, str | None]) -> None:
-        check(results, case)
+    @pytest.mark.parametrize("case", params(cases, fast=in_fast_slice(cases)))
+    def test_rule(case: Case, sweep_world: Worlds) -> None:
+        err = sweep_world.run(case)
+        if err is not None:
+            raise AssertionError(f"{case.id}: {err}")
 
-    return cases, results, test_rule
+    return cases, sweep_world, test_rule

@@ -1,6 +1,6 @@
 """Gradient clipping (``shardc.clip_grad_norm_``), accumulation (``sm.no_sync()``) and the
-autocast guard on real gloo processes: 4 ranks, spawned once for the whole module, on
-meshes that between them use every axis.
+autocast guard on real gloo processes: 4 ranks, the module's pool (each case its own
+test), on meshes that between them use every axis.
 
 Clipping is judged against ``torch.nn.utils.clip_grad_norm_`` on a float64 single-device
 copy, with bounds that follow from the triangle inequality (see ``_clip_failures``) rather
@@ -15,19 +15,20 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from typing import Callable
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from harness import drive_with, run_on_ranks
+from harness import drive_with
 from models import GPT, llama
 from test_train_gloo import ATOL, EPS, LR, RTOL, _grad_failures
 
 import shardc
 from shardc.core.context import GLOBAL_VAL, KIND
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 # every axis, alone with another: x and y (tensor parallel), z (weights' reduce-scatters),
 # data (step-phase all-reduces)
@@ -289,22 +290,27 @@ def _autocast_failures(spec: str) -> list[str]:
     return out
 
 
-def _all(rank: int, world_size: int) -> None:
-    failures: list[str] = []
-    for spec in MESHES:
-        failures += _clip_failures(spec)
+# every case a test: name -> its checks on one rank (the failures as lines)
+CHECKS: dict[str, Callable[[], list[str]]] = {
+    **{f"clip-{spec}": (lambda spec=spec: _clip_failures(spec)) for spec in MESHES},
     # x2y2z1d1 is left out here: pure tensor parallelism leaves the GPT no parameter
     # gradient to reduce, so no_sync has nothing to defer there
-    for spec in MESHES[1:]:
-        failures += _no_sync_failures("gpt", GPT, spec)
-    failures += _no_sync_failures("llama", llama, "x2y1z1d2")
-    failures += _no_sync_refuses_clip("x1y1z2d2")
-    failures += _autocast_failures("x2y1z2d1")
+    **{f"no_sync-gpt-{spec}": (lambda spec=spec: _no_sync_failures("gpt", GPT, spec))
+       for spec in MESHES[1:]},
+    "no_sync-llama-x2y1z1d2": lambda: _no_sync_failures("llama", llama, "x2y1z1d2"),
+    "no_sync-refuses-clip-x1y1z2d2": lambda: _no_sync_refuses_clip("x1y1z2d2"),
+    "autocast-x2y1z2d1": lambda: _autocast_failures("x2y1z2d1"),
+}
+
+
+def _case(rank: int, world_size: int, name: str) -> None:
+    failures = CHECKS[name]()
     if failures:
         raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures))
 
 
-def test_clip_no_sync_autocast_on_4_ranks() -> None:
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_clip_no_sync_autocast_on_4_ranks(ranks, name: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        run_on_ranks(_all, 4)
+        ranks.run(_case, 4, name)

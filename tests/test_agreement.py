@@ -17,6 +17,8 @@ from shardc.program.agreement import (
     reorder_like,
 )
 
+pytestmark: list = []  # one process, fast: the fast tier
+
 
 class Net(nn.Module):
     def __init__(self, hidden: int = 8, head: bool = False) -> None:

@@ -6,9 +6,11 @@ by an exchange: the same checks, which sizes take it, and that every rank ends w
 same bits."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
-from harness import run_on_ranks
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 OPS = ("SUM", "MAX", "MIN", "PRODUCT")
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64)
@@ -145,5 +147,5 @@ def _all_reduce_cases(rank: int, world: int, pair: object, bad: list[str]) -> No
         dist.all_to_all_single = real
 
 
-def test_collectives_by_all_to_all_on_4_gloo_ranks() -> None:
-    run_on_ranks(_cases, 4)
+def test_collectives_by_all_to_all_on_4_gloo_ranks(ranks) -> None:
+    ranks.run(_cases, 4)

@@ -10,17 +10,13 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_on_ranks
 from models import GPT, MLPChain
 
 import shardc
-from shardc.program.backend import (
-    InductorProgram,
-    is_collective,
-    is_random,
-    runs_eagerly,
-)
+from shardc.program.backend import InductorProgram, is_collective, is_random, runs_eagerly
 from shardc.tools.models import lm_batch
+
+pytestmark: list = []  # the test on ranks is slow and distributed
 
 # Against float64, as tests/test_train_gloo.py measures the eager program: inductor fuses
 # and reorders the same fp32 operations, so its rounding error differs from the eager
@@ -109,12 +105,13 @@ def _inductor_vs_eager(rank: int, world_size: int, spec: str) -> None:
         assert err_i <= GRAD_FACTOR * err_e + floor, (name, err_i, err_e, floor)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
-def test_inductor_matches_eager_against_float64_on_gloo() -> None:
+def test_inductor_matches_eager_against_float64_on_gloo(ranks) -> None:
     """Two gloo ranks, a one-block GPT with dropout on x2 (Megatron: all-reduces inside every
     block, between compiled pieces): the loss and every gradient of the inductor program
     are as close to a float64 one-device run as the eager program's."""
-    run_on_ranks(_inductor_vs_eager, 2, "x2y1z1d1")
+    ranks.run(_inductor_vs_eager, 2, "x2y1z1d1")
 
 
 def test_inductor_failure_falls_back_to_eager_with_a_warning(monkeypatch) -> None:

@@ -33,7 +33,7 @@ from bounded_ranks import run_bounded
 
 import shardc
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 WORLD = 4
 MESH = shardc.Mesh(x=2, data=2)

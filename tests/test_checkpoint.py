@@ -11,6 +11,8 @@ import shardc
 from shardc.checkpoint import _replica_index, blocks
 from shardc.core.placement import Layout, local_slice
 
+pytestmark: list = []  # one process, fast: the fast tier
+
 MESH = shardc.Mesh(data=2, z=2, y=1, x=3)
 LAYOUTS = [
     Layout.replicate(2),

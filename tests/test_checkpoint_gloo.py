@@ -29,7 +29,6 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_on_ranks
 from models import GPT, gpt2
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.testing import assert_close
@@ -37,7 +36,7 @@ from torch.testing import assert_close
 import shardc
 import shardc.checkpoint as ckpt
 
-pytestmark = pytest.mark.distributed
+pytestmark: list = []  # the test on ranks is slow and distributed
 
 # Another mesh sums the same products in another order, so the loss and gradients differ
 # from the saved run's continuation by fp32 rounding (~1e-7 relative). As in
@@ -274,10 +273,12 @@ def _dcp_to_torch(root: str, name: str, tmp: str) -> dict:
     return torch.load(out, weights_only=True)
 
 
-def test_checkpoints_reshard_and_resume() -> None:
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_checkpoints_reshard_and_resume(ranks) -> None:
     with tempfile.TemporaryDirectory() as root:
-        run_on_ranks(_eight, 8, root)
-        run_on_ranks(_four, 4, root)
+        ranks.run(_eight, 8, root)
+        ranks.run(_four, 4, root)
         batches = _batches(N + M)
         with _OneRank():
             _one_rank_resume(root, ["gpt", "gpt8"], GPT, [N, 1], [batches[N:], _batches(2)[1:]])

@@ -17,6 +17,8 @@ from shardc.tools.cli import compile_offline
 from shardc.tools.cli import main as cli_main
 from shardc.tools.gate import assert_comm_within_baseline, check_against_baseline
 
+pytestmark: list = []  # one process, fast: the fast tier
+
 Gx, Gy, Gz, Gd = (SYMBOLS[a] for a in ("x", "y", "z", "data"))
 
 

@@ -20,6 +20,8 @@ import shardc
 from shardc.core.context import GLOBAL_VAL, KIND, SOURCE
 from shardc.runtime import collectives as C
 
+pytestmark: list = []  # fast, but for the tests marked slow one by one
+
 MESHES_8 = shardc.Mesh.all(8)
 
 

@@ -21,6 +21,8 @@ from shardc.planning.cost import BACKWARD_FLOPS, OPTIMIZER_PASSES, step_shape, w
 from shardc.program.offline import compile_offline
 from shardc.tools.models import GPT, lm_batch
 
+pytestmark: list = []  # fast, but for the tests marked slow one by one
+
 BATCH = lm_batch(16, 64, 512)
 MESHES = ["x2y2z2d1", "x1y1z1d8", "x4y1z1d2", "x1y2z2d2", "x1y8z1d1"]
 
@@ -90,6 +92,7 @@ def test_optimizer_traffic_follows_the_parameter_sharding(gpt) -> None:
     assert optimizer_bytes("x1y1z8d1") < optimizer_bytes("x1y1z1d8") / 4
 
 
+@pytest.mark.slow
 def test_plan_step_time_is_its_terms(gpt) -> None:
     plan = shardc.plan(gpt, 8, STEPPED, BATCH, exact_top=10 ** 6, verify=False)
     assert len(plan) >= 10
@@ -106,6 +109,7 @@ def test_plan_step_time_is_its_terms(gpt) -> None:
     assert [c.predicted_step_s for c in plan] == sorted(c.predicted_step_s for c in plan)
 
 
+@pytest.mark.slow
 def test_latency_ranks_meshes_by_their_calls(gpt) -> None:
     """With calls that cost a second each and bandwidth, compute and overlap that cost
     nothing, the ranking is the count of calls: the latency term is calls times alpha."""
@@ -142,6 +146,7 @@ def test_offline_program_of_a_vocabulary_parallel_embedding(gpt) -> None:
     assert again
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_shardc_bench_measures_and_ranks_on_gloo(tmp_path, capsys) -> None:
     """``shardc bench`` end to end on 2 real gloo ranks (the 8-rank figures are the

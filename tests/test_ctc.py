@@ -16,6 +16,8 @@ import torch.nn.functional as F
 import shardc
 from shardc.runtime.ctc import _ctc_loss, traceable_ctc_loss
 
+pytestmark: list = []  # one process, fast: the fast tier
+
 
 @pytest.mark.parametrize("reduction, zero_infinity, layout, dtype", list(itertools.product(
     ("mean", "sum", "none"), (False, True), ("padded", "concatenated", "unbatched"),

@@ -24,7 +24,7 @@ from bounded_ranks import run_bounded
 
 import shardc
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 PG_TIMEOUT_S = 5.0
 # Noticing a closed socket is immediate; a timeout fires after PG_TIMEOUT_S, and a

@@ -11,6 +11,8 @@ import shardc
 from shardc.program.backend import direct_calls
 from shardc.tools.models import GPT
 
+pytestmark: list = []  # one process, fast: the fast tier
+
 aten = torch.ops.aten
 
 

@@ -27,6 +27,8 @@ import torch
 import shardc
 from shardc.passes.trace import trace
 
+pytestmark = pytest.mark.slow  # real models on 8 threaded ranks (skipped without a GPU)
+
 # The models and meshes of the gloo suite that exercise every kind of collective the
 # runtime issues: data parallel (d8: gradient buckets), ZeRO-3 over z (weight all-gathers,
 # gradient reduce-scatters), tensor parallel over x with data (forward all-reduces,

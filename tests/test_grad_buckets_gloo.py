@@ -1,5 +1,5 @@
 """Gradient reductions in buckets under autograd's backward (runtime/grad_buckets.py), on
-real gloo ranks.
+real gloo ranks (4, the module's pool; each case its own test).
 
 The forward program with autograd's backward (``step_graph=False``, block recompute)
 used to reduce each parameter's gradient on its own: one blocking all-reduce a
@@ -25,18 +25,17 @@ backward (FSDP). Now both go in buckets, issued while backward runs. Checked her
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
-from harness import run_on_ranks
 from models import GPT
 from test_train_gloo import _case_failures
 
 import shardc
 from shardc.planning.cost import step_shape
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
 def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -167,30 +166,36 @@ def _bitwise_failures(spec: str, collectives: tuple[str, ...] = ("all_reduce",),
     return out
 
 
-def _all(rank: int, world_size: int) -> None:
-    failures: list[str] = []
+# every case a test: name -> its checks on one rank (the failures as lines)
+CHECKS: dict[str, Callable[[], list[str]]] = {
     # several buckets a step against one device, under autograd's backward
-    failures += _case_failures("gpt", shardc.Mesh.parse("x1y1z1d4"), step_graph=False,
-                               bucket_mb=0.02)
-    failures += _case_failures("llama", shardc.Mesh.parse("x2y1z1d2"), step_graph=False,
-                               bucket_mb=0.02)
-    failures += _case_failures("gpt", shardc.Mesh.parse("x1y1z1d4"),
-                               activation_checkpoint="blocks", bucket_mb=0.02)
+    "gpt-x1y1z1d4-autograd": lambda: _case_failures(
+        "gpt", shardc.Mesh.parse("x1y1z1d4"), step_graph=False, bucket_mb=0.02),
+    "llama-x2y1z1d2-autograd": lambda: _case_failures(
+        "llama", shardc.Mesh.parse("x2y1z1d2"), step_graph=False, bucket_mb=0.02),
+    "gpt-x1y1z1d4-blocks": lambda: _case_failures(
+        "gpt", shardc.Mesh.parse("x1y1z1d4"), activation_checkpoint="blocks", bucket_mb=0.02),
     # FSDP: the weights' reduce-scatters in buckets (the norms' all-reduces over z too)
-    failures += _case_failures("gpt", shardc.Mesh.parse("x1y1z4d1"), step_graph=False,
-                               bucket_mb=0.02)
-    failures += _case_failures("llama", shardc.Mesh.parse("x2y1z2d1"),
-                               activation_checkpoint="blocks", bucket_mb=0.02)
-    failures += _bitwise_failures("x2y1z1d2")
+    "gpt-x1y1z4d1-autograd": lambda: _case_failures(
+        "gpt", shardc.Mesh.parse("x1y1z4d1"), step_graph=False, bucket_mb=0.02),
+    "llama-x2y1z2d1-blocks": lambda: _case_failures(
+        "llama", shardc.Mesh.parse("x2y1z2d1"), activation_checkpoint="blocks", bucket_mb=0.02),
+    "bitwise-x2y1z1d2": lambda: _bitwise_failures("x2y1z1d2"),
     # HSDP: each bucket reduce-scattered over z, then its shards all-reduced over data
-    failures += _bitwise_failures("x1y1z2d2", ("reduce_scatter",),
-                                  activation_checkpoint="blocks")
-    failures += _bitwise_failures("x2y1z2d1", ("reduce_scatter",))
+    "bitwise-x1y1z2d2-blocks": lambda: _bitwise_failures(
+        "x1y1z2d2", ("reduce_scatter",), activation_checkpoint="blocks"),
+    "bitwise-x2y1z2d1": lambda: _bitwise_failures("x2y1z2d1", ("reduce_scatter",)),
+}
+
+
+def _case(rank: int, world_size: int, name: str) -> None:
+    failures = CHECKS[name]()
     if failures:
         raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures))
 
 
-def test_gradient_buckets_under_autograds_backward_on_4_ranks() -> None:
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_gradient_buckets_under_autograds_backward_on_4_ranks(ranks, name: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        run_on_ranks(_all, 4)
+        ranks.run(_case, 4, name)

@@ -11,12 +11,11 @@ import math
 
 import pytest
 import torch
-from harness import run_on_ranks
 from models import GPT
 
 import shardc
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 # The guard sums squares in float64 from fp32 gradients that differ from one device's
 # by fp32 rounding of the same sums in another order (~1e-7 relative); 1e-5 leaves room
@@ -109,5 +108,5 @@ def _guarded(rank: int, world: int) -> None:
     assert guard.skipped == 3
 
 
-def test_step_guard_skips_everywhere_and_stops() -> None:
-    run_on_ranks(_guarded, 4)
+def test_step_guard_skips_everywhere_and_stops(ranks) -> None:
+    ranks.run(_guarded, 4)

@@ -18,7 +18,7 @@ import tempfile
 
 import pytest
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = 4

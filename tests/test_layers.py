@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
+pytestmark: list = []  # one process, reads source files only: the fast tier
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # where each installed package lives in the tree (pyproject's package-dir)
 DIRS = {"shardc": "shardc", "shardc.passes": "passes", "shardc.runtime": "runtime"}

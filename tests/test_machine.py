@@ -12,6 +12,8 @@ import pytest
 from shardc.core.machine import PRESETS, Machine
 from shardc.core.mesh import AXES, Mesh
 
+pytestmark: list = []  # fast, but for the tests marked slow one by one
+
 GB = 1e9
 
 
@@ -227,6 +229,7 @@ def test_axis_bandwidth_missing_key_lists_keys() -> None:
     assert TOY.axis_bandwidth(Mesh(x=3), "y") == math.inf
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_profile_machine_two_ranks() -> None:
     from shardc.runtime.profile import profile_machine, profile_shapes, shape_groups

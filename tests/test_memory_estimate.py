@@ -11,11 +11,14 @@ import shardc
 from shardc.planning.memory import estimate, peak_bytes
 from shardc.program.offline import compile_offline
 
+pytestmark: list = []  # fast, but for the tests marked slow one by one
+
 
 def _tokens(n: int = 16) -> torch.Tensor:
     return torch.randint(0, 64, (n, 64), generator=torch.Generator().manual_seed(1))
 
 
+@pytest.mark.slow
 def test_the_options_move_the_estimate_as_they_move_memory(fake_world) -> None:
     fake_world(4)
     torch.manual_seed(0)

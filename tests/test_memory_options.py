@@ -14,6 +14,8 @@ from torch.utils.checkpoint import checkpoint
 
 import shardc
 
+pytestmark: list = []  # one process, fast: the fast tier
+
 
 def _mlp() -> tuple[nn.Module, tuple]:
     return MLPChain(dim=16, layers=2), (torch.randn(8, 16), torch.randn(8, 16))

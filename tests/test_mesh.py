@@ -5,6 +5,8 @@ import pytest
 
 import shardc
 
+pytestmark: list = []  # one process, fast: the fast tier
+
 
 def test_sizes_and_world_size() -> None:
     mesh = shardc.Mesh(data=2, z=2, y=1, x=2)

@@ -1,7 +1,9 @@
-"""More transformers architectures than the sweep's, each on one mesh of 4 gloo ranks,
-through the same checks as tests/test_train_gloo.py (each step's gradients against
-float64, three AdamW steps against one device, measured == reported): Qwen2, Mistral,
-Gemma, BLOOM (alibi), GPT-J (parallel attention and MLP, interleaved rotary), StableLM,
+"""More transformers architectures than the sweep's, each on one mesh of 4 gloo ranks (each
+its own test, ``test_more_architectures_train_like_one_device[qwen2-x2y2z1d1]``, on the
+module's pool of ranks), through the same checks as tests/test_train_gloo.py (each step's
+gradients against float64, three AdamW steps against one device, measured == reported):
+Qwen2, Mistral, Gemma,
+BLOOM (alibi), GPT-J (parallel attention and MLP, interleaved rotary), StableLM,
 OLMo and Qwen3 (q/k norms), tiny configurations of each; and beyond decoders: T5
 (encoder-decoder, as configured by default: its labels shifted right by writes into a new
 tensor, keys concatenated onto a DynamicCache's empty start), ViT (a convolutional patch
@@ -41,12 +43,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import run_on_ranks
 
 import shardc
 from shardc.tools.models import HFCausalLM
 
-pytestmark = pytest.mark.distributed
+pytestmark: list = []  # the cases are slow and distributed, one by one
 
 _NO_DROPOUT = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")
 
@@ -700,7 +701,8 @@ _ALLOWED = {"longformer": lambda f: not f.gathered or f.op == "aten.as_strided.d
                                                              "shardc.ctc_loss.default")}
 
 
-def _all(rank: int, world_size: int) -> None:
+def _one(rank: int, world_size: int, name: str) -> None:
+    """One model of MODELS or OTHERS on its mesh, through test_train_gloo's checks."""
     import test_train_gloo as T
     import transformers.integrations.moe as moe
 
@@ -709,18 +711,31 @@ def _all(rank: int, world_size: int) -> None:
     # the op the compiled trace holds anyway)
     moe._can_use_grouped_mm = lambda *args, **kwargs: False
 
-    failures: list[str] = []
-    for name, (make, spec) in MODELS.items():
+    if name in MODELS:
+        make, spec = MODELS[name]
         T.MODELS[name] = (lambda m: (lambda: T._lm(m)))(make)
-        failures += T._case_failures(name, shardc.Mesh.parse(spec), allowed=_gathers_nothing)
-    for name, (batches, spec, *options) in OTHERS.items():
+        failures = T._case_failures(name, shardc.Mesh.parse(spec), allowed=_gathers_nothing)
+    else:
+        batches, spec, *options = OTHERS[name]
         T.MODELS[name] = batches
-        failures += T._case_failures(name, shardc.Mesh.parse(spec),
-                                     allowed=_ALLOWED.get(name, _gathers_nothing),
-                                     **(options[0] if options else {}))
+        failures = T._case_failures(name, shardc.Mesh.parse(spec),
+                                    allowed=_ALLOWED.get(name, _gathers_nothing),
+                                    **(options[0] if options else {}))
     if failures:
         raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures))
 
 
-def test_more_architectures_train_like_one_device() -> None:
-    run_on_ranks(_all, 4)
+CASES = [(name, spec) for name, (_, spec) in MODELS.items()] + \
+    [(name, spec) for name, (_, spec, *_) in OTHERS.items()]
+
+
+def test_every_name_is_one_case() -> None:
+    assert not set(MODELS) & set(OTHERS)
+    assert all(shardc.Mesh.parse(spec).world_size == 4 for _, spec in CASES)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, id=f"{n}-{s}") for n, s in CASES])
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_more_architectures_train_like_one_device(ranks, name: str) -> None:
+    ranks.run(_one, 4, name)

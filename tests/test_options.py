@@ -12,6 +12,8 @@ from models import MLPChain
 import shardc
 from shardc.core.options import INTERNAL
 
+pytestmark: list = []  # one process (fake process group), fast: the fast tier
+
 
 def _mlp() -> tuple[torch.nn.Module, tuple]:
     return MLPChain(dim=16, layers=2), (torch.randn(8, 16), torch.randn(8, 16))

@@ -18,6 +18,8 @@ import torch
 
 from shardc.runtime.pending import Cell, PendingOutput, settle_all
 
+pytestmark: list = []  # one process, fast: the fast tier
+
 
 class _Counted:
     def __init__(self, value: torch.Tensor) -> None:

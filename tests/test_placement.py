@@ -7,6 +7,8 @@ import shardc
 from shardc.core.placement import Layout, local_slice
 from shardc.program.module import write_local
 
+pytestmark: list = []  # one process, fast: the fast tier
+
 
 def test_str_and_queries() -> None:
     lay = Layout.of(2, {"x": 0, "y": 1, "z": 0}, order=("y", "x", "z"))

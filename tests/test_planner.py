@@ -13,6 +13,8 @@ import shardc
 from shardc.core.machine import Machine
 from shardc.tools.cli import main as cli_main
 
+pytestmark: list = []  # fast, but for the tests marked slow one by one
+
 B, D, L = 64, 64, 6  # tokens, hidden, layers of the linear-only model
 
 
@@ -84,6 +86,7 @@ def test_dropped_meshes_say_why_and_the_first_estimate_ranks_exactly() -> None:
             assert "cut over" in d.reason or "does not evenly divide" in d.reason
 
 
+@pytest.mark.slow
 def test_infeasible_requests_fail_clearly(tmp_path) -> None:
     from shardc.tools.specs import paper_gpt
 
@@ -101,6 +104,7 @@ def test_infeasible_requests_fail_clearly(tmp_path) -> None:
         shardc.plan(MLPChain(), 4, "no-such-machine", (torch.randn(8, 16),) * 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec,world", [("plan_gpt_20b", 32), ("plan_gpt_40b", 64)])
 def test_paper_fig2_cases_print_their_top_10(spec: str, world: int, capsys) -> None:
     assert cli_main(["plan", f"shardc.tools.specs:{spec}", "--world-size", str(world),

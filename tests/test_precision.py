@@ -11,6 +11,8 @@ import shardc
 from shardc.core.context import GLOBAL_VAL, KIND
 from shardc.runtime import collectives as C
 
+pytestmark: list = []  # one process, fast: the fast tier
+
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)

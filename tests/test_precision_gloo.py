@@ -1,8 +1,9 @@
-"""compile(precision=...) on real gloo ranks: the GPT and transformers' Llama trained
-under the bf16 policy (bf16 compute and communication, fp32 parameters, fp32 or bf16
-gradient reductions) against one device running the same policy
-(``shardc.CastAtUse``), on meshes that cover every axis, with the step program, the
-forward program (step_graph=False), no_sync accumulation and reshard-after-forward.
+"""compile(precision=...) on real gloo ranks (4, the module's pool; each case its own
+test): the GPT and transformers' Llama trained under the bf16 policy (bf16 compute and
+communication, fp32 parameters, fp32 or bf16 gradient reductions) against one device
+running the same policy (``shardc.CastAtUse``), on meshes that cover every axis, with the
+step program, the forward program (step_graph=False), no_sync accumulation and
+reshard-after-forward.
 
 What is compared, and why the tolerances are what they are:
 
@@ -31,13 +32,12 @@ import warnings
 
 import pytest
 import torch
-from harness import run_on_ranks
 from models import GPT, llama
 from test_train_gloo import EPS, GRAD_FACTOR, LR
 
 import shardc
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 BF16_UNIT_ROUNDOFF = 2.0 ** -9
 BF16_REDUCE = shardc.Precision(torch.bfloat16, torch.bfloat16)
@@ -154,17 +154,26 @@ def _report_failures(spec: str) -> list[str]:
     return out
 
 
-def _all(rank: int, world_size: int) -> None:
-    failures: list[str] = []
+def _case_id(name: str, spec: str, policy, opts: dict) -> str:
+    reduce = "bf16" if policy == "bf16" else "bf16-reduce"
+    return "-".join([name, spec, reduce] + [f"{k}.{v}" for k, v in opts.items()])
+
+
+def _case(rank: int, world_size: int, index: int) -> None:
+    """CASES[index], or the report's dtypes (index None)."""
     makers = {"gpt": GPT, "llama": llama}
-    for name, spec, policy, opts in CASES:
-        failures += _train_failures(name, makers[name], spec, policy, opts)
-    failures += _report_failures("x1y1z2d2")
+    if index is None:
+        failures = _report_failures("x1y1z2d2")
+    else:
+        name, spec, policy, opts = CASES[index]
+        failures = _train_failures(name, makers[name], spec, policy, opts)
     if failures:
         raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures))
 
 
-def test_bf16_policy_trains_like_one_device_on_4_ranks() -> None:
+@pytest.mark.parametrize("index", [pytest.param(i, id=_case_id(*c)) for i, c in enumerate(CASES)]
+                         + [pytest.param(None, id="report-x1y1z2d2")])
+def test_bf16_policy_trains_like_one_device_on_4_ranks(ranks, index: int | None) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        run_on_ranks(_all, 4)
+        ranks.run(_case, 4, index)

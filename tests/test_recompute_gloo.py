@@ -1,7 +1,7 @@
-"""``compile(activation_checkpoint="blocks")`` on real gloo processes (4 ranks, spawned
-once): every repeated block of the GPT recomputed in backward, its weight all-gathers
-re-issued there; and ``"selective"``, which keeps the blocks' GEMM and attention outputs
-and recomputes the rest (its collectives re-issued too).
+"""``compile(activation_checkpoint="blocks")`` on real gloo processes (4 ranks, the
+module's pool; each case its own test): every repeated block of the GPT recomputed in
+backward, its weight all-gathers re-issued there; and ``"selective"``, which keeps the
+blocks' GEMM and attention outputs and recomputes the rest (its collectives re-issued too).
 
 - Training matches one device exactly as ``test_train_gloo`` demands without recompute
   (the recompute runs the same ops on the same values: same tolerances, there explained):
@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Callable
 
 import pytest
 import torch
-from harness import run_on_ranks, train_side_by_side
+from harness import train_side_by_side
 from models import GPT, gpt_bigcode, llama
 from test_train_gloo import ATOL, EPS, LR, RTOL, _steps_grad_failures
 
 import shardc
 from shardc.planning.memory import estimate, measured_peak
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 MESHES = ["x2y1z2d1", "x1y2z1d2", "x1y1z2d2", "x2y2z1d1"]
 
@@ -153,38 +154,44 @@ def _memory(spec: str, rank: int) -> list[str]:
     return out
 
 
-def _all(rank: int, world_size: int) -> None:
-    failures: list[str] = []
-    for spec in MESHES:
-        failures += _train_failures(spec)
-    for spec in MESHES[2:]:
-        failures += _train_failures(spec, "selective")
+# the cases, each a test: name -> its checks on one rank (the failures as lines)
+CASES: dict[str, Callable[[int], list[str]]] = {
+    **{f"gpt-blocks-{spec}": (lambda rank, spec=spec: _train_failures(spec)) for spec in MESHES},
+    **{f"gpt-selective-{spec}": (lambda rank, spec=spec: _train_failures(spec, "selective"))
+       for spec in MESHES[2:]},
     # Llama on tensor parallelism: the all-reduce completing its vocabulary-parallel
     # embedding's partial sum runs inside the first block (after the RMSNorm's scaling)
     # while the report attributes it to the embedding; the cut follows the data
-    failures += _train_failures("x2y1z1d2", "blocks", llama, "llama")
-    failures += _train_failures("x2y2z1d1", "selective", llama, "llama")
+    "llama-blocks-x2y1z1d2": lambda rank: _train_failures("x2y1z1d2", "blocks", llama, "llama"),
+    "llama-selective-x2y2z1d1": lambda rank: _train_failures("x2y2z1d1", "selective", llama, "llama"),
     # BigCode on x2y1z2d1: its token embedding's partial sum is reduce-scattered, and the
     # reorder after that collective's wait lands after block 0's first ops; it runs
     # between the embedding and block 0, not in a segment after the block that reads it.
     # On x2y2z1d1 the reduce-scatter's input is made in block 0: the reorder joins it there
-    failures += _train_failures("x2y1z2d1", "blocks", gpt_bigcode, "bigcode")
-    failures += _train_failures("x2y2z1d1", "selective", gpt_bigcode, "bigcode")
+    "bigcode-blocks-x2y1z2d1": lambda rank: _train_failures("x2y1z2d1", "blocks", gpt_bigcode, "bigcode"),
+    "bigcode-selective-x2y2z1d1": lambda rank: _train_failures("x2y2z1d1", "selective", gpt_bigcode,
+                                                               "bigcode"),
     # the model's own torch.utils.checkpoint calls, honoured without any option
-    failures += _train_failures("x1y1z2d2", "none", lambda: SelfCheckpointed(layers=3, dropout=0.1),
-                                "gpt-own-checkpoint")
-    failures += _train_failures("x2y1z1d2", "none",
-                                lambda: SelfCheckpointedReentrant(layers=3, dropout=0.1),
-                                "gpt-own-checkpoint-reentrant")
+    "gpt-own-checkpoint-x1y1z2d2": lambda rank: _train_failures(
+        "x1y1z2d2", "none", lambda: SelfCheckpointed(layers=3, dropout=0.1), "gpt-own-checkpoint"),
+    "gpt-own-checkpoint-reentrant-x2y1z1d2": lambda rank: _train_failures(
+        "x2y1z1d2", "none", lambda: SelfCheckpointedReentrant(layers=3, dropout=0.1),
+        "gpt-own-checkpoint-reentrant"),
     # On data parallelism and with weights gathered over z (recompute re-gathers them,
     # prefetched one ahead inside each block as in forward).
-    failures += _memory("x1y1z1d4", rank)
-    failures += _memory("x1y1z2d2", rank)
+    "memory-x1y1z1d4": lambda rank: _memory("x1y1z1d4", rank),
+    "memory-x1y1z2d2": lambda rank: _memory("x1y1z2d2", rank),
+}
+
+
+def _case(rank: int, world_size: int, name: str) -> None:
+    failures = CASES[name](rank)
     if failures:
         raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures))
 
 
-def test_blocks_and_selective_recompute_on_4_ranks() -> None:
+@pytest.mark.parametrize("name", list(CASES))
+def test_blocks_and_selective_recompute_on_4_ranks(ranks, name: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        run_on_ranks(_all, 4)
+        ranks.run(_case, 4, name)

@@ -17,6 +17,8 @@ import shardc
 from shardc.passes.rules.routing import find_regions
 from shardc.passes.trace import trace
 
+pytestmark: list = []  # one process, fast: the fast tier
+
 
 def _fallback_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     import transformers.integrations.moe  # noqa: F401 (registers the op)

@@ -2,8 +2,11 @@
 mask and with grouped-query heads. See ``rules_sweep.py``."""
 from __future__ import annotations
 
+import pytest
 import rules_sweep as S
 import torch.nn.functional as F
+
+pytestmark = pytest.mark.sweep  # and slow, but for the fast tier's slice (rules_sweep)
 
 _SPECS: list[S.OpSpec] | None = None
 MESHES = ("x2", "y2", "z2", "d2", "x2y2")
@@ -33,4 +36,4 @@ def specs() -> list[S.OpSpec]:
     return _SPECS
 
 
-CASES, results, test_rule = S.threaded_family("attention", specs)
+CASES, sweep_world, test_rule = S.threaded_family("attention", specs)

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import rules_sweep as S
 import torch.nn.functional as F
+
+pytestmark = pytest.mark.sweep  # and slow, but for the fast tier's slice (rules_sweep)
 
 _SPECS: list[S.OpSpec] | None = None
 
@@ -90,4 +93,4 @@ def specs() -> list[S.OpSpec]:
     return _SPECS
 
 
-CASES, results, test_rule = S.threaded_family("conv", specs)
+CASES, sweep_world, test_rule = S.threaded_family("conv", specs)

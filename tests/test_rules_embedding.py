@@ -3,9 +3,12 @@ feature-parallel over y), with and without ``padding_idx``, and the table an act
 See ``rules_sweep.py``."""
 from __future__ import annotations
 
+import pytest
 import rules_sweep as S
 import torch
 import torch.nn.functional as F
+
+pytestmark = pytest.mark.sweep  # and slow, but for the fast tier's slice (rules_sweep)
 
 _SPECS: list[S.OpSpec] | None = None
 MESHES = ("x2", "y2", "z2", "d2", "x2y2")
@@ -34,4 +37,4 @@ def specs() -> list[S.OpSpec]:
     return _SPECS
 
 
-CASES, results, test_rule = S.threaded_family("embedding", specs)
+CASES, sweep_world, test_rule = S.threaded_family("embedding", specs)

@@ -8,10 +8,13 @@ import itertools
 import sys
 import types
 
+import pytest
 import rules_sweep as S
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
+
+pytestmark = pytest.mark.sweep  # and slow, but for the fast tier's slice (rules_sweep)
 
 aten = torch.ops.aten
 MESHES_1 = ("x2", "y2", "z2", "d2")
@@ -255,4 +258,4 @@ def specs() -> list[S.OpSpec]:
     return _SPECS
 
 
-CASES, results, test_rule = S.threaded_family("pointwise", specs)
+CASES, sweep_world, test_rule = S.threaded_family("pointwise", specs)

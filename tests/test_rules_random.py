@@ -4,8 +4,8 @@ a representative subset of every other family.
 
 Dropout cannot run on the threaded process group: its mask is drawn from the
 process-wide default generator, which the rank threads share, so each would draw a
-different part of the stream. One spawn per world size runs every case of that size.
-See ``rules_sweep.py``."""
+different part of the stream. Each case is its own test, run on the module's pool of ranks
+of its world size (the ``ranks`` fixture). See ``rules_sweep.py``."""
 from __future__ import annotations
 
 import pytest
@@ -13,12 +13,14 @@ import rules_sweep as S
 import torch
 import torch.nn.functional as F
 
+pytestmark = [pytest.mark.sweep, pytest.mark.slow, pytest.mark.distributed]
+
 _SPECS: list[S.OpSpec] | None = None
 # (module, function) whose specs the gloo ranks rebuild; the subset is a slice of each
-FAMILIES = [("test_rules_random", "dropout_specs"), ("test_rules_pointwise", "handwritten_specs"),
+FAMILIES = (("test_rules_random", "dropout_specs"), ("test_rules_pointwise", "handwritten_specs"),
             ("test_rules_view", "specs"), ("test_rules_reduction", "specs"),
             ("test_rules_matrix", "specs"), ("test_rules_embedding", "specs"),
-            ("test_rules_attention", "specs"), ("test_rules_conv", "specs")]
+            ("test_rules_attention", "specs"), ("test_rules_conv", "specs"))
 SUBSET_EVERY = 23  # every 23rd case of the other families (about 5%)
 
 
@@ -92,12 +94,8 @@ CASES = [] if S.IN_WORKER else _cases()
 S.report_count("gloo (dropout + subset)", CASES)
 
 
-@pytest.fixture(scope="module")
-def results():
-    return S.run_gloo(FAMILIES, CASES)
-
-
-@pytest.mark.distributed
 @pytest.mark.parametrize("case", S.params(CASES, prefix="gloo:"))
-def test_rule_gloo(case, results):
-    S.check(results, case)
+def test_rule_gloo(case, ranks):
+    err = S.run_gloo(ranks, FAMILIES, case)
+    if err is not None:
+        raise AssertionError(f"{case.id}: {err}")

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import rules_sweep as S
 import torch
 import torch.nn.functional as F
+
+pytestmark = pytest.mark.sweep  # and slow, but for the fast tier's slice (rules_sweep)
 
 aten = torch.ops.aten
 _SPECS: list[S.OpSpec] | None = None
@@ -133,4 +136,4 @@ def specs() -> list[S.OpSpec]:
     return _SPECS
 
 
-CASES, results, test_rule = S.threaded_family("reduction", specs)
+CASES, sweep_world, test_rule = S.threaded_family("reduction", specs)

@@ -17,8 +17,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
+import pytest
 import rules_sweep as S
 import torch
+
+pytestmark = pytest.mark.sweep  # and slow, but for the fast tier's slice (rules_sweep)
 
 FAMILIES = ("pointwise", "view", "matrix", "reduction", "embedding", "attention", "conv")
 VALUES = {"neginf": float("-inf"), "nan": float("nan")}
@@ -69,4 +72,4 @@ def specs() -> list[S.OpSpec]:
     return _SPECS
 
 
-CASES, results, test_rule = S.threaded_family("special", specs)
+CASES, sweep_world, test_rule = S.threaded_family("special", specs)

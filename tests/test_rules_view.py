@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import rules_sweep as S
 import torch
 import torch.nn.functional as F
+
+pytestmark = pytest.mark.sweep  # and slow, but for the fast tier's slice (rules_sweep)
 
 aten = torch.ops.aten
 _SPECS: list[S.OpSpec] | None = None
@@ -191,4 +194,4 @@ def _setitem(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out * a
 
 
-CASES, results, test_rule = S.threaded_family("view", specs)
+CASES, sweep_world, test_rule = S.threaded_family("view", specs)

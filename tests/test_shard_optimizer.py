@@ -9,6 +9,8 @@ from models import GPT
 
 import shardc
 
+pytestmark: list = []  # one process, fast: the fast tier
+
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,5 @@
-"""compile(shard_optimizer=True) (ZeRO-1/2 over data) on real gloo ranks.
+"""compile(shard_optimizer=True) (ZeRO-1/2 over data) on real gloo ranks (4, the module's
+pool; each case its own test).
 
 Each case runs test_train_gloo's checks with the option on: each step's gradients
 against float64 (4x one fp32 device's error), 3 AdamW steps' losses within 1e-5 of one
@@ -16,17 +17,18 @@ from __future__ import annotations
 import copy
 import tempfile
 import warnings
+from typing import Callable
 
 import pytest
 import torch
-from harness import drive_with, run_on_ranks
+from harness import drive_with
 from models import GPT, llama
 from test_train_gloo import EPS, LR, RTOL, _case_failures, _grad_failures
 
 import shardc
 import shardc.checkpoint
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 # every mesh of 4 with data > 1, each axis beside data, each with one of the two models
 # (both on every mesh: 82 s here; one a mesh: 72 s)
@@ -190,27 +192,34 @@ def _checkpoint_failures(path: str) -> list[str]:
     return out
 
 
-def _all(rank: int, world_size: int, path: str) -> None:
-    failures: list[str] = []
-    for name, spec in CASES:
-        failures += _case_failures(name, shardc.Mesh.parse(spec), shard_optimizer=True)
-    failures += _case_failures("gpt", shardc.Mesh.parse("x1y1z1d4"), shard_optimizer=True,
-                               step_graph=False)
-    failures += _case_failures("llama", shardc.Mesh.parse("x1y1z2d2"), shard_optimizer=True,
-                               reshard_after_forward=True)
+# every case a test: name -> its checks on one rank given a directory (the failures)
+CHECKS: dict[str, Callable[[str], list[str]]] = {
+    **{f"{name}-{spec}": (lambda path, name=name, spec=spec: _case_failures(
+        name, shardc.Mesh.parse(spec), shard_optimizer=True)) for name, spec in CASES},
+    "gpt-x1y1z1d4-autograd": lambda path: _case_failures(
+        "gpt", shardc.Mesh.parse("x1y1z1d4"), shard_optimizer=True, step_graph=False),
+    "llama-x1y1z2d2-reshard": lambda path: _case_failures(
+        "llama", shardc.Mesh.parse("x1y1z2d2"), shard_optimizer=True, reshard_after_forward=True),
     # several buckets, issued in order as backward fills them (autograd's backward)
-    failures += _case_failures("llama", shardc.Mesh.parse("x1y1z1d4"), shard_optimizer=True,
-                               step_graph=False, bucket_mb=0.02)
-    failures += _bucket_failures("x1y1z2d2")
-    failures += _state_failures("x1y1z1d4")
-    failures += _accumulate_clip_failures("x1y1z2d2")
-    failures += _checkpoint_failures(path)
+    "llama-x1y1z1d4-autograd-buckets": lambda path: _case_failures(
+        "llama", shardc.Mesh.parse("x1y1z1d4"), shard_optimizer=True, step_graph=False,
+        bucket_mb=0.02),
+    "buckets-x1y1z2d2": lambda path: _bucket_failures("x1y1z2d2"),
+    "state-x1y1z1d4": lambda path: _state_failures("x1y1z1d4"),
+    "accumulate-clip-x1y1z2d2": lambda path: _accumulate_clip_failures("x1y1z2d2"),
+    "checkpoint": _checkpoint_failures,
+}
+
+
+def _case(rank: int, world_size: int, name: str, path: str) -> None:
+    failures = CHECKS[name](path)
     if failures:
         raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures))
 
 
-def test_shard_optimizer_trains_like_one_device_on_4_ranks() -> None:
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_shard_optimizer_trains_like_one_device_on_4_ranks(ranks, name: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with tempfile.TemporaryDirectory() as d:
-            run_on_ranks(_all, 4, d)
+            ranks.run(_case, 4, name, d)

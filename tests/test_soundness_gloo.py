@@ -1,5 +1,5 @@
 """Regression tests for the wrong answers issue 7 found, on real gloo processes (4 ranks,
-spawned once; every case runs inside).
+the module's pool; each (model, mesh) its own test).
 
 Each case compiles a small model on a mesh of 4, runs one forward and backward on the
 rank's batch shard, and compares with one device on the global batch:
@@ -22,11 +22,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from harness import run_on_ranks
 
 import shardc
 
-pytestmark = pytest.mark.distributed
+pytestmark: list = []  # the cases on ranks are slow and distributed, one by one
 
 MESHES = ["x2y2z1d1", "x4y1z1d1", "x1y4z1d1", "x1y2z2d1", "x2y1z2d1", "x1y1z2d2", "x2y1z1d2"]
 
@@ -181,38 +180,50 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
-def _body(rank: int, world: int) -> None:
-    failures = []
-    for spec in MESHES:
-        mesh = shardc.Mesh.parse(spec)
-        for name, model, inputs in _cases():
-            one = copy.deepcopy(model)
-            ref = copy.deepcopy(model).double()
-            sm = shardc.compile(copy.deepcopy(model), mesh, example_inputs=inputs)
-            loss = sm(*(shardc.shard_batch(a, mesh) for a in inputs))
-            loss.backward()
-            grads = sm.full_grads()
-            one(*inputs).backward()
-            ref_loss = ref(*(a.double() if a.is_floating_point() else a for a in inputs))
-            ref_loss.backward()
-            where = f"{name} on {spec}"
-            # every rank returns the single-device value: fp32 rounding of one scalar
-            if abs(loss.item() - ref_loss.item()) > 1e-5 * max(1.0, abs(ref_loss.item())):
-                failures.append(f"{where}: rank {rank} loss {loss.item()} vs {ref_loss.item()}")
-            mean = shardc.global_mean(loss, mesh).item()
-            if abs(mean - ref_loss.item()) > 1e-5 * max(1.0, abs(ref_loss.item())):
-                failures.append(f"{where}: global_mean {mean} vs {ref_loss.item()}")
-            fp32 = dict(one.named_parameters())
-            for k, p in ref.named_parameters():
-                err, err_one = _rel(grads[k], p.grad), _rel(fp32[k].grad, p.grad)
-                # 4x one fp32 device's error, and at least 1e-6 relative: fp32 sums of a
-                # few hundred terms differ by up to ~1e-6 with the order, and an element
-                # whose one-device error happens to be tiny must not make that a failure
-                if err > max(4 * err_one, 1e-6):
-                    failures.append(f"{where}: grad {k} error {err:.2e} vs one fp32 device {err_one:.2e}")
-    failures += _redistribution(rank)
-    failures += _other_branch(rank)
+CASE_NAMES = ["tail-square", "tail-shift_square", "tail-sum", "tail-masked", "tail-where", "rmsnorm",
+              "group-packed-qkv", "group-packed-qkv-mha", "strided-chunks", "no-grad-target",
+              "value-branch"]
+
+
+def _case(rank: int, world: int, spec: str, case: str) -> None:
+    """One model of ``_cases()`` (all built, as they always are: the same weights) on one
+    mesh, or one of the checks after them (``spec`` None)."""
+    if spec is None:
+        failures = {"redistribution": _redistribution, "other-branch": _other_branch}[case](rank)
+    else:
+        failures = _model_failures(rank, spec, case)
     assert not failures, "\n".join(failures)
+
+
+def _model_failures(rank: int, spec: str, case: str) -> list[str]:
+    failures = []
+    mesh = shardc.Mesh.parse(spec)
+    ((name, model, inputs),) = [c for c in _cases() if c[0] == case]  # all built: the same weights
+    one = copy.deepcopy(model)
+    ref = copy.deepcopy(model).double()
+    sm = shardc.compile(copy.deepcopy(model), mesh, example_inputs=inputs)
+    loss = sm(*(shardc.shard_batch(a, mesh) for a in inputs))
+    loss.backward()
+    grads = sm.full_grads()
+    one(*inputs).backward()
+    ref_loss = ref(*(a.double() if a.is_floating_point() else a for a in inputs))
+    ref_loss.backward()
+    where = f"{name} on {spec}"
+    # every rank returns the single-device value: fp32 rounding of one scalar
+    if abs(loss.item() - ref_loss.item()) > 1e-5 * max(1.0, abs(ref_loss.item())):
+        failures.append(f"{where}: rank {rank} loss {loss.item()} vs {ref_loss.item()}")
+    mean = shardc.global_mean(loss, mesh).item()
+    if abs(mean - ref_loss.item()) > 1e-5 * max(1.0, abs(ref_loss.item())):
+        failures.append(f"{where}: global_mean {mean} vs {ref_loss.item()}")
+    fp32 = dict(one.named_parameters())
+    for k, p in ref.named_parameters():
+        err, err_one = _rel(grads[k], p.grad), _rel(fp32[k].grad, p.grad)
+        # 4x one fp32 device's error, and at least 1e-6 relative: fp32 sums of a
+        # few hundred terms differ by up to ~1e-6 with the order, and an element
+        # whose one-device error happens to be tiny must not make that a failure
+        if err > max(4 * err_one, 1e-6):
+            failures.append(f"{where}: grad {k} error {err:.2e} vs one fp32 device {err_one:.2e}")
+    return failures
 
 
 def _other_branch(rank: int) -> list[str]:
@@ -300,5 +311,13 @@ def _redistribution(rank: int) -> list[str]:
     return failures
 
 
-def test_findings_match_one_device() -> None:
-    run_on_ranks(_body, 4)
+def test_every_case_is_named() -> None:
+    assert [name for name, _, _ in _cases()] == CASE_NAMES
+
+
+@pytest.mark.parametrize("spec, case", [pytest.param(s, c, id=f"{c}-{s}") for s in MESHES for c in CASE_NAMES]
+                         + [pytest.param(None, c, id=c) for c in ("redistribution", "other-branch")])
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_findings_match_one_device(ranks, spec: str | None, case: str) -> None:
+    ranks.run(_case, 4, spec, case)

@@ -1,5 +1,6 @@
 """The step program (forward and backward in one traced graph) and its passes, on
-real gloo processes (4 ranks, spawned once; every case runs inside).
+real gloo processes (4 ranks, the module's pool: each case, and each check after them, is
+its own test).
 
 For each model and mesh of ``CASES``, the same model is compiled with autograd's own backward
 (``step_graph=False, bucket_mb=0``, the reference: one sum a gradient) and with the
@@ -35,7 +36,6 @@ import copy
 
 import pytest
 import torch
-from harness import run_on_ranks
 from models import GPT, MLPChain, gpt2, litgpt_llama
 
 import shardc
@@ -45,7 +45,7 @@ from shardc.planning.cost import step_shape
 from shardc.runtime.functional import mm_into
 from shardc.runtime.pending import PendingOutput
 
-pytestmark = pytest.mark.distributed
+pytestmark: list = []  # the tests on ranks are slow and distributed, one by one
 
 # every axis > 1 somewhere; the meshes whose axes all have <= 2 ranks (bitwise even with
 # buckets), and one whose data axis has 4
@@ -400,14 +400,19 @@ def _runtime_ops_check() -> list[str]:
     return out
 
 
-def _all(rank: int, world_size: int, tmp: str) -> None:
-    failures: list[str] = []
-    for name, spec in CASES:
-        failures += _one(name, spec)
-    failures += _overlap_check()
-    failures += _gemm_check()
-    failures += _trace_check(f"{tmp}/trace")
-    failures += _runtime_ops_check()
+def _case(rank: int, world_size: int, name: str, spec: str) -> None:
+    failures = _one(name, spec)
+    if failures:
+        raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures))
+
+
+CHECKS = {"overlap": lambda tmp: _overlap_check(), "gemm_modes": lambda tmp: _gemm_check(),
+          "trace": lambda tmp: _trace_check(f"{tmp}/trace"),
+          "runtime_ops": lambda tmp: _runtime_ops_check()}
+
+
+def _check(rank: int, world_size: int, which: str, tmp: str) -> None:
+    failures = CHECKS[which](tmp)
     if failures:
         raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures))
 
@@ -424,5 +429,18 @@ def test_cases_cover_every_mesh_and_model() -> None:
     assert len(set(CASES)) == len(CASES)
 
 
-def test_step_graph_matches_autograd_on_gloo(tmp_path) -> None:
-    run_on_ranks(_all, 4, str(tmp_path))
+@pytest.mark.parametrize("name, spec", [pytest.param(n, s, id=f"{n}-{s}") for n, s in CASES])
+@pytest.mark.sweep
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_step_graph_matches_autograd_on_gloo(ranks, name: str, spec: str) -> None:
+    ranks.run(_case, 4, name, spec)
+
+
+@pytest.mark.parametrize("which", list(CHECKS))
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_step_program_on_gloo(ranks, which: str, tmp_path) -> None:
+    """The schedule's overlap on x4, gemm_modes, trace_step's spans, and the c10d ops a
+    training step issues (the docstring above)."""
+    ranks.run(_check, 4, which, str(tmp_path))

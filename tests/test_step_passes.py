@@ -21,6 +21,8 @@ from shardc.passes.bucket import BUCKET, bucket_pass
 from shardc.passes.schedule import SCHEDULE, schedule_pass
 from shardc.runtime import functional as F
 
+pytestmark: list = []  # one process, fast: the fast tier
+
 aten = torch.ops.aten
 
 

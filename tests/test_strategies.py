@@ -14,6 +14,8 @@ from shardc.core.ir import Val
 from shardc.core.placement import Layout
 from shardc.passes.rules import STRATEGIES
 
+pytestmark: list = []  # one process, fast: the fast tier
+
 aten = torch.ops.aten
 MESH = shardc.Mesh(x=2, y=2, z=2)
 

@@ -11,6 +11,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from shardc.planning.throughput import gpu_peak_flops, model_flops, throughput
 from shardc.tools.models import lm_batch
 
+pytestmark: list = []  # one process, fast: the fast tier
+
 
 def test_gpt_flops_equal_a_hand_count() -> None:
     torch.manual_seed(0)

@@ -19,6 +19,8 @@ from shardc.core.compat import (
     torch_version,
 )
 
+pytestmark: list = []  # fast, but for the test marked slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -45,6 +47,7 @@ def test_names_newer_than_floor_are_named_in_docs_audit() -> None:
         assert f"| {first} |" in row[0]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_trains_without_names_newer_than_floor() -> None:
     """tests/compat_run.py deletes NEWER_THAN_FLOOR from torch before shardc loads, in

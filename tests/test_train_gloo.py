@@ -7,10 +7,11 @@ each of three AdamW steps' gradients as accurately as one fp32 device at the sam
 device's AdamW stepped on the compiled gradients: harness.train_side_by_side), and the
 bytes the runtime hands to torch.distributed equal to the comm report's, byte for byte.
 
-Ranks are spawned once per world size; all meshes and models run inside. A failing case
-is recorded (model, mesh, step or tensor, errors) and the sweep goes on; the test fails at
-the end listing every failing case. ``python tests/test_train_gloo.py MODEL@MESH ...``
-re-runs chosen cases (``--list`` names them all). The 4- and 8-rank sweeps run every mesh
+Each (model, mesh) is its own test, ``test_meshes_of_1_2_4_ranks[gpt@x2y1z1d2]``, run on a
+pool of ranks per world size started once for the module (the ``ranks`` fixture,
+``harness.RankPool``), so ``-k``, ``--lf`` and ``-x`` pick cases; a failing case lists
+its failures (model, mesh, step or tensor, errors). ``python tests/test_train_gloo.py
+MODEL@MESH ...`` re-runs chosen cases outside pytest (``--list`` names them all). The 4- and 8-rank sweeps run every mesh
 with the MLP and three or two language models in turn (``sweep_cases``);
 SHARDC_FULL_SWEEP=1 runs every model on every mesh.
 """
@@ -40,7 +41,7 @@ from models import (
 
 import shardc
 
-pytestmark = pytest.mark.distributed
+pytestmark: list = []  # the tests that start ranks are marked slow and distributed one by one
 
 # Tolerances. The compiled program sums the same products in another order (shards,
 # then a ring), so in fp32 the loss and gradients agree to ~1e-7 relative, and each
@@ -246,29 +247,28 @@ def _bad_input(rank: int, world_size: int) -> None:
     assert t.item() == world_size
 
 
-def _grads_and_state(rank: int, world_size: int) -> None:
+def _grads_and_state(rank: int, world_size: int, spec: str) -> None:
     """full_grads is the single-device gradient; load_full_state_dict is the inverse of
     full_state_dict, tied weights and all."""
     make, batches = _lm(GPT)
-    for spec in ("x2y1z1d2", "x1y2z2d1"):
-        mesh = shardc.Mesh.parse(spec)
-        torch.manual_seed(0)
-        ref = make()
-        sm = shardc.compile(copy.deepcopy(ref), mesh, example_inputs=batches[0])
-        ref(*batches[0]).backward()
-        sm(*[shardc.shard_batch(t, mesh) for t in batches[0]]).backward()
-        grads = sm.full_grads()
-        assert sorted(grads) == sorted(n for n, _ in ref.named_parameters())
-        for name, p in ref.named_parameters():
-            # same products summed in another order: fp32 rounding, ~1e-7 relative
-            torch.testing.assert_close(grads[name], p.grad, rtol=RTOL, atol=1e-7)
-        _sliced_batch(ref, mesh)
-        sd = {k: v + 1.0 for k, v in ref.state_dict().items()}
-        sm.load_full_state_dict(sd)
-        back = sm.full_state_dict()
-        assert list(back) == list(sd)
-        for k in sd:
-            assert torch.equal(back[k], sd[k]), k
+    mesh = shardc.Mesh.parse(spec)
+    torch.manual_seed(0)
+    ref = make()
+    sm = shardc.compile(copy.deepcopy(ref), mesh, example_inputs=batches[0])
+    ref(*batches[0]).backward()
+    sm(*[shardc.shard_batch(t, mesh) for t in batches[0]]).backward()
+    grads = sm.full_grads()
+    assert sorted(grads) == sorted(n for n, _ in ref.named_parameters())
+    for name, p in ref.named_parameters():
+        # same products summed in another order: fp32 rounding, ~1e-7 relative
+        torch.testing.assert_close(grads[name], p.grad, rtol=RTOL, atol=1e-7)
+    _sliced_batch(ref, mesh)
+    sd = {k: v + 1.0 for k, v in ref.state_dict().items()}
+    sm.load_full_state_dict(sd)
+    back = sm.full_state_dict()
+    assert list(back) == list(sd)
+    for k in sd:
+        assert torch.equal(back[k], sd[k]), k
 
 
 def _sliced_batch(model: torch.nn.Module, mesh: shardc.Mesh) -> None:
@@ -291,33 +291,27 @@ def _sliced_batch(model: torch.nn.Module, mesh: shardc.Mesh) -> None:
         torch.testing.assert_close(grads[name], p.grad, rtol=RTOL, atol=1e-7)
 
 
-def _dropout(rank: int, world_size: int) -> None:
+DROPOUT_MODELS = {"gpt": lambda: GPT(dropout=0.1), "gpt2": lambda: gpt2(dropout=0.1)}
+TWO_MESHES = ("x2y1z1d2", "x1y2z2d1")
+
+
+def _dropout(rank: int, world_size: int, model: str, spec: str) -> None:
     """Training with dropout (p=0.1 on embeddings and residuals) matches one device: each
     rank draws the global mask from the same generator and keeps its piece."""
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g))
                for _ in range(3)]
-    for make in (lambda: GPT(dropout=0.1), lambda: gpt2(dropout=0.1)):
-        for spec in ("x2y1z1d2", "x1y2z2d1"):
-            mesh = shardc.Mesh.parse(spec)
-            run = train_side_by_side(make, batches, mesh, lr=LR, eps=EPS)
-            # a mask drawn differently changes the gradient by its own size, far past
-            # the rounding bound
-            fails = _steps_grad_failures(f"dropout@{spec}", run)
-            assert not fails, fails
-            for a, b in zip(run.ref_losses, run.losses):
-                assert math.isclose(a, b, rel_tol=RTOL), (spec, run.ref_losses, run.losses)
-            for k, ref in run.ref_state.items():
-                torch.testing.assert_close(run.state[k], ref, rtol=RTOL, atol=ATOL)
-
-
-def _grads_state_dropout(rank: int, world_size: int) -> None:
-    _grads_and_state(rank, world_size)
-    _dropout(rank, world_size)
-
-
-def test_full_grads_state_dict_roundtrip_and_dropout() -> None:
-    run_on_ranks(_grads_state_dropout, 4)
+    make = DROPOUT_MODELS[model]
+    mesh = shardc.Mesh.parse(spec)
+    run = train_side_by_side(make, batches, mesh, lr=LR, eps=EPS)
+    # a mask drawn differently changes the gradient by its own size, far past
+    # the rounding bound
+    fails = _steps_grad_failures(f"dropout@{spec}", run)
+    assert not fails, fails
+    for a, b in zip(run.ref_losses, run.losses):
+        assert math.isclose(a, b, rel_tol=RTOL), (spec, run.ref_losses, run.losses)
+    for k, ref in run.ref_state.items():
+        torch.testing.assert_close(run.state[k], ref, rtol=RTOL, atol=ATOL)
 
 
 def sweep_cases(world: int, full: bool = False) -> list[tuple[str, str]]:
@@ -351,13 +345,36 @@ def _full() -> bool:
     return os.environ.get("SHARDC_FULL_SWEEP") == "1"
 
 
-def test_all_20_meshes_of_8_ranks() -> None:
-    run_on_ranks(_cases, 8, sweep_cases(8, _full()))
+def _sweep(worlds: tuple[int, ...]) -> list[Any]:
+    """One test param a (model, mesh) of the sweep on each of ``worlds`` ranks, world by
+    world (each pool of ranks starts once), id ``model@mesh``."""
+    return [pytest.param(w, name, spec, id=f"{name}-{spec}")
+            for w in worlds for name, spec in sweep_cases(w, _full())]
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_meshes_of_1_2_4_ranks(world_size: int) -> None:
-    run_on_ranks(_cases, world_size, sweep_cases(world_size, _full()))
+# the world sizes' tests in the order their pools start: 1, 2, 4 (the sweep, then the
+# tests of 4 ranks below), then 8
+@pytest.mark.parametrize("world_size, name, spec", _sweep((1, 2, 4)))
+@pytest.mark.sweep
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_meshes_of_1_2_4_ranks(ranks, world_size: int, name: str, spec: str) -> None:
+    ranks.run(_cases, world_size, [(name, spec)])
+
+
+@pytest.mark.parametrize("spec", TWO_MESHES)
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_full_grads_and_state_dict_roundtrip(ranks, spec: str) -> None:
+    ranks.run(_grads_and_state, 4, spec)
+
+
+@pytest.mark.parametrize("model, spec", [(m, s) for m in DROPOUT_MODELS for s in TWO_MESHES],
+                         ids=[f"{m}-{s}" for m in DROPOUT_MODELS for s in TWO_MESHES])
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_dropout_trains_like_one_device(ranks, model: str, spec: str) -> None:
+    ranks.run(_dropout, 4, model, spec)
 
 
 @pytest.mark.parametrize("world_size", [4, 8])
@@ -422,25 +439,40 @@ def two_axis_meshes(world: int = 4) -> list[str]:
     return [m.spec() for m in shardc.Mesh.all(world) if sum(g > 1 for g in m.sizes.values()) == 2]
 
 
-def _option_pairs(rank: int, world_size: int, model: str) -> None:
-    failures: list[str] = []
-    for spec in two_axis_meshes(world_size):
-        for a, b in option_pairs():
-            failures += _case_failures(model, shardc.Mesh.parse(spec),
-                                       **MEMORY_OPTIONS[a], **MEMORY_OPTIONS[b])
+def _option_pair(rank: int, world_size: int, model: str, spec: str, a: str, b: str) -> None:
+    failures = _case_failures(model, shardc.Mesh.parse(spec),
+                              **MEMORY_OPTIONS[a], **MEMORY_OPTIONS[b])
     assert not failures, "\n".join(failures)
 
 
-def test_every_pair_of_memory_options_on_meshes_of_two_axes() -> None:
+def test_the_option_pairs_meet_on_every_mesh_of_two_axes() -> None:
+    assert len(two_axis_meshes()) == 6 and len(option_pairs()) >= 6
+
+
+@pytest.mark.parametrize("spec, a, b", [pytest.param(s, a, b, id=f"llama-{s}-{a}+{b}")
+                                        for s in two_axis_meshes() for a, b in option_pairs()])
+@pytest.mark.sweep
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_every_pair_of_memory_options_on_meshes_of_two_axes(ranks, spec: str, a: str, b: str) -> None:
     """Llama (RMSNorm weights replicated over x and y, grouped-query attention, an untied
     head): each pair of memory options on each mesh of 4 ranks with two axes > 1, three
     AdamW steps against float64, and the bytes moved equal to the report's."""
-    assert len(two_axis_meshes()) == 6 and len(option_pairs()) >= 6
-    run_on_ranks(_option_pairs, 4, "llama")
+    ranks.run(_option_pair, 4, "llama", spec, a, b)
 
 
-def test_bad_input_fails_on_every_rank_without_hanging() -> None:
-    run_on_ranks(_bad_input, 4)
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_bad_input_fails_on_every_rank_without_hanging(ranks) -> None:
+    ranks.run(_bad_input, 4)
+
+
+@pytest.mark.parametrize("world_size, name, spec", _sweep((8,)))
+@pytest.mark.sweep
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_all_20_meshes_of_8_ranks(ranks, world_size: int, name: str, spec: str) -> None:
+    ranks.run(_cases, world_size, [(name, spec)])
 
 
 if __name__ == "__main__":
