@@ -77,16 +77,6 @@ def gpt_paper_20b() -> tuple[torch.nn.Module, tuple]:
     return paper_gpt("gpt-20b")
 
 
-def gpt_paper_40b() -> tuple[torch.nn.Module, tuple]:
-    """GPT-40B's shape (38 layers, hidden 9216, 72 heads), bf16, 512 x 2048 tokens."""
-    return paper_gpt("gpt-40b")
-
-
-def gpt_paper_320b() -> tuple[torch.nn.Module, tuple]:
-    """GPT-320B's shape (96 layers, hidden 16384, 128 heads), bf16, 16384 x 2048 tokens."""
-    return paper_gpt("gpt-320b", batch=16384)
-
-
 # Planning needs a batch that fits in memory; the paper does not state its global batch
 # for Fig. 2, so these use 32 (20B, 32 GPUs), 64 (40B, 64 GPUs) and 16,384 (320B, 32,768
 # GCDs) sequences of 2,048 tokens.
