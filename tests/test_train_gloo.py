@@ -7,13 +7,13 @@ each of three AdamW steps' gradients as accurately as one fp32 device at the sam
 device's AdamW stepped on the compiled gradients: harness.train_side_by_side), and the
 bytes the runtime hands to torch.distributed equal to the comm report's, byte for byte.
 
-Each (model, mesh) is its own test, ``test_meshes_of_1_2_4_ranks[gpt@x2y1z1d2]``, run on a
+Each (model, mesh) is its own test, ``test_meshes_of_1_2_4_ranks[gpt-x2y1z1d2]``, run on a
 pool of ranks per world size started once for the module (the ``ranks`` fixture,
 ``harness.RankPool``), so ``-k``, ``--lf`` and ``-x`` pick cases; a failing case lists
 its failures (model, mesh, step or tensor, errors). ``python tests/test_train_gloo.py
-MODEL@MESH ...`` re-runs chosen cases outside pytest (``--list`` names them all). The 4- and 8-rank sweeps run every mesh
-with the MLP and three or two language models in turn (``sweep_cases``);
-SHARDC_FULL_SWEEP=1 runs every model on every mesh.
+MODEL@MESH ...`` re-runs chosen cases outside pytest (``--list`` names them all). The
+4- and 8-rank sweeps run every mesh with the MLP and three or two language models in
+turn (``sweep_cases``); SHARDC_FULL_SWEEP=1 runs every model on every mesh.
 """
 from __future__ import annotations
 
