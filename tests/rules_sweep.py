@@ -754,20 +754,23 @@ def pytest_id(case_id: str) -> str:
     return case_id.translate(_K_SAFE)
 
 
-# The fast tier's slice of each family (``pytest -m "not slow"``): every op sample, in
-# every sixth of its cases (over all its meshes and placements), starting at an offset
-# that moves from one sample to the next, so that each placement kind and mesh comes up
-# across the family; a sample with fewer cases than that still has one. Every other case
-# is also ``slow``; ``sweep`` marks them all.
+# The fast tier's slice of each family (``pytest -m "not slow"``): every op sample (every
+# ``spec_every``-th, for a family that repeats another's samples), in every sixth of its
+# cases (over all its meshes and placements), starting at an offset that moves from one
+# sample to the next, so that each placement kind and mesh comes up across the family;
+# a sample with fewer cases than that still has one. Every other case is also ``slow``;
+# ``sweep`` marks them all.
 FAST_EVERY = 6
 
 
-def in_fast_slice(cases: list[Case]) -> set[str]:
+def in_fast_slice(cases: list[Case], spec_every: int = 1) -> set[str]:
     per_spec: dict[int, list[Case]] = {}
     for c in cases:
         per_spec.setdefault(id(c.spec), []).append(c)
     out = set()
     for i, mine in enumerate(per_spec.values()):
+        if i % spec_every:
+            continue
         picked = [c for j, c in enumerate(mine) if j % FAST_EVERY == i % FAST_EVERY] \
             or [mine[i % len(mine)]]
         out.update(c.id for c in picked)
@@ -823,11 +826,13 @@ def unused(*a: Any) -> None:  # keep flake quiet about helpers used by some fami
 _ = (itertools, types)
 
 
-def threaded_family(family: str, specs: Callable[[], list[OpSpec]]) -> tuple[list[Case], Any, Any]:
+def threaded_family(family: str, specs: Callable[[], list[OpSpec]], fast_spec_every: int = 1
+                    ) -> tuple[list[Case], Any, Any]:
     """One op family's cases, plus the module-scoped fixture holding the threaded world
     they run in and the test that runs and checks each (one case a test: ``-k`` of one
     runs that one, sharing only its spec's reference with the others run): a family file
-    binds the three to ``CASES, sweep_world, test_rule`` so pytest collects them there."""
+    binds the three to ``CASES, sweep_world, test_rule`` so pytest collects them there.
+    ``fast_spec_every``: the fast tier's slice takes every n-th op sample (``in_fast_slice``)."""
     cases = [] if IN_WORKER else [c for s in specs() for c in cases_of(s)]
     report_count(family, cases)
 
@@ -837,7 +842,7 @@ def threaded_family(family: str, specs: Callable[[], list[OpSpec]]) -> tuple[lis
         yield worlds
         worlds.close()
 
-    @pytest.mark.parametrize("case", params(cases, fast=in_fast_slice(cases)))
+    @pytest.mark.parametrize("case", params(cases, fast=in_fast_slice(cases, fast_spec_every)))
     def test_rule(case: Case, sweep_world: Worlds) -> None:
         err = sweep_world.run(case)
         if err is not None:
