@@ -68,12 +68,6 @@ SWAP = {
 _TRACE_LOCK = threading.Lock()
 
 
-
-
-
-
-
-
 class _NamingInterpreter(fx.Interpreter):
     """Runs the program node by node so each collective is logged with the program node
     that issued it (its backward's too: the autograd functions keep the name)."""
@@ -339,10 +333,6 @@ def _split(gm: fx.GraphModule, n_primals: int, n_outputs: int, n_tangents: int
     fwd_gm.meta.update({PART: "forward", N_OUTPUTS: (n_outputs, n_primals)})
     bwd_gm.meta[PART] = "backward"
     return fwd_gm, bwd_gm
-
-
-
-
 
 
 def _arg(o: Any, env: dict[fx.Node, fx.Node]) -> Any:

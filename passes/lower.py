@@ -54,12 +54,6 @@ from shardc.runtime import ops as R
 aten = torch.ops.aten
 
 
-
-
-
-
-
-
 # torch's error for a decision on a size known only at run time (a rule asking whether an
 # unbacked symbol equals something); torch 2.6 already has it under this name
 _DATA_DEPENDENT: tuple[type[Exception], ...] = tuple(
@@ -72,8 +66,6 @@ def _unbacked(n: fx.Node) -> bool:
         return bool(symbolic_shapes.free_unbacked_symbols(v))
     except Exception:  # noqa: BLE001 - a value free_unbacked_symbols cannot walk
         return False
-
-
 
 
 # why a size known only at run time cannot be laid out, and the rewrite that avoids one
@@ -120,8 +112,6 @@ class LowerResult:
     fallbacks: list[Fallback] = field(default_factory=list)
     reduce_params: dict[str, list[str]] = field(default_factory=dict)  # set by grad_sync
     decisions: list[str] = field(default_factory=list)  # human-readable choices, for explain
-
-
 
 
 class Lowering:

@@ -47,10 +47,6 @@ from shardc.runtime import collectives as C
 RECOMPUTE = "shardc_recompute"  # node.meta: the block whose recompute re-runs this node
 
 
-
-
-
-
 _STARTS = (C.all_gather_start, C.all_reduce_start, C.reduce_scatter_start, C.all_to_all_start)
 
 

@@ -36,10 +36,6 @@ def _check_mesh(mesh: Any, world_size: int | None) -> Mesh:
     return mesh
 
 
-
-
-
-
 def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | None = None, *,
             options: Options | None = None, machine: Any = None,
             input_layouts: Mapping[int, Layout] | None = None, **option_keywords: Any) -> ShardedModule:
@@ -130,16 +126,6 @@ def _prepare(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | 
 
         seen.update(ep=ep, redescribe=redescribe, items=redescribe())
     return mesh, example_inputs, options
-
-
-
-
-
-
-
-
-
-
 
 
 def shard_batch(batch: torch.Tensor, mesh: Mesh) -> torch.Tensor:

@@ -87,7 +87,6 @@ def source_of(node: fx.Node) -> SourceInfo:
     return SourceInfo(op, module, line)
 
 
-
 @dataclass
 class StepProgram:
     """What the step runs: ``forward(*primals) -> (*outputs, *saved)`` and
@@ -108,7 +107,6 @@ class StepProgram:
         return (self.run_forward or self.forward, self.run_backward or self.backward)
 
 
-
 DEFERRED = "shardc_deferred"  # gm.meta: list[Deferred]
 
 
@@ -118,7 +116,6 @@ class Deferred:
     tail: fx.GraphModule  # tail(*inputs) -> the output's value
     n_inputs: int  # how many values the forward returns for it, after the saved ones
     like: Any  # the output's traced (fake) value: its shape, strides and dtype
-
 
 
 # GEMMs and attention as they reach the dispatcher (linear is addmm/mm there; the fused

@@ -59,7 +59,6 @@ def check_no_autocast(where: str) -> None:
             "in bf16 with fp32 parameters and gradient reductions.")
 
 
-
 _NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
