@@ -1,10 +1,13 @@
 """CPU ranks on gloo: shardc's eager program vs backend="inductor", side by side.
 
-    python benchmarks/backend_gloo.py --ranks 2 --mesh x2y1z1d1 --rounds 7
+    python benchmarks/backend_gloo.py --ranks 2 --mesh x2y1z1d1 --rounds 7 [--pieces]
 
 Both programs are compiled in the same processes from the same model; each round runs
 one training step of each, in turns (eager, inductor, eager, ...), with a barrier around
-every step, so both see the same machine. Prints the median step time of each over the
+every step, so both see the same machine. ``--pieces`` adds a third program: the step
+program's parts cut at every collective and random op and compiled piece by piece (what
+``backend="inductor"`` ran before each part was compiled whole), to show what compiling
+whole buys. Prints the median step time of each over the
 rounds (after ``--warmup`` steps of each: groups, inductor's compilation, allocator),
 their ratio (also per round, paired, and of the minima), tokens/s per rank and MFU (peak:
 every rank's matmul, measured at once).
@@ -12,10 +15,12 @@ every rank's matmul, measured at once).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
 import time
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -43,15 +48,20 @@ def _measure(rank: int, args: argparse.Namespace) -> None:
     batch = lm_batch(16, 64, 512) if args.model == "peer" else lm_batch(8, 16, 64)
     local = [shardc.shard_batch(t, mesh) for t in batch]
     steps = {}
-    for backend in ("eager", "inductor"):
-        sm = shardc.compile(model, mesh, example_inputs=batch, backend=backend)
+    programs = ("eager", "inductor", "pieces") if args.pieces else ("eager", "inductor")
+    for name in programs:
+        sm = shardc.compile(model, mesh, example_inputs=batch,
+                            backend="eager" if name == "eager" else "inductor")
+
         opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)
 
-        def step(sm=sm, opt=opt) -> None:
-            sm(*local).backward()
+        def step(sm=sm, opt=opt, name=name) -> None:
+            # the step program's runners are built on the first call
+            with _cut_into_pieces() if name == "pieces" else contextlib.nullcontext():
+                sm(*local).backward()
             opt.step()
             opt.zero_grad()
-        steps[backend] = step
+        steps[name] = step
     times: dict[str, list[float]] = {b: [] for b in steps}
     t0 = time.perf_counter()
     for i in range(args.warmup + args.rounds):
@@ -79,10 +89,27 @@ def _measure(rank: int, args: argparse.Namespace) -> None:
               f"{100 * tp.mfu:.2f}%")
     # paired: each round's two steps ran back to back, so their ratio cancels most of
     # what a shared machine's load does to both
-    ratios = [i / e for e, i in zip(times["eager"], times["inductor"])]
-    print(f"  inductor / eager: ratio of medians {med['inductor'] / med['eager']:.3f}, median of "
-          f"per-round ratios {statistics.median(ratios):.3f}, ratio of minima "
-          f"{min(times['inductor']) / min(times['eager']):.3f}")
+    for name in programs[1:]:
+        ratios = [i / e for e, i in zip(times["eager"], times[name])]
+        print(f"  {name} / eager: ratio of medians {med[name] / med['eager']:.3f}, median of "
+              f"per-round ratios {statistics.median(ratios):.3f}, ratio of minima "
+              f"{min(times[name]) / min(times['eager']):.3f}")
+
+
+@contextlib.contextmanager
+def _cut_into_pieces() -> Iterator[None]:
+    """Build the step program's parts as the piecewise program (``InductorProgram``)."""
+    from shardc.program import backend
+
+    def pieces(gm: Any, b: str, part: str | None = None) -> Any:
+        return backend.InductorProgram(gm)
+    old = backend.build_runner
+    import shardc.program.step_program as sp
+    sp.build_runner = pieces
+    try:
+        yield
+    finally:
+        sp.build_runner = old
 
 
 def main() -> None:
@@ -92,6 +119,7 @@ def main() -> None:
     p.add_argument("--model", choices=("peer", "small"), default="peer")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--pieces", action="store_true", help="also run the piecewise inductor program")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_rank, args=(args.ranks, f"{d}/store", args), nprocs=args.ranks, join=True)

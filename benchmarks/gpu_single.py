@@ -3,6 +3,7 @@
     python benchmarks/gpu_single.py                    # GPT-2 small and a ~0.5B GPT, bf16
     python benchmarks/gpu_single.py --tiny             # a tiny shape, minutes on a CPU
     python benchmarks/gpu_single.py --backends eager,inductor --steps 20
+    OMP_NUM_THREADS=1 python benchmarks/gpu_single.py --shapes peer,medium   # the CPU shapes
 
 On a GPU, shardc runs on NCCL with a world of one (this process); without one, on gloo
 and the CPU. Each variant trains the same model (same seed) with AdamW for ``--warmup``
@@ -40,6 +41,9 @@ SHAPES = {
     "gpt2-small": (12, 768, 12, 1024, 50304, 8),   # 124M (GPT-2's vocabulary padded to 64)
     "gpt-0.5b": (24, 1280, 20, 1024, 50304, 4),    # 0.54B
     "tiny": (2, 64, 4, 64, 512, 4),
+    # CPU shapes: the peers' small GPT's size (benchmarks/vs_torch.py) and a medium one
+    "peer": (4, 256, 4, 64, 512, 16),
+    "medium": (4, 512, 8, 128, 512, 8),
 }
 
 

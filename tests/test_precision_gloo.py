@@ -54,6 +54,8 @@ CASES = [
     ("gpt", "x2y1z1d2", "bf16", {"activation_checkpoint": "selective", "shard_optimizer": True}),
     ("llama", "x1y1z2d2", BF16_REDUCE, {}),
     ("gpt", "x2y1z1d2", BF16_REDUCE, {"step_graph": False}),
+    # bf16 through inductor: its casts and bf16 collectives inside the one compiled graph
+    ("llama", "x2y1z2d1", "bf16", {"backend": "inductor"}),
 ]
 
 

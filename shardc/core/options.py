@@ -64,9 +64,10 @@ class Options:
     ``gemm_modes`` ("default", "NN", "NT", "TN", "auto") puts each GEMM of the step
     program in a form (operand layouts); "auto" times the forms on the first batch.
 
-    ``backend="inductor"`` compiles the compute between the program's collectives with
-    ``torch.compile`` (the collectives stay eager; see ``shardc.program.backend``), in both parts
-    of the step program (and in the forward program, which runs without gradients).
+    ``backend="inductor"`` compiles each part of the step program (forward, backward) with
+    inductor as one graph, its collectives and random draws inside as ops that keep the
+    program's order (``shardc.program.backend``); the forward program (no gradients, or
+    ``step_graph=False``) is compiled between its collectives.
     """
 
     transpose_alternate: bool = True
@@ -127,21 +128,19 @@ class Options:
         if self.backend not in BACKENDS:
             raise OptionError(
                 f"shardc.compile: backend={self.backend!r} is not one of {BACKENDS}: 'eager' runs "
-                "the rank's program op by op, 'inductor' compiles the compute between its "
-                "collectives with torch.compile.")
+                "the rank's program op by op, 'inductor' compiles each part of the step "
+                "program with inductor, collectives inside.")
         if self.gemm_modes not in GEMM_MODES:
             raise OptionError(
                 f"shardc.compile: gemm_modes={self.gemm_modes!r} is not one of {GEMM_MODES}."
             )
-        if self.gemm_modes != "default" and (not self.step_graph or self.backend != "eager"
-                                             or self.recompute):
+        if self.gemm_modes != "default" and (not self.step_graph or self.recompute):
             # the forms are a pass of the step program: refuse rather than run the
             # traced forms while claiming others
             raise OptionError(
                 f"shardc.compile: gemm_modes={self.gemm_modes!r} rewrites the GEMMs of the "
                 "step program, which step_graph=False and block or selective recompute "
-                "do not run, and backend='inductor' picks its own layouts; use "
-                "gemm_modes='default' with them.")
+                "do not run; use gemm_modes='default' with them.")
         if self.reshard_after_forward and not self.step_graph:
             raise OptionError("shardc.compile: reshard_after_forward=True re-gathers weights inside "
                              "the step program; it needs step_graph=True.")
@@ -153,12 +152,10 @@ class Options:
             raise OptionError("shardc.compile: block or selective recompute (activation_checkpoint) "
                              f"with backend={self.backend!r} is not supported (the recompute wraps the "
                              "eager program's blocks); use one of them.")
-        if self.reshard_after_forward and (self.backend != "eager"
-                                           or self.recompute):
+        if self.reshard_after_forward and self.recompute:
             raise OptionError("shardc.compile: reshard_after_forward=True is a pass of the "
                              "step program, which block or selective recompute does not "
-                             "run, and has not been tested with backend='inductor'; use one of "
-                             "them.")
+                             "run; use one of them.")
         if self.prefetch_depth < 0:
             raise OptionError(f"shardc.compile: prefetch_depth must be >= 0, got {self.prefetch_depth}.")
 

@@ -30,8 +30,9 @@ random op this module does not recognise.
 """
 from __future__ import annotations
 
+import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.fx as fx
@@ -39,6 +40,7 @@ from torch.fx.passes.split_module import split_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardc.core.options import BACKENDS
+from shardc.passes.ordered_ops import NotCompilable, ordered_ops_pass
 from shardc.runtime import collectives as C
 from shardc.runtime import functional as F
 from shardc.runtime import ops as R
@@ -232,6 +234,73 @@ class InductorProgram:
         return self.split(*args)
 
 
+# Inductor settings for a whole part. Off: the two passes that move nodes for locality
+# and for peak memory, which would move an issue down to its wait (its token's only reader)
+# and undo the overlap the schedule pass made. On: ``fallback_random``, so that a random op
+# calls torch's own kernel on the default generator, as the eager program does, and draws
+# the masks one device draws (inductor's Philox draws others).
+WHOLE_CONFIG = {"reorder_for_locality": False, "reorder_for_peak_memory": False,
+                "fallback_random": True}
+
+
+class WholePart:
+    """A part of the step program compiled by inductor as one graph, collectives included
+    (as ``runtime.ordered_ops``'s ops: ``passes.ordered_ops.py``). It compiles on its
+    first call, from that call's inputs, and only then runs. If the part cannot be handed
+    over whole (``NotCompilable``) or inductor fails on it, the part runs cut at its
+    collectives (``InductorProgram``) and a warning says why. Compiling runs nothing, so
+    the fallback repeats no collective."""
+
+    def __init__(self, gm: fx.GraphModule, name: str) -> None:
+        self.gm = gm
+        self.name = name
+        self.compiled: Callable[..., Any] | None = None
+        self.pieces: InductorProgram | None = None
+        self.failure: str | None = None
+        self.compile_seconds: float | None = None
+        try:
+            self.whole: fx.GraphModule | None = ordered_ops_pass(gm)
+        except NotCompilable as e:
+            self.whole = None
+            self._fall_back(str(e))
+
+    def _fall_back(self, why: str) -> None:
+        self.failure = why
+        self.pieces = InductorProgram(self.gm)
+        warnings.warn(f"shardc: inductor could not compile the step program's {self.name} part "
+                      f"whole ({why}); it runs cut at its collectives.", RuntimeWarning,
+                      stacklevel=3)
+
+    def _compile(self, args: tuple) -> None:
+        assert self.whole is not None
+        # inductor takes seconds to import; only this backend needs it
+        from torch._inductor.compile_fx import compile_fx  # noqa: PLC0415 - see above
+
+        t0 = time.perf_counter()
+        try:
+            # what dynamo would call: the compiled part, taking the part's arguments
+            self.compiled = cast(Callable[..., Any],
+                                 compile_fx(self.whole, list(args), config_patches=dict(WHOLE_CONFIG)))
+        except Exception as e:  # noqa: BLE001 - any compiler failure: run the part in pieces
+            self._fall_back(_reason(e))
+        self.compile_seconds = time.perf_counter() - t0
+
+    @property
+    def fallbacks(self) -> list[str]:
+        """Why the part is not one compiled graph, and its pieces that run eagerly."""
+        if self.pieces is None:
+            return []
+        return [f"{self.name}: {self.failure}", *self.pieces.fallbacks]
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is None and self.pieces is None:
+            self._compile(args)
+        if self.pieces is not None:
+            return self.pieces(*args)
+        assert self.compiled is not None
+        return self.compiled(*args)
+
+
 # ---------------------------------------------------------------- the eager backend
 class _FirstOp(TorchDispatchMode):
     """Records the first ATen call a call dispatches (on meta tensors: no compute)."""
@@ -375,10 +444,11 @@ def direct_calls(gm: fx.GraphModule) -> fx.GraphModule:
     return copy
 
 
-def build_runner(gm: fx.GraphModule, backend: str) -> Callable[..., Any]:
-    """What ``ShardedModule.forward`` calls for ``backend``."""
+def build_runner(gm: fx.GraphModule, backend: str, part: str | None = None) -> Callable[..., Any]:
+    """What ``ShardedModule.forward`` calls for ``backend``: for the forward program, or,
+    with ``part`` ("forward", "backward"), for that part of the step program."""
     if backend == "eager":
         return direct_calls(gm)
     if backend == "inductor":
-        return InductorProgram(gm)
+        return WholePart(gm, part) if part else InductorProgram(gm)
     raise ValueError(f"shardc.compile: backend={backend!r} is not one of {BACKENDS}.")

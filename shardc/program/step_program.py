@@ -40,8 +40,8 @@ def build(program: fx.GraphModule, ctx: CompileContext, args: Sequence[Any], nee
         return None, err or "another rank could not build it"
     assert jp is not None
     settle([jp.forward, jp.backward], ctx)  # gemm_modes="auto": the ranks agree on forms
-    jp.run_forward = build_runner(jp.forward, ctx.options.backend)
-    jp.run_backward = build_runner(jp.backward, ctx.options.backend)
+    jp.run_forward = build_runner(jp.forward, ctx.options.backend, "forward")
+    jp.run_backward = build_runner(jp.backward, ctx.options.backend, "backward")
     return jp, ""
 
 
