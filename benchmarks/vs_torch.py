@@ -3,6 +3,7 @@
     python benchmarks/vs_torch.py --world 4 --rounds 5 --steps 6            # TinyGPT
     python benchmarks/vs_torch.py --world 4 --shape medium                  # more compute
     python benchmarks/vs_torch.py --world 8 --quick --meshes x2y1z1d4,x2y1z2d2   # more meshes
+    python benchmarks/vs_torch.py --world 8 --quick --compiled    # every system compiled
 
 One spawn of ``--world`` gloo ranks (CPU, one thread each) runs every system on the
 same model, data and AdamW, round after round, so each system's figure is a median over
@@ -24,6 +25,11 @@ the same. shardc runs each mesh twice: with the step program and its passes (the
 and with ``step_graph=False`` (autograd's backward over the forward program: what
 shardc did before the step passes), which shows what the passes buy; and
 ``x1y1z1d{W}`` once more with ``shard_optimizer=True`` (ZeRO over data), beside DDP.
+``--compiled`` compiles every system the way its users compile it: DDP over
+``torch.compile(model)``; FSDP2 and the TP x DP model with each block compiled before it
+is sharded (torchtitan's order: tensor parallelism, then compile, then FSDP); shardc with
+``backend="inductor"``. Each system is built (and compiled) once and reused across rounds,
+and its compilation happens in the two warm-up steps, outside every figure.
 ``--meshes`` adds shardc meshes that mirror no single torch parallelism (tensor x data,
 say, where the torch rows have only data); each is compared with the fastest torch row,
 and the closing line takes the fastest shardc row from all of them. ``--quick`` leaves out
@@ -162,10 +168,20 @@ def _train_step(model: nn.Module, params: Any, inputs: tuple, after_backward: Ca
     return step
 
 
+COMPILED = False  # --compiled: every system compiled as its users compile it
+
+
+def _compile_blocks(model: "TinyGPT") -> None:
+    """Each block through torch.compile (torchtitan's per-block compile)."""
+    for i, b in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(b)
+
+
 def ddp(shape: dict, world: int, bucket_mb: float = 25.0) -> Step:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = DDP(_model(shape), bucket_cap_mb=bucket_mb)
+    inner: nn.Module = _model(shape)
+    model = DDP(torch.compile(inner) if COMPILED else inner, bucket_cap_mb=bucket_mb)
     r = dist.get_rank()
     x, y = (_slice(t, world, r) for t in _batch(shape))
     return _train_step(model, model.parameters(), (x, y), mean_over=dist.group.WORLD)
@@ -180,6 +196,8 @@ def fsdp2(shape: dict, world: int) -> Step:
 
     mesh = init_device_mesh("cpu", (world,))
     model = _model(shape)
+    if COMPILED:
+        _compile_blocks(model)
     for b in model.blocks:
         fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -211,6 +229,8 @@ def tp_dp(shape: dict, world: int) -> Step:
             "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
             "attn.wv": ColwiseParallel(), "attn.wo": RowwiseParallel(),
             "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()})
+    if COMPILED:
+        _compile_blocks(model)
     dp_group = mesh["dp"].get_group()
 
     def sync() -> None:
@@ -236,7 +256,8 @@ def shardc_mesh(spec: str, **kw: Any) -> Callable[[dict, int], Step]:
 
         mesh = shardc.Mesh.parse(spec)
         batch = _batch(shape)
-        sm = shardc.compile(_model(shape), mesh, example_inputs=batch, **kw)
+        opts = {"backend": "inductor", **kw} if COMPILED else kw
+        sm = shardc.compile(_model(shape), mesh, example_inputs=batch, **opts)
         return _train_step(sm, sm.parameters(), tuple(shardc.shard_batch(t, mesh) for t in batch))
     return build
 
@@ -302,13 +323,19 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    global COMPILED
+    COMPILED = args.compiled
     shape = SHAPES[args.shape]
+    built: dict[str, Step] = {}
     table: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}  # this rank's CPU seconds a step, per round
     losses: dict[str, float] = {}
     for rnd in range(args.rounds):
         for name, _, build in systems(world, args.meshes, args.quick, args.bucket_mb):
-            step = build(shape, world)
+            # compiled systems are built once: a rebuild would compile again
+            step = built[name] if name in built else build(shape, world)
+            if COMPILED:
+                built[name] = step
             for _ in range(2):
                 step()
             times, cpus = [], []
@@ -352,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
                          "compared with the fastest torch system")
     ap.add_argument("--bucket-mb", type=float, default=25.0,
                     help="DDP's bucket_cap_mb and shardc's bucket_mb (default 25)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="compile every system as its users do (see the module's docstring)")
     ap.add_argument("--quick", action="store_true",
                     help="leave out the step_graph=False and shard_optimizer rows")
     args = ap.parse_args(argv)
@@ -374,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     med[BEST] = min(float(r[2]) for r in rows if not r[0].startswith("shardc"))
     s = SHAPES[args.shape]
     print(f"\n{args.world} gloo ranks x 1 thread, shape {args.shape} {s}, torch {torch.__version__}, "
+          f"{'compiled (--compiled), ' if args.compiled else ''}"
           f"median of {args.rounds} interleaved rounds (each the median of {args.steps} steps)\n")
     print("| system | step (ms) | vs its torch peer | CPU a rank (ms) | loss after last step |")
     print("| --- | --- | --- | --- | --- |")
