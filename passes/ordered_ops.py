@@ -130,8 +130,7 @@ def ordered_ops_pass(gm: fx.GraphModule, ctx: CompileContext | None = None) -> f
     copy = fx.GraphModule(gm, g)
     copy.meta.update(gm.meta)
     g = copy.graph
-    issues = [n for n in g.nodes if n.op == "call_function" and n.target in RUN_FUNCTIONS]
-    if not issues:
+    if not any(n.op == "call_function" and (n.target in RUN_FUNCTIONS or is_draw(n)) for n in g.nodes):
         return copy
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     anchor = placeholders[-1] if placeholders else next(iter(g.nodes))

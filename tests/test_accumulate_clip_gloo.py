@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -143,15 +143,15 @@ def _accumulate(sm: shardc.ShardedModule, mesh: shardc.Mesh, micro: list[tuple]
     return moved, pending
 
 
-def _no_sync_failures(name: str, make, spec: str) -> list[str]:
+def _no_sync_failures(name: str, make, spec: str, **compile_kw: Any) -> list[str]:
     mesh = shardc.Mesh.parse(spec)
-    where = f"no_sync {name}@{spec}"
+    where = f"no_sync {name}@{spec}" + "".join(f" {k}={v}" for k, v in compile_kw.items())
     steps = [_batches(K, seed=10 + s) for s in range(2)]
     torch.manual_seed(0)
     model = make()
     ref = copy.deepcopy(model)
     ref64 = copy.deepcopy(model).double()
-    sm = shardc.compile(model, mesh, example_inputs=steps[0][0])
+    sm = shardc.compile(model, mesh, example_inputs=steps[0][0], **compile_kw)
     rep = shardc.comm_report(sm)
     report = rep.by_key()
     # what no_sync defers: the step-phase reductions, and the reduce-scatters of the
@@ -298,6 +298,9 @@ CHECKS: dict[str, Callable[[], list[str]]] = {
     **{f"no_sync-gpt-{spec}": (lambda spec=spec: _no_sync_failures("gpt", GPT, spec))
        for spec in MESHES[1:]},
     "no_sync-llama-x2y1z1d2": lambda: _no_sync_failures("llama", llama, "x2y1z1d2"),
+    # micro-batches under no_sync run the forward program (compiled in pieces), the last
+    # the step program (compiled whole): both forms of the inductor backend in one step
+    "no_sync-gpt-x1y1z2d2-inductor": lambda: _no_sync_failures("gpt", GPT, "x1y1z2d2", backend="inductor"),
     "no_sync-refuses-clip-x1y1z2d2": lambda: _no_sync_refuses_clip("x1y1z2d2"),
     "autocast-x2y1z2d1": lambda: _autocast_failures("x2y1z2d1"),
 }

@@ -207,6 +207,11 @@ def test_dropout_masks_are_the_eager_programs_bit_for_bit(fake_world) -> None:
         outs[backend] = (first, second)
     (jp,) = sm._joint.values()
     assert isinstance(jp.runners()[0], WholePart) and jp.runners()[0].compiled is not None
+    # explain says each part is one graph, what is in it, and what compiling it took
+    text = shardc.explain(sm)
+    assert re.search(r"forward: one inductor graph \(issue \d+, wait \d+, draw 1, hand_off \d+\), "
+                     r"compiled in [\d.]+ s \(inductor's FX graph cache: (hit|miss)\)", text), text
+    assert re.search(r"backward: one inductor graph \(issue \d+, wait \d+, draw 0", text), text
     for a, b in zip(outs["eager"], outs["inductor"]):
         assert torch.equal(a, b)
         assert 0.3 < (a == 0).float().mean().item() < 0.7  # a mask was drawn

@@ -51,6 +51,7 @@ from shardc.passes.ordered_ops import NotCompilable, ordered_ops_pass
 from shardc.runtime import collectives as C
 from shardc.runtime import functional as F
 from shardc.runtime import ops as R
+from shardc.runtime.ordered_ops import OPS as ORDERED_OPS
 
 # Runtime functions that hand tensors to torch.distributed (or wait on them): the
 # forward program's and the step program's (passes/joint.py). Every other call in
@@ -326,6 +327,23 @@ class WholePart:
         dist.all_gather_object(everyone, None)  # the first of each kind has compiled
         if mine is not None and not first:
             self._compile(args)
+
+    def describe(self) -> str:
+        """One line for ``explain``: how the part runs, and what compiling it took."""
+        if self.pieces is not None:
+            return (f"{self.name}: cut at its collectives ({self.failure}); "
+                    f"{self.pieces.pieces} pieces compiled separately")
+        assert self.whole is not None
+        kinds: dict[str, int] = {}
+        for n in self.whole.graph.nodes:
+            if n.op == "call_function" and n.target in ORDERED_OPS:
+                name = n.target._schema.name.split("::")[1].replace("_in_place", "")
+                kinds[name] = kinds.get(name, 0) + 1
+        ops = ", ".join(f"{k} {kinds.get(k, 0)}" for k in ("issue", "wait", "draw", "hand_off"))
+        if self.compiled is None:
+            return f"{self.name}: one graph for inductor ({ops}); compiled on its first call"
+        return (f"{self.name}: one inductor graph ({ops}), compiled in {self.compile_seconds:.1f} s "
+                f"(inductor's FX graph cache: {self.cache})")
 
     @property
     def fallbacks(self) -> list[str]:

@@ -259,6 +259,9 @@ def _step_section(sm: Any) -> list[str]:
                     text += f" incl. {len(info['gemms'])} GEMM(s)"
             lines.append(text)
         lines += _gemm_lines(gm, o.gemm_modes)
+    if o.backend == "inductor":
+        lines.append("  backend inductor:")
+        lines += [f"    {r.describe()}" for r in jp.runners() if hasattr(r, "describe")]
     lines.append("")
     return lines
 
