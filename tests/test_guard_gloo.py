@@ -30,12 +30,12 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(n)]
 
 
-def _guarded(rank: int, world: int) -> None:
+def _guarded(rank: int, world: int, backend: str) -> None:
     torch.manual_seed(0)
     model = GPT()
     ref = copy.deepcopy(model)
     mesh = shardc.Mesh.parse("x2y1z1d2")
-    sm = shardc.compile(model, mesh, example_inputs=_batches(1)[0])
+    sm = shardc.compile(model, mesh, example_inputs=_batches(1)[0], backend=backend)
     opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)
     guard = shardc.StepGuard(sm, opt, max_consecutive_skips=2)
     order = [n for n, _ in sm.named_parameters()]
@@ -108,5 +108,6 @@ def _guarded(rank: int, world: int) -> None:
     assert guard.skipped == 3
 
 
-def test_step_guard_skips_everywhere_and_stops(ranks) -> None:
-    ranks.run(_guarded, 4)
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_step_guard_skips_everywhere_and_stops(ranks, backend: str) -> None:
+    ranks.run(_guarded, 4, backend)
