@@ -285,7 +285,16 @@ class WholePart:
         assert self.whole is not None
         # inductor takes seconds to import; only this backend needs it
         from torch._inductor.compile_fx import compile_fx  # noqa: PLC0415 - see above
+        from torch._inductor.lowering import lowerings, make_fallback  # noqa: PLC0415 - see above
 
+        for op in ORDERED_OPS:
+            # our ops run as they are (a fallback kernel). Registered up front: inductor
+            # (2.8) otherwise formats each op's arguments for a log line when it meets it
+            # first, and an argument of a token chain prints the whole chain before it,
+            # along every path; at a bucket's all-reduce after two blocks that took
+            # longer than ten minutes
+            if op not in lowerings:
+                make_fallback(op, warn=False)
         t0 = time.perf_counter()
         before = dict(counters["inductor"])
         try:
