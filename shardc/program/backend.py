@@ -1,32 +1,23 @@
-"""Run a rank's program with its compute compiled by inductor and its collectives eager.
+"""How a rank's program runs: ``backend="eager"`` (torch's own bindings, ``direct_calls``)
+or ``backend="inductor"``.
 
-Why not ``torch.compile`` of the whole program: the runtime's collectives carry the
-in-flight ``Work`` of an async call as a Python attribute of the buffer they return, and
-``wait`` pops it. Dynamo cannot trace that (``InternalTorchDynamoError`` at
-``collectives.wait``), and even where it could, it would have to graph-break at every
-collective, with no say in where. Here the graph itself is cut: every node that talks to
-``torch.distributed`` is a *collective node*; the runs of compute between them become
-submodules (``torch.fx.passes.split_module``), each compiled with ``torch.compile``, and
-the collective nodes are called as they are, eagerly, in the program's own order. The
-prefetch pass's schedule (a gather issued GEMMs before its wait) survives as it is, since
-the in-flight buffer is only handed to the compute piece after its wait.
+Under inductor, each part of the step program (``passes/joint.py``: forward, backward) is
+compiled as **one graph** (``WholePart``): ``passes/ordered_ops.py`` turns every collective
+into an issue op and a wait op of ``runtime/ordered_ops.py`` and every random draw into a
+draw op, all threaded in program order by a token, and ``compile_fx`` compiles the part with
+them inside. The parts run inside one autograd node, so each compiles as an inference graph.
 
-Autograd needs nothing special: each compiled piece is differentiable (AOTAutograd builds
-its backward), and the collectives are the runtime's autograd functions, so backward runs
-compiled compute and eager collectives in reverse order. That is the forward program's
-case (run without gradients, or with ``step_graph=False``). Training runs the step
-program (``passes/joint.py``), whose two parts are cut the same way; they run inside one
-autograd node, so their pieces compile as plain inference graphs. Its in-place writes
-(dropout's ``div_``) are cut out too, so every compiled piece is a pure function.
-
-Random ops stay eager too. The program's dropout draws the global mask from the default
-generator with torch's own dropout kernel, so that replicas agree and training matches one
-device. Inductor by default draws from its own Philox generator instead (measured: a GPT
-with dropout 0.1 on x2 lost 4.17842 compiled against the eager program's 4.16936, same
-seed). Its ``fallback_random`` setting calls torch's kernels and matched here, but cutting
-at every random op makes the draws, their kernels and their order the eager program's by
-construction rather than by a compiler setting; ``fallback_random`` is still set, for a
-random op this module does not recognise.
+``torch.compile`` of the module cannot do this: the runtime's collectives carry the in-flight
+``Work`` of an async call as a Python attribute of the buffer they return, which dynamo cannot
+trace (``InternalTorchDynamoError`` at ``collectives.wait``). That is why the forward program
+(run without gradients, with ``step_graph=False``, or under ``no_sync``), and a part that
+cannot be compiled whole, are still cut instead (``InductorProgram``): every node that talks
+to ``torch.distributed``, draws a random number or writes in place runs alone and eagerly;
+each run of compute between them becomes a submodule (``torch.fx.passes.split_module``)
+compiled with ``torch.compile``. The prefetch schedule survives there as it is (an in-flight
+buffer reaches compiled code only after its wait), and the draws are the eager program's
+(inductor's own Philox generator drew other masks: a GPT with dropout 0.1 on x2 lost 4.17842
+compiled against 4.16936, same seed).
 """
 from __future__ import annotations
 
