@@ -109,11 +109,6 @@ def _draw(g: fx.Graph, n: fx.Node, chain: fx.Node, order: dict[fx.Node, int]) ->
     return token
 
 
-def _waited_here(n: fx.Node) -> bool:
-    """Is the issue ``n`` waited in this graph, and read nowhere else?"""
-    return len(n.users) == 1 and next(iter(n.users)).target is F.WAIT
-
-
 def _device(gm: fx.GraphModule) -> torch.device:
     for n in gm.graph.nodes:
         v = n.meta.get("val")
@@ -138,31 +133,12 @@ def ordered_ops_pass(gm: fx.GraphModule, ctx: CompileContext | None = None) -> f
         chain = g.call_function(torch.ops.aten.empty.memory_format, ([0],),
                                 {"dtype": torch.uint8, "device": _device(gm)})
     slot_of: dict[fx.Node, tuple[fx.Node, int, fx.Node | None]] = {}
-    in_place: dict[fx.Node, tuple[fx.Node, int, fx.Node]] = {}
     order = {n: i for i, n in enumerate(g.nodes)}
     for n in list(g.nodes):
         if n.op != "call_function":
             continue
         if is_draw(n):
             chain = _draw(g, n, chain, order)
-        elif n.target is F.run_all_reduce and n.kwargs.get("inplace") and _waited_here(n):
-            # a fresh buffer nothing else reads: reduced in place, read after its wait
-            x, _, op, _, _, _, rt, axis, ph = _issue_args(n)
-            slot = next(_slots)
-            with g.inserting_before(n):
-                tok = g.call_function(torch.ops.shardc.issue_in_place.default,
-                                      (x, chain, slot, op, rt, axis, ph))
-            tok.meta.update({k: v for k, v in n.meta.items() if k != "val"})
-            chain = tok
-            in_place[n] = (tok, slot, x)
-        elif n.target is F.WAIT and n.args[0] in in_place:
-            tok, slot, x = in_place.pop(n.args[0])
-            with g.inserting_before(n):
-                chain = g.call_function(torch.ops.shardc.wait_in_place.default, (tok, x, chain, slot))
-            issue = n.args[0]
-            n.replace_all_uses_with(x)
-            g.erase_node(n)
-            g.erase_node(issue)
         elif n.target in RUN_FUNCTIONS:
             x, collective, op, size, outs, ins, rt, axis, ph = _issue_args(n)
             slot = next(_slots)
@@ -172,7 +148,9 @@ def ordered_ops_pass(gm: fx.GraphModule, ctx: CompileContext | None = None) -> f
             tok.meta.update({k: v for k, v in n.meta.items() if k != "val"})
             chain = tok
             # an all-reduce reduces a copy it makes at the issue; the others read x until
-            # their wait
+            # their wait. (An all-reduce inplace.py marked is reduced in a copy here too: a
+            # reduction in place through a mutating op, which inductor reinplaced, gave
+            # wrong gradients under precision="bf16" on gloo, cause not found.)
             slot_of[n] = (tok, slot, None if collective == "all_reduce" else x)
         elif n.target is F.WAIT:
             src = n.args[0]
