@@ -50,6 +50,7 @@ from shardc.passes.rules import RULES, fallback_rule
 from shardc.passes.rules.routing import region_rules
 from shardc.runtime import collectives as C
 from shardc.runtime import ops as R
+from shardc.runtime.experts import EXPERT_MM
 
 aten = torch.ops.aten
 
@@ -126,6 +127,9 @@ class Lowering:
         self.g = fx.Graph()
         self.env: dict[fx.Node, Any] = {}
         self.storage: dict[str, Layout] = {}
+        # parameters whose storage was decided before their first use (experts cut by
+        # expert_axes, passes/rules/routing.py): views of them keep the stored layout
+        self.pinned: set[str] = set()
         self.param_ph: dict[str, fx.Node] = {}
         self.param_val: dict[str, Any] = {}
         self.cache: dict[tuple, fx.Node] = {}
@@ -503,6 +507,7 @@ def lower_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     ``gm.meta[PROGRAM]`` (a LowerResult)."""
     res = Lowering(gm, ctx).run()
     out = res.graph_module
+    _check_experts_cut(out, ctx)
     _drop_dead_collectives(out.graph)
     # an op run whole whose result turned out dead is not run: nor reported
     alive = {id(n.meta[FALLBACK]) for n in out.graph.nodes if FALLBACK in n.meta}
@@ -510,6 +515,22 @@ def lower_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     out.meta[PROGRAM] = res
     out.graph.lint()
     return out
+
+
+def _check_experts_cut(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    """``expert_axes`` asks for experts cut over an axis: a program that cut none would
+    hold every expert on every rank while the user plans memory for 1/G of them."""
+    axes = ctx.options.expert_axes
+    if not axes or ctx.mesh.size(axes[0]) == 1:
+        return
+    if not any(n.target is EXPERT_MM for n in gm.graph.nodes):
+        raise ShardcError(
+            f"shardc.compile: expert_axes={axes!r}, but no experts were found to cut. Expert "
+            "parallelism takes a mixture of experts whose token-expert pairs are sorted by "
+            "expert and run by one grouped GEMM per weight (transformers' default "
+            "'grouped_mm' experts kernel; passes/rules/routing.py), with the tokens cut over "
+            f"{axes[0]}. Experts held as a ModuleList, or transformers' 'batched_mm' kernel, "
+            "are not cut yet; leave expert_axes=None for them.")
 
 
 def _drop_dead_collectives(g: fx.Graph) -> None:

@@ -71,6 +71,10 @@ class Runtime:
         # per call cost ~20 us, on every collective of every step
         self.sent: dict[tuple[str, str, str], int] = defaultdict(int)
         self.calls: dict[tuple[str, str, str], int] = defaultdict(int)
+        # expert parallelism (runtime/experts.py): the rows each expert GEMM (by program
+        # node) received in its last call; they depend on routing, so the comm report
+        # reads them here once a step has run
+        self.routed: dict[str, int] = {}
         # gradient accumulation (``ShardedModule.no_sync``): while ``sync`` is False the
         # backward skips every gradient reduction. A weight's full, unreduced gradient
         # waits in ``deferred`` (keyed by its all-gather node) for the next synced

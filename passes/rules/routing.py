@@ -41,9 +41,12 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.fx as fx
 
+from shardc.core.context import COMM
+from shardc.core.errors import ShardcError
 from shardc.core.ir import Val
 from shardc.core.placement import Layout
 from shardc.passes.rules.common import existing_ops
+from shardc.runtime.experts import EXPERT_MM
 
 if TYPE_CHECKING:  # the lowering calls the rules; they only name its type
     from shardc.passes.lower import Lowering
@@ -233,12 +236,7 @@ def _grouped(region: Region, user: fx.Node) -> list:
     spec = region.gemms.get(user.target)
     if spec is None:
         raise _Reject(f"{user.format_node()} reads the offsets")
-    xi, wi, oi = spec
-    x = user.args[xi]
-    w = user.args[wi]
-    off = user.kwargs.get(oi) if isinstance(oi, str) else (user.args[oi] if len(user.args) > oi else None)
-    if isinstance(oi, str) and off is None and len(user.args) > 2:
-        off = user.args[2]
+    x, w, off = _operands(region, user)
     extra = [a for a in user.all_input_nodes if a not in (x, w, off)]
     if region.kinds.get(x, (None,))[0] != ROWS or region.kinds.get(off, (None,))[0] != OFFS \
             or w in region.kinds or any(a in region.kinds for a in extra):
@@ -360,7 +358,42 @@ def region_rules(L: Lowering, graph: fx.Graph) -> dict[fx.Node, Callable[[Loweri
             out[n] = _exit_rule(region)
         for n in region.aranges:
             out[n] = _arange_rule(region)
+        _pin_experts(L, region)
     return out
+
+
+# ops between a stacked expert weight and its grouped GEMM that keep the expert dim first
+_WEIGHT_VIEWS = {aten.transpose.int, aten.permute.default, aten._to_copy.default, aten.alias.default,
+                 aten.detach.default, aten.contiguous.default, aten.clone.default}
+
+
+def _pin_experts(L: Lowering, region: Region) -> None:
+    """With ``expert_axes``, store each grouped GEMM's expert weight cut on its expert dim
+    before anything uses it (a parameter's storage is otherwise its first use's layout: the
+    transpose of transformers' ``_grouped_linear`` would keep it whole), and let the views
+    between it and the GEMM keep that layout (``L.pinned``)."""
+    axes = L.ctx.options.expert_axes
+    if not axes or L.mesh.size(axes[0]) == 1:
+        return
+    for n in region.kinds:
+        if n.target not in region.gemms:
+            continue
+        w = _operands(region, n)[1]
+        while isinstance(w, fx.Node) and w.op == "call_function" and w.target in _WEIGHT_VIEWS:
+            if w.target is aten.permute.default and int(w.args[1][0]) % _ndim(w) != 0:
+                break
+            if w.target is aten.transpose.int and 0 in (int(w.args[1]) % _ndim(w), int(w.args[2]) % _ndim(w)):
+                break
+            w = w.args[0]
+        role = L.roles.get(w.name) if isinstance(w, fx.Node) and w.op == "placeholder" else None
+        if role is None or role[0] != "param":
+            continue
+        name = role[1]
+        shape = list(w.meta["val"].shape)
+        if name not in L.storage and shape and shape[0] % L.mesh.size(axes[0]) == 0:
+            cut = Layout(len(shape), ((axes[0],),) + tuple(() for _ in shape[1:]))
+            L.storage[name] = L._storage_for(cut, shape)
+            L.pinned.add(name)
 
 
 def _rows_layout(axes: tuple[str, ...], ndim: int) -> Layout:
@@ -439,6 +472,9 @@ def _member_rule(region: Region, kind: str) -> Callable[[Lowering, fx.Node], Any
             return _emit_local(L, node, (xn, [_local(L, region, idx)]), {}, rows)
         if t in region.gemms:
             wi = region.gemms[t][1]
+            ep = _expert_axis(L, region, node)
+            if ep is not None:
+                return _expert_gemm(L, region, node, ep, rows)
             args, kwargs = _locals(L, region, node, skip=node.args[wi])
             wv = L.env[node.args[wi]]
             args = args[:wi] + (L.to_layout(wv, Layout.replicate(wv.ndim)),) + args[wi + 1:]
@@ -458,6 +494,68 @@ def _member_rule(region: Region, kind: str) -> Callable[[Lowering, fx.Node], Any
             return _emit_local(L, node, args, kwargs, Layout.replicate(_ndim(node)))
         raise AssertionError(f"no routing rule for a {kind} value: {node.format_node()}")
     return rule
+
+
+def _expert_axis(L: Lowering, region: Region, node: fx.Node) -> str | None:
+    """The axis ``node``'s experts are cut over (``compile(expert_axes=...)``), or None
+    when they are kept whole; refuses a grouped GEMM whose experts cannot be cut."""
+    axes = L.ctx.options.expert_axes
+    if not axes or L.mesh.size(axes[0]) == 1:
+        return None
+    axis = axes[0]
+    w = node.args[region.gemms[node.target][1]]
+    experts = _val_shape(w)[0] if _val_shape(w) else 0
+    where = f"{node.target} ({L.src.module}:{L.src.line})"
+    assert region.axes is not None
+    if axis not in region.axes:
+        raise ShardcError(
+            f"shardc.compile: expert_axes={axes!r}, but the tokens reaching the experts of {where} "
+            f"are cut over {' and '.join(region.axes)} only, so no all-to-all over {axis} can "
+            "bring them to their experts' ranks.")
+    if experts % L.mesh.size(axis):
+        raise ShardcError(
+            f"shardc.compile: expert_axes={axes!r}: {where} has {experts} experts, which "
+            f"{axis}={L.mesh.size(axis)} does not divide; each rank must hold the same number.")
+    x, w, off = _operands(region, node)
+    if any(a is not None and a not in (x, w, off) for a in (*node.args, *node.kwargs.values())):
+        raise ShardcError(
+            f"shardc.compile: expert_axes={axes!r}: {where} takes arguments besides the rows, "
+            "the experts' weight and the offsets, which the expert-parallel GEMM does not pass on.")
+    return axis
+
+
+def _operands(region: Region, node: fx.Node) -> tuple[Any, Any, Any]:
+    """A grouped GEMM's (rows, weight, offsets) arguments."""
+    xi, wi, oi = region.gemms[node.target]
+    off = node.kwargs.get(oi) if isinstance(oi, str) else (node.args[oi] if len(node.args) > oi else None)
+    if isinstance(oi, str) and off is None and len(node.args) > 2:
+        off = node.args[2]
+    return node.args[xi], node.args[wi], off
+
+
+def _val_shape(n: Any) -> tuple[int, ...]:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return tuple(int(d) for d in v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def _expert_gemm(L: Lowering, region: Region, node: fx.Node, axis: str, rows: Layout) -> Val:
+    """The grouped GEMM with its experts cut over ``axis``: the weight stays this rank's
+    share (no gather), the rows travel to it and back (``runtime.experts.expert_mm``)."""
+    xa, wa, off = _operands(region, node)
+    wv = L.env[wa]
+    nd = wv.ndim
+    w = L.to_layout(wv, Layout(nd, ((axis,),) + tuple(() for _ in range(nd - 1))))
+    experts = _val_shape(wa)[0]
+    x = _local(L, region, xa)
+    offs = _local(L, region, off)
+    out = L.emit(EXPERT_MM, (x, offs, w, experts, str(node.target), L.rt, axis, node.name), {},
+                 layout=rows, val=node.meta.get("val"))
+    out.meta[COMM] = {"collective": "all_to_all", "axis": axis, "experts": experts}
+    L.decisions.append(
+        f"{node.name} ({L.src.module}:{L.src.line}): the {experts} experts are cut over {axis} "
+        f"({experts // L.mesh.size(axis)} a rank); each rank sends every row to its expert's "
+        "rank by all-to-all and gets the results back the same way")
+    return Val(out, rows.clean(L.mesh), node.meta.get("val"))
 
 
 def _locals(L: Lowering, region: Region, node: fx.Node, skip: Any = None) -> tuple[tuple, dict]:

@@ -143,6 +143,15 @@ def view_rule(L: Lowering, node: fx.Node) -> Any:
 @register_rule(aten.transpose.int, aten.permute.default, aten.t.default)
 def permute_rule(L: Lowering, node: fx.Node) -> Any:
     x = L.env[node.args[0]]
+    if x.layout is None and x.param in L.pinned and not x.ptrans:
+        # a weight whose storage is fixed (an expert weight cut on its expert dim): its
+        # view keeps the stored layout, permuted, instead of gathering it whole
+        lay = L.storage[x.param]
+        perm = _perm(node, x.ndim)
+        out = Layout(x.ndim, tuple(lay.dims[p] for p in perm), (), tuple(lay.interleave[p] for p in perm))
+        n = L.emit(node.target, (L.to_layout(x, lay), *node.args[1:]), dict(node.kwargs), layout=out,
+                   val=node.meta["val"])
+        return Val(n, out.clean(L.mesh), node.meta["val"])
     if x.layout is None:
         if x.ndim == 2 and _perm(node, 2) == [1, 0]:  # a transposed weight: decided at its use
             return Val(None, None, node.meta["val"], x.param, not x.ptrans, x.pchain, x.pcast)

@@ -64,6 +64,13 @@ class Options:
     ``gemm_modes`` ("default", "NN", "NT", "TN", "auto") puts each GEMM of the step
     program in a form (operand layouts); "auto" times the forms on the first batch.
 
+    ``expert_axes=("data",)`` cuts a mixture of experts' stacked expert weights on their
+    expert dim over that batch axis (expert parallelism): each rank holds E/G experts,
+    and inside a routing region every grouped GEMM sends each token-expert row to its
+    expert's rank by all-to-all and the result back (``runtime/experts.py``), dropless.
+    One axis, ``"data"`` or ``"z"``, that cuts the tokens. ``expert_capacity`` (a
+    capacity factor with padding and dropped tokens) is refused for now.
+
     ``backend="inductor"`` compiles each part of the step program (forward, backward) with
     inductor as one graph, its collectives and random draws inside as ops that keep the
     program's order (``shardc.program.backend``); the forward program (no gradients, or
@@ -88,6 +95,10 @@ class Options:
     precision: Any = "fp32"
     shard_optimizer: bool = False
     backend: str = "eager"
+    # the batch axes a mixture of experts' expert dim is cut over (None: experts kept as
+    # any other weight); a tuple of axis names
+    expert_axes: Any = None
+    expert_capacity: Any = None
     # a GEMM dim that its mesh axis does not divide (a 3-class head on x=2): False keeps
     # that dim whole on that axis (every rank of it computes the product); True refuses
     # it, as the planner asks (its pattern analysis drops meshes that do not divide the
@@ -158,6 +169,41 @@ class Options:
                              "run; use one of them.")
         if self.prefetch_depth < 0:
             raise OptionError(f"shardc.compile: prefetch_depth must be >= 0, got {self.prefetch_depth}.")
+        object.__setattr__(self, "expert_axes", _as_expert_axes(self.expert_axes))
+        if self.expert_capacity is not None:
+            raise OptionError(
+                f"shardc.compile: expert_capacity={self.expert_capacity!r}: a capacity factor "
+                "(padded, dropped tokens) is not implemented yet; expert parallelism runs "
+                "dropless (the same result as one device). Leave expert_capacity=None.")
+
+
+# the axes that cut the tokens, over which an all-to-all can move them to their expert
+EXPERT_AXES = ("data", "z")
+
+
+def _as_expert_axes(axes: Any) -> tuple[str, ...] | None:
+    """None, or a tuple of one batch axis name ("data" or "z")."""
+    if axes is None:
+        return None
+    if isinstance(axes, str):
+        raise OptionTypeError(
+            f"shardc.compile: expert_axes={axes!r} must be a tuple of axis names, "
+            f"e.g. expert_axes=({axes!r},).")
+    if not isinstance(axes, (tuple, list)) or not all(isinstance(a, str) for a in axes):
+        raise OptionTypeError(f"shardc.compile: expert_axes={axes!r} must be a tuple of axis names "
+                              f"such as ('data',), or None.")
+    axes = tuple(axes)
+    bad = [a for a in axes if a not in EXPERT_AXES]
+    if bad:
+        raise OptionError(
+            f"shardc.compile: expert_axes={axes!r}: {bad[0]!r} does not cut the tokens, so no "
+            f"all-to-all can bring them to their experts; use one of {EXPERT_AXES}.")
+    if len(axes) != 1:
+        raise OptionError(
+            f"shardc.compile: expert_axes={axes!r}: experts cut over more than one axis at "
+            "once are not implemented yet; cut them over one of them (the other keeps "
+            "its copy of the experts, its ranks' gradients summed).")
+    return axes
 
 
 def _as_checkpoint_policy(activation_checkpoint: Any) -> Any:

@@ -12,7 +12,7 @@ import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import sympy
 import torch
@@ -33,6 +33,7 @@ from shardc.core.placement import Layout
 from shardc.core.precision import Precision, reduce_dtype
 from shardc.passes.step_nodes import collective_nodes
 from shardc.runtime import collectives as C
+from shardc.runtime.experts import EXPERT_MM
 from shardc.runtime.volume import as_number, ring_bytes
 
 PHASES = ("forward", "backward", "step")
@@ -120,9 +121,11 @@ def _param_of(n: Any) -> str | None:
 
 def build_rows(gm: fx.GraphModule, mesh: Mesh, storage: dict[str, Layout],
                reduce_params: dict[str, list[str]], param_vals: dict[str, Any],
-               policy: Precision | None = None) -> list[CommRow]:
+               policy: Precision | None = None, routed: dict[str, int] | None = None
+               ) -> list[CommRow]:
     """``policy``: the precision policy (the step reductions run in its reduce dtype
-    where that is narrower than the parameter's)."""
+    where that is narrower than the parameter's); ``routed``: the rows each expert GEMM
+    received in the last step (``Runtime.routed``), where one has run."""
     policy = policy or Precision(torch.float32, torch.float32)
     rows: list[CommRow] = []
 
@@ -180,6 +183,8 @@ def build_rows(gm: fx.GraphModule, mesh: Mesh, storage: dict[str, Layout],
             nb = _local_numel(inp, mesh) * _elsize(inp.meta[GLOBAL_VAL])
             rows.append(CommRow(n.name, op, module, _param_of(inp), "all_reduce", axis, phase,
                                 as_number(ring_bytes("all_reduce", mesh.size(axis), nb)), *_terms(inp)))
+        elif n.target is EXPERT_MM:
+            rows += expert_rows(n, mesh, routed)
     for name, axes in reduce_params.items():
         val = param_vals[name]
         lay = storage[name]
@@ -193,6 +198,47 @@ def build_rows(gm: fx.GraphModule, mesh: Mesh, storage: dict[str, Layout],
                                 axis, "step", as_number(ring_bytes("all_reduce", mesh.size(axis), nb)),
                                 num, divs))
     return rows
+
+
+# an expert GEMM's all-to-alls in one call: (phase, what, whose rows, its width), in the
+# order runtime/experts.py issues them. "sent": this rank's own rows (a fixed number);
+# "received": the rows routed to this rank's experts (known once a step has run)
+EXPERT_EXCHANGES = (("forward", "expert counts", "counts", ""),
+                    ("forward", "expert dispatch", "sent", "in"),
+                    ("forward", "expert combine", "received", "out"),
+                    ("backward", "expert dispatch (gradient)", "sent", "out"),
+                    ("backward", "expert combine (gradient)", "received", "in"))
+
+
+def expert_rows(n: fx.Node, mesh: Mesh, routed: dict[str, int] | None) -> list[CommRow]:
+    """The all-to-alls of one expert-parallel grouped GEMM (``runtime.experts``). Before a
+    step the received rows are taken as uniform routing (every rank gets as many rows as
+    it sends) and the row says so; after one, they are the last step's."""
+    x, _offs, w, experts, _gemm, _rt, axis, key = cast(tuple[Any, ...], n.args)
+    module = getattr(n.meta.get(SOURCE), "module", "") or ""
+    g = mesh.size(axis)
+    el = _elsize(x.meta[GLOBAL_VAL])
+    sent = _local_numel(x, mesh) // int(x.meta[GLOBAL_VAL].shape[1])
+    width = {"in": int(x.meta[GLOBAL_VAL].shape[1]), "out": int(w.meta[GLOBAL_VAL].shape[-1])}
+    got = (routed or {}).get(key)
+    num, divs = _terms(x)
+    out = []
+    divs_: tuple[str, ...]
+    for phase, what, whose, dim in EXPERT_EXCHANGES:
+        if phase == "backward" and not n.meta.get(REQUIRES_GRAD):
+            continue
+        if whose == "counts":  # the E counts, int64 (fixed)
+            nb, num_, divs_ = experts * 8, experts * 8, ()
+        else:
+            count = sent if whose == "sent" or got is None else got
+            nb = count * width[dim] * el
+            num_, divs_ = (num // int(x.meta[GLOBAL_VAL].shape[1]) * width[dim], divs) \
+                if whose == "sent" or got is None else (nb, ())
+        label = what if whose != "received" else \
+            f"{what} ({'uniform-routing estimate' if got is None else 'routed, last step'})"
+        out.append(CommRow(n.name, label, module, None, "all_to_all", axis, phase,
+                           as_number(ring_bytes("all_to_all", g, nb)), num_, divs_))
+    return out
 
 
 def zero_rows(mesh: Mesh, layouts: dict[str, Layout], zero: dict[str, Any],
@@ -356,7 +402,7 @@ def comm_report(sm: Any) -> CommReport:
             param_vals[n.meta[PARAM]] = n.meta[GLOBAL_VAL]
     layouts = getattr(sm, "_program_layouts", sm.param_layouts)
     rows = build_rows(gm, sm.mesh, layouts, sm.grad_reductions, param_vals,
-                      sm.ctx.options.precision)
+                      sm.ctx.options.precision, sm.runtime.routed)
     rows += zero_rows(sm.mesh, layouts, getattr(sm, "_zero", {}), param_vals)
     # reshard_after_forward: the weights backward gathers again, as the step program does
     regathered = sm.regathered() if hasattr(sm, "regathered") else []
@@ -369,6 +415,13 @@ def comm_report(sm: Any) -> CommReport:
     rows += [replace(r, phase="backward") for r in rows
              if r.node in again and r.phase == "forward"]
     calls = step_calls(sm)
+    if calls is not None:
+        # an expert GEMM is one op of the step program that issues each of its rows'
+        # all-to-alls itself
+        experts = {n.name for n in gm.graph.nodes if n.target is EXPERT_MM}
+        for r in rows:
+            if r.node in experts:
+                calls[(r.collective, r.axis, r.phase)] = calls.get((r.collective, r.axis, r.phase), 0) + 1
     if calls is None and _autograds_backward(sm):
         calls = eager_calls(sm, rows)
     return CommReport(rows, sm.mesh, calls=calls)

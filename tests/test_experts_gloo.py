@@ -1,0 +1,147 @@
+"""Expert parallelism (``compile(expert_axes=...)``, runtime/experts.py) on real gloo
+processes: transformers' mixtures of experts with their default ``grouped_mm`` experts
+kernel, the experts cut 2, 4 and 8 ways over ``data`` or ``z``, beside x, y, z and data.
+
+Each case goes through test_train_gloo's checks: the first step's gradients against a
+float64 device within its factor of one fp32 device's error, the losses and the weights
+after three AdamW steps, and measured == reported (the report's all-to-all rows whose rows
+depend on the routing read the step just run). On top, each case checks that every rank
+holds 1/G of each expert weight and that no expert weight is gathered.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import shardc
+
+pytestmark: list = []  # the cases are slow and distributed, one by one
+
+
+def _moe(config: str, model: str, **kw):
+    def make():
+        import transformers
+
+        from shardc.tools.models import HFCausalLM
+
+        cfg = getattr(transformers, config)(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                            use_cache=False, tie_word_embeddings=False,
+                                            num_attention_heads=8, max_position_embeddings=16, **kw)
+        for k in ("attention_dropout", "hidden_dropout", "router_jitter_noise"):
+            if hasattr(cfg, k):
+                setattr(cfg, k, 0.0)
+        return HFCausalLM(getattr(transformers, model)(cfg))
+    return make
+
+
+# 8 experts, so that 2, 4 and 8 ranks each hold a whole number of them
+MOES = {
+    "mixtral": _moe("MixtralConfig", "MixtralForCausalLM", num_key_value_heads=4, num_local_experts=8,
+                    num_experts_per_tok=2, intermediate_size=32),
+    # transformers' default load-balancing loss, from the router's logits, in the loss
+    "mixtral-aux": _moe("MixtralConfig", "MixtralForCausalLM", num_key_value_heads=4, num_local_experts=8,
+                        num_experts_per_tok=2, intermediate_size=32, output_router_logits=True),
+    # routed experts beside a shared expert with its own gate
+    "qwen2-moe": _moe("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_key_value_heads=4, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                      intermediate_size=32),
+    "qwen3-moe": _moe("Qwen3MoeConfig", "Qwen3MoeForCausalLM", num_key_value_heads=4, num_local_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=16, head_dim=4, intermediate_size=32),
+    "olmoe": _moe("OlmoeConfig", "OlmoeForCausalLM", num_key_value_heads=4, num_experts=8,
+                  num_experts_per_tok=2, intermediate_size=16),
+    # experts with biases, looked up by the sorted keys
+    "gpt-oss": _moe("GptOssConfig", "GptOssForCausalLM", num_key_value_heads=4, num_local_experts=8,
+                    num_experts_per_tok=2, intermediate_size=16, head_dim=4, sliding_window=8),
+    # a dense first layer, then routed experts with a shared one, grouped by a group-limited
+    # router
+    "deepseek-v3": _moe("DeepseekV3Config", "DeepseekV3ForCausalLM", num_key_value_heads=8,
+                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                        first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4,
+                        qk_nope_head_dim=4, v_head_dim=4, n_group=1, topk_group=1, intermediate_size=32),
+}
+
+# (model, mesh, expert axis): every axis beside the experts' at least once
+CASES = [
+    ("mixtral", "x1y1z1d4", "data"),  # 4 ways
+    ("mixtral-aux", "x1y1z2d2", "data"),  # 2 ways, the experts' shards cut again over z
+    ("qwen2-moe", "x2y1z1d2", "data"),  # beside tensor parallel attention and shared expert
+    ("qwen3-moe", "x1y1z2d2", "z"),  # over z, replicated over data
+    ("olmoe", "x1y2z1d2", "data"),
+    ("gpt-oss", "x1y1z4d1", "z"),  # 4 ways over z
+    ("deepseek-v3", "x2y1z2d1", "z"),
+]
+
+
+def _expert_weights(sm: shardc.ShardedModule) -> dict[str, tuple]:
+    """(local shape, global shape) of every weight an expert GEMM reads."""
+    from shardc.core.context import GLOBAL_VAL, PARAM
+    from shardc.runtime.experts import EXPERT_MM
+
+    out = {}
+    for n in sm.graph_module.graph.nodes:
+        if n.target is EXPERT_MM:
+            w = n.args[2]
+            while w.op != "placeholder":
+                w = w.all_input_nodes[0]
+            name = w.meta[PARAM]
+            out[name] = (tuple(dict(sm.named_parameters())[name].shape), tuple(w.meta[GLOBAL_VAL].shape))
+    return out
+
+
+def _one(rank: int, world_size: int, name: str, spec: str, axis: str, options: dict) -> None:
+    import test_train_gloo as T
+    import transformers.integrations.moe as moe
+
+    # torch's CPU grouped GEMM takes no float64: every run, the float64 reference too,
+    # takes transformers' own kernel (one GEMM per expert), as test_more_models_gloo does
+    moe._can_use_grouped_mm = lambda *args, **kwargs: False
+    T.MODELS[name] = (lambda m: (lambda: T._lm(m)))(MOES[name])
+    mesh = shardc.Mesh.parse(spec)
+    failures = T._case_failures(name, mesh, allowed=lambda f: not f.gathered,
+                                expert_axes=(axis,), **options)
+    # the memory: each rank holds 1/G of every expert weight, and never gathers one
+    make, batches = T.model_and_batches(name)
+    sm = shardc.compile(make(), mesh, batches[0], expert_axes=(axis,), **options)
+    weights = _expert_weights(sm)
+    g = mesh.size(axis)
+    if not weights:
+        failures.append(f"{name}@{spec}: no expert GEMM in the program")
+    for pname, (local, whole) in weights.items():
+        if math.prod(local) * g > math.prod(whole) or local[0] * g > whole[0]:
+            failures.append(f"{name}@{spec}: {pname} is {local} on a rank, of {whole}")
+    gathered = [r for r in shardc.comm_report(sm).rows
+                if r.param in weights and r.collective == "all_gather" and r.axis == axis]
+    if gathered:
+        failures.append(f"{name}@{spec}: expert weights gathered over {axis}: {gathered}")
+    if failures:
+        raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures))
+
+
+@pytest.mark.parametrize("name,spec,axis", [pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2]}") for c in CASES])
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_experts_cut_train_like_one_device(ranks, name: str, spec: str, axis: str) -> None:
+    ranks.run(_one, 4, name, spec, axis, {})
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_experts_cut_eight_ways(ranks) -> None:
+    """One expert a rank: every row but those of the rank's own expert travels."""
+    ranks.run(_one, 8, "mixtral", "x1y1z1d8", "data", {})
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param({"shard_optimizer": True}, id="shard_optimizer"),
+    pytest.param({"step_graph": False}, id="autograd-backward"),
+    pytest.param({"activation_checkpoint": "blocks"}, id="recompute"),
+    pytest.param({"backend": "inductor"}, id="inductor"),
+])
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_experts_cut_with_other_options(ranks, options: dict) -> None:
+    """Experts over z, their copies over data: the optimizer state of the experts and of
+    the rest sharded over the ranks that replicate each (shard_optimizer), and the
+    options that run the program another way."""
+    ranks.run(_one, 4, "olmoe", "x1y1z2d2", "z", options)
