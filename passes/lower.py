@@ -47,10 +47,11 @@ from shardc.core.mesh import BATCH_AXES, Mesh
 from shardc.core.placement import Layout
 from shardc.core.precision import reduce_dtype
 from shardc.passes.rules import RULES, fallback_rule
-from shardc.passes.rules.routing import region_rules
+from shardc.passes.rules.experts import expert_rules
+from shardc.passes.rules.routing import Region, region_rules
 from shardc.runtime import collectives as C
 from shardc.runtime import ops as R
-from shardc.runtime.experts import EXPERT_MM
+from shardc.runtime.experts import EXPERT_REGION
 
 aten = torch.ops.aten
 
@@ -130,6 +131,7 @@ class Lowering:
         # parameters whose storage was decided before their first use (experts cut by
         # expert_axes, passes/rules/routing.py): views of them keep the stored layout
         self.pinned: set[str] = set()
+        self.regions: list[Region] = []  # the routing regions found (passes/rules/routing.py)
         self.param_ph: dict[str, fx.Node] = {}
         self.param_val: dict[str, Any] = {}
         self.cache: dict[tuple, fx.Node] = {}
@@ -402,6 +404,10 @@ class Lowering:
 
         # ops whose rule depends on a region around them, not on the op alone
         regions = region_rules(self, self.old.graph)
+        for region in self.regions:
+            # experts cut over an axis (expert_axes): the segments that run on the
+            # experts' ranks take over their nodes' rules
+            regions.update(expert_rules(self, region))
         outputs: list[Any] = []
         for node in self.old.graph.nodes:
             self.cur = node
@@ -523,7 +529,7 @@ def _check_experts_cut(gm: fx.GraphModule, ctx: CompileContext) -> None:
     axes = ctx.options.expert_axes
     if not axes or ctx.mesh.size(axes[0]) == 1:
         return
-    if not any(n.target is EXPERT_MM for n in gm.graph.nodes):
+    if not any(n.target is EXPERT_REGION for n in gm.graph.nodes):
         raise ShardcError(
             f"shardc.compile: expert_axes={axes!r}, but no experts were found to cut. Expert "
             "parallelism takes a mixture of experts whose token-expert pairs are sorted by "

@@ -1,43 +1,50 @@
-"""Expert parallelism at run time: a grouped GEMM whose experts are cut over a mesh axis.
+"""Expert parallelism at run time: the expert side of a routing region, on experts cut
+over a mesh axis.
 
 Inside a routing region (``passes/rules/routing.py``) each rank holds its own token-expert
 rows, sorted by expert, and the offsets of each expert's run. With
-``compile(expert_axes=(axis,))`` the experts' stacked weight ``[E, k, m]`` is cut on its
+``compile(expert_axes=(axis,))`` the experts' stacked weights ``[E, ...]`` are cut on their
 expert dim over ``axis``: the rank at coordinate ``c`` holds experts ``c*E/G .. (c+1)*E/G``.
-``shardc::expert_mm`` is the grouped GEMM over those experts:
+The lowering cuts out of the region the *segment* that runs on the experts: from the rows
+entering the first grouped GEMM to the rows leaving the last (the activation, the gate,
+an expert's bias looked up by its key, in between). ``shardc::expert_region`` runs it:
 
 1. the ranks of ``axis`` exchange how many rows each sends each expert (an all-to-all of
    the E counts);
-2. each rank sends every row to the rank of its expert (an all-to-all with the split sizes
-   from the counts: the rows are sorted by expert, so each destination's rows are one run);
+2. each rank sends every row to the rank of its expert (one all-to-all per row input of the
+   segment, split sizes from the counts: the rows are sorted by expert, so each
+   destination's rows are one run);
 3. the receiver orders what came by local expert (one run per expert, each source's rows
-   in source order) and runs the same grouped GEMM op the model called, on its own experts;
-4. the results go back by the reverse all-to-all, each row to its place in the sender's
+   in source order) and runs the segment, the model's own ops, on its own experts;
+4. the outputs go back by the reverse all-to-all, each row to its place in the sender's
    sorted order.
 
-Dropless: every row reaches its expert, so the result equals the one-device grouped GEMM
-row for row. The backward mirrors it (the gradient rows travel to the experts and back)
-and gives the local experts' weight gradient whole over ``axis``: every row that met an
-expert, from any rank, contributed on the expert's rank.
+So a token travels once to its expert and once back, whatever the experts compute.
+Dropless: every row reaches its expert, so the result equals one device's row for row.
+The backward mirrors it (the output gradients travel to the experts, the input gradients
+back) and is autograd's over the segment's ops; the local experts' weight gradient is
+whole over ``axis``, since every row that met an expert, from any rank, met it there.
 
 How many rows a rank receives depends on the routing, so nothing of steps 2-4 has a shape
-a trace can know. The op is therefore one opaque ``torch.library`` custom op with a fixed
-output shape (the sender's rows), and what its backward needs (the received rows, the
-split sizes, the order) waits on the rank in ``STASH`` under the program node's name, as
-autograd's saved tensors would. Its backward is a second custom op, so both the traced
-step program and plain autograd call the same code.
+a trace can know. The op is therefore one opaque ``torch.library`` custom op whose outputs
+have the sender's rows, and what its backward needs (the segment's autograd graph, the
+split sizes, the order) waits on the rank in ``STASH`` under the node's key, as autograd's
+saved tensors would. Its backward is a second custom op, so the traced step program and
+plain autograd call the same code.
 
 Every all-to-all is counted by the runtime (``Runtime.count``) as the program's other
-collectives are. Two of them move a number of rows that depends on the routing (the
-results going back, and in backward the rows' gradients going back): the rows each node
-received in its last call are kept in ``Runtime.routed``, from which ``shardc.comm_report``
-reports those two exactly once a step has run (before, from uniform routing, and says so).
+collectives are. Those that carry the received rows (the outputs going back, and in
+backward the input gradients going back) move a number of rows that depends on the
+routing: the rows each node received in its last call are kept in ``Runtime.routed``, from
+which ``shardc.comm_report`` reports them exactly once a step has run (before, from uniform
+routing, and says so).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -56,19 +63,44 @@ STASH = _Stash()
 
 
 @dataclass
+class Segment:
+    """What the expert side of a routing region computes, made by the lowering: ``fn``
+    takes the received rows (one tensor per row input, ordered by local expert), the
+    local experts' offsets, then ``others`` (the local experts' weights, tables, ...), and
+    returns the rows to send back. The specs give the traced shapes their fakes need."""
+    fn: Callable[..., Any]
+    rows: list[tuple[tuple[int, ...], torch.dtype]]  # each row input: (shape past dim 0, dtype)
+    outs: list[tuple[tuple[int, ...], torch.dtype]]  # each output: the same
+    others: list[tuple[tuple[int, ...], torch.dtype]]  # each other input: (local shape, dtype)
+
+
+# by the program node's key (``runtime key:node``): each process makes its own at compile
+SEGMENTS: dict[str, Segment] = {}
+
+
+@dataclass
 class _Saved:
-    x: torch.Tensor  # the received rows, ordered by local expert (the GEMM's input)
-    w: torch.Tensor  # the local experts' weight
-    offs: torch.Tensor  # the end of each local expert's run of x
-    order: torch.Tensor  # received row i (source order) is row order[i] of x
+    leaves: list[torch.Tensor]  # the segment's inputs (received rows, then others), as leaves
+    outs: list[torch.Tensor]  # its outputs, attached to the leaves by autograd
+    order: torch.Tensor  # received row i (source order) is row order[i] of the segment's
     sent: list[int]  # rows this rank sent each rank
     got: list[int]  # rows this rank got from each rank
 
 
-def gemm_op(name: str) -> Any:
-    """The grouped GEMM op named ``ns.op.overload`` (what ``str(op)`` of an OpOverload gives)."""
-    ns, op, overload = name.split(".")
-    return getattr(getattr(getattr(torch.ops, ns), op), overload)
+@contextlib.contextmanager
+def _autograd_inside() -> Iterator[None]:
+    """Record autograd inside a custom op: its autograd kernel runs the op below the
+    autograd dispatch keys (and a step program runs without grad), but the segment's
+    backward is autograd's over the same ops, so they are recorded here."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor", "AutogradCPU",
+                "AutogradCUDA", "ADInplaceOrView"):
+        k = getattr(torch._C.DispatchKey, key, None)
+        if k is not None:
+            exclude = exclude.remove(k)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), \
+            torch.enable_grad():
+        yield
 
 
 def _a2a(x: torch.Tensor, out_rows: list[int], in_rows: list[int], rt: str, axis: str,
@@ -107,77 +139,90 @@ def _route(offs: torch.Tensor, experts: int, rt: str, axis: str, phase: str
     return sent, got, order, local_offs
 
 
-@torch.library.custom_op("shardc::expert_mm", mutates_args=())
-def expert_mm(rows: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, experts: int, gemm: str,
-              rt: str, axis: str, node: str) -> torch.Tensor:
-    """``gemm(rows, W, offs)`` for a ``W`` of ``experts`` experts of which this rank holds
-    ``w`` (its share over ``axis``); ``rows`` sorted by expert, ``offs`` their run ends."""
+@torch.library.custom_op("shardc::expert_region", mutates_args=())
+def expert_region(rows: list[torch.Tensor], offs: torch.Tensor, others: list[torch.Tensor],
+                  experts: int, rt: str, axis: str, key: str) -> list[torch.Tensor]:
+    """The expert side of a routing region over ``experts`` experts cut over ``axis``:
+    ``rows`` (each sorted by expert, ``offs`` their runs' ends) go to their experts' ranks,
+    ``SEGMENTS[key]`` runs there on this rank's experts, and its outputs come back, each
+    row to its place."""
+    seg = SEGMENTS[key]
     r = get_runtime(rt)
     phase = "backward" if r.recomputing else "forward"
     sent, got, order, local_offs = _route(offs, experts, rt, axis, phase)
-    received = _a2a(rows, got, sent, rt, axis, phase)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)
-    x = received[order]
-    out = gemm_op(gemm)(x, w, local_offs)
-    back = _a2a(out[inv], sent, got, rt, axis, phase)
-    r.routed[node] = sum(got)
-    STASH.saved[(rt, node)] = _Saved(x, w, local_offs, order, sent, got)
+    received = [_a2a(x, got, sent, rt, axis, phase)[order] for x in rows]
+    with _autograd_inside():
+        leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in [*received, *others]]
+        outs = list(seg.fn(*leaves[:len(rows)], local_offs, *leaves[len(rows):]))
+    inv = torch.argsort(order)
+    back = [_a2a(o.detach()[inv], sent, got, rt, axis, phase) for o in outs]
+    r.routed[key] = sum(got)
+    STASH.saved[(rt, key)] = _Saved(leaves, outs, order, sent, got)
     return back
 
 
-@expert_mm.register_fake
-def _(rows: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, experts: int, gemm: str,
-      rt: str, axis: str, node: str) -> torch.Tensor:
-    return rows.new_empty((rows.shape[0], w.shape[-1]))
+@expert_region.register_fake
+def _(rows: list[torch.Tensor], offs: torch.Tensor, others: list[torch.Tensor], experts: int,
+      rt: str, axis: str, key: str) -> list[torch.Tensor]:
+    n = rows[0].shape[0]
+    return [rows[0].new_empty((n, *shape), dtype=dtype) for shape, dtype in SEGMENTS[key].outs]
 
 
-@torch.library.custom_op("shardc::expert_mm_backward", mutates_args=())
-def expert_mm_backward(grad: torch.Tensor, rows: int, k: int, w_shape: list[int], rt: str,
-                       axis: str, node: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradients of ``expert_mm``'s rows (``rows`` x ``k``) and of this rank's experts
-    (``w_shape``)."""
-    s = STASH.saved.pop((rt, node))
-    received = _a2a(grad, s.got, s.sent, rt, axis, "backward")
-    gx, gw = _grouped_mm_backward(s.x, s.w, s.offs, received[s.order])
-    back = _a2a(gx[torch.argsort(s.order)], s.sent, s.got, rt, axis, "backward")
-    return back, gw
+@torch.library.custom_op("shardc::expert_region_backward", mutates_args=())
+def expert_region_backward(grads: list[torch.Tensor], rt: str, axis: str, key: str
+                           ) -> list[torch.Tensor]:
+    """The gradients of ``expert_region``'s floating inputs: its rows (sent back to their
+    ranks) and its others (this rank's experts', whole over ``axis``; a table's, this
+    rank's part of the sum)."""
+    s = STASH.saved.pop((rt, key))
+    sent, got = s.sent, s.got
+    received = [_a2a(g, got, sent, rt, axis, "backward")[s.order] for g in grads]
+    wants = [t for t in s.leaves if t.requires_grad]
+    with _autograd_inside():
+        found = torch.autograd.grad(s.outs, wants, received, allow_unused=True)
+    by_leaf = {id(t): g for t, g in zip(wants, found)}
+    inv = torch.argsort(s.order)
+    n_rows = len(SEGMENTS[key].rows)
+    out = []
+    for i, t in enumerate(s.leaves):
+        if not t.requires_grad:
+            continue
+        g = by_leaf[id(t)]
+        g = torch.zeros(t.shape, dtype=t.dtype, device=t.device) if g is None else g.contiguous()
+        out.append(_a2a(g[inv], sent, got, rt, axis, "backward") if i < n_rows else g)
+    return out
 
 
-def _grouped_mm_backward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, g: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradients of ``out[a:b] = x[a:b] @ w[e]`` for each expert's run ``a:b``, one GEMM
-    each (as transformers' grouped GEMM fallback computes them). Written out: inside a
-    custom op autograd is below the dispatcher and records nothing."""
-    # contiguous, as the fake says (the weight may be a transposed view of the parameter)
-    gx = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
-    gw = torch.zeros(w.shape, dtype=w.dtype, device=w.device)
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        if end > start:
-            torch.mm(g[start:end], w[e].transpose(0, 1), out=gx[start:end])
-            torch.mm(x[start:end].transpose(0, 1), g[start:end], out=gw[e])
-        start = end
-    return gx, gw
+@expert_region_backward.register_fake
+def _(grads: list[torch.Tensor], rt: str, axis: str, key: str) -> list[torch.Tensor]:
+    seg = SEGMENTS[key]
+    n = grads[0].shape[0]
+    g0 = grads[0]
+    return [g0.new_empty((n, *shape), dtype=dtype) for shape, dtype in seg.rows if dtype.is_floating_point] + \
+        [g0.new_empty(shape, dtype=dtype) for shape, dtype in seg.others if dtype.is_floating_point]
 
 
-@expert_mm_backward.register_fake
-def _(grad: torch.Tensor, rows: int, k: int, w_shape: list[int], rt: str, axis: str, node: str
-      ) -> tuple[torch.Tensor, torch.Tensor]:
-    return grad.new_empty((rows, k)), grad.new_empty(w_shape)
+def _setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    rows, _offs, others, _experts, rt, axis, key = inputs
+    ctx.info = (rt, axis, key)
+    ctx.outs = [(o.shape, o.dtype, o.device) for o in output]
+    ctx.floating = ([t.is_floating_point() for t in rows], [t.is_floating_point() for t in others])
 
 
-def _setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    rows, _offs, w, _experts, _gemm, rt, axis, node = inputs
-    ctx.info = (int(rows.shape[0]), int(rows.shape[1]), [int(d) for d in w.shape], rt, axis, node)
+def _backward(ctx: Any, grads: list[torch.Tensor]) -> tuple:
+    rt, axis, key = ctx.info
+    seg = SEGMENTS[key]
+    grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+             for g, (shape, dtype, device) in zip(grads, ctx.outs)]
+    found = iter(expert_region_backward(list(grads), rt, axis, key))
+    rows_f, others_f = ctx.floating
+    g_rows = [next(found) if f else None for f in rows_f]
+    g_others = [next(found) if f else None for f in others_f]
+    assert len(seg.rows) == len(g_rows)
+    return g_rows, None, g_others, None, None, None, None
 
 
-def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
-    gx, gw = expert_mm_backward(grad, *ctx.info)
-    return gx, None, gw, None, None, None, None, None
-
-
-expert_mm.register_autograd(_backward, setup_context=_setup)
+expert_region.register_autograd(_backward, setup_context=_setup)
 
 # the op as a graph node's target (a CustomOpDef is not one)
-EXPERT_MM = torch.ops.shardc.expert_mm.default
+EXPERT_REGION = torch.ops.shardc.expert_region.default

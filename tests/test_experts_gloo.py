@@ -74,18 +74,20 @@ CASES = [
 
 
 def _expert_weights(sm: shardc.ShardedModule) -> dict[str, tuple]:
-    """(local shape, global shape) of every weight an expert GEMM reads."""
+    """(local shape, global shape) of every stacked expert weight an expert segment reads."""
     from shardc.core.context import GLOBAL_VAL, PARAM
-    from shardc.runtime.experts import EXPERT_MM
+    from shardc.runtime.experts import EXPERT_REGION
 
     out = {}
+    local = dict(sm.named_parameters())
     for n in sm.graph_module.graph.nodes:
-        if n.target is EXPERT_MM:
-            w = n.args[2]
-            while w.op != "placeholder":
-                w = w.all_input_nodes[0]
-            name = w.meta[PARAM]
-            out[name] = (tuple(dict(sm.named_parameters())[name].shape), tuple(w.meta[GLOBAL_VAL].shape))
+        if n.target is EXPERT_REGION:
+            for w in n.args[2]:
+                while w.op != "placeholder":
+                    w = w.all_input_nodes[0]
+                whole = tuple(w.meta[GLOBAL_VAL].shape)
+                if whole and whole[0] == n.args[3] and len(whole) == 3:
+                    out[w.meta[PARAM]] = (tuple(local[w.meta[PARAM]].shape), whole)
     return out
 
 

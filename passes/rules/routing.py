@@ -41,12 +41,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.fx as fx
 
-from shardc.core.context import COMM
-from shardc.core.errors import ShardcError
 from shardc.core.ir import Val
 from shardc.core.placement import Layout
 from shardc.passes.rules.common import existing_ops
-from shardc.runtime.experts import EXPERT_MM
 
 if TYPE_CHECKING:  # the lowering calls the rules; they only name its type
     from shardc.passes.lower import Lowering
@@ -69,7 +66,7 @@ _ARG_MAKERS = {aten.argmax.default, aten.argmin.default}
 _SAME_VALUES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
                 aten.clone.default, aten._to_copy.default, aten.alias.default,
                 aten.contiguous.default, aten.detach.default, aten.flatten.using_ints}
-_IGNORED = {aten._assert_tensor_metadata.default}
+IGNORED = {aten._assert_tensor_metadata.default}
 _ROW_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _ROW_COPIES = {aten.clone.default, aten._to_copy.default, aten.alias.default,
                aten.contiguous.default, aten.detach.default}
@@ -143,7 +140,7 @@ def _integral(n: fx.Node) -> bool:
     return isinstance(v, torch.Tensor) and not v.dtype.is_floating_point and not v.dtype.is_complex
 
 
-def _ndim(n: Any) -> int:
+def ndim_of(n: Any) -> int:
     v = n.meta.get("val") if isinstance(n, fx.Node) else None
     return v.dim() if isinstance(v, torch.Tensor) else 0
 
@@ -163,7 +160,7 @@ def _classify(region: Region, user: fx.Node, src: fx.Node, kind: str, ratio: int
     [] when it ends the region there; raises _Reject when it reads the order."""
     t = user.target
     kinds = region.kinds
-    if t in _IGNORED:
+    if t in IGNORED:
         return []
     if kind == IDX:
         if t in (aten.div.Tensor_mode, aten.floor_divide.default) and user.args[0] is src:
@@ -236,7 +233,7 @@ def _grouped(region: Region, user: fx.Node) -> list:
     spec = region.gemms.get(user.target)
     if spec is None:
         raise _Reject(f"{user.format_node()} reads the offsets")
-    x, w, off = _operands(region, user)
+    x, w, off = gemm_operands(region, user)
     extra = [a for a in user.all_input_nodes if a not in (x, w, off)]
     if region.kinds.get(x, (None,))[0] != ROWS or region.kinds.get(off, (None,))[0] != OFFS \
             or w in region.kinds or any(a in region.kinds for a in extra):
@@ -248,7 +245,7 @@ def _row_wise(user: fx.Node, src: fx.Node, kinds: dict) -> bool:
     """Does ``user`` compute each of its output rows from the same row of ``src`` (and of
     the region's other row values) alone, keeping dim 0 first?"""
     t = user.target
-    nd = _ndim(src)
+    nd = ndim_of(src)
     out_rows = _rows_of(user) if isinstance(user.meta.get("val"), torch.Tensor) else None
     if t in _ROW_COPIES:
         return user.args[0] is src
@@ -259,7 +256,7 @@ def _row_wise(user: fx.Node, src: fx.Node, kinds: dict) -> bool:
         return user.args[0] is src and dim % max(nd, 1) != 0
     if t in _DIM_ARG1:
         dim = int(user.args[1]) if len(user.args) > 1 else 0
-        ndim = _ndim(user) if t is aten.unsqueeze.default else nd
+        ndim = ndim_of(user) if t is aten.unsqueeze.default else nd
         return user.args[0] is src and dim % max(ndim, 1) != 0
     if t is aten.transpose.int:
         a, b = (int(d) for d in user.args[1:3])
@@ -274,17 +271,17 @@ def _row_wise(user: fx.Node, src: fx.Node, kinds: dict) -> bool:
         return user.args[0] is src and len(user.args[1]) < nd and \
             not any(a in kinds for a in user.all_input_nodes if a is not src)
     if t in _GEMMS_LEFT:  # rows @ W, W not batched (a batched W would lead the output)
-        return user.args[0] is src and nd >= 2 and _ndim(user) == nd and \
+        return user.args[0] is src and nd >= 2 and ndim_of(user) == nd and \
             _rows_of(user) == _rows_of(src) and \
             not any(a in kinds for a in user.all_input_nodes if a is not src)
     if isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags:
-        if _rows_of(user) != _rows_of(src) or _ndim(user) != nd:
+        if _rows_of(user) != _rows_of(src) or ndim_of(user) != nd:
             return False
         for a in user.all_input_nodes:
             if a in kinds:
-                if kinds[a][0] != ROWS or _ndim(a) != nd:
+                if kinds[a][0] != ROWS or ndim_of(a) != nd:
                     return False
-            elif _ndim(a) == nd and _rows_of(a) != 1:
+            elif ndim_of(a) == nd and _rows_of(a) != 1:
                 return False  # a whole tensor of rows in the batch's order, mixed in
         return True
     return False
@@ -297,7 +294,7 @@ def find_regions(graph: fx.Graph) -> list[Region]:
         if node.target not in _SORTS:
             continue
         x = node.args[0]
-        if _ndim(x) != 1 or not isinstance(x.meta["val"].shape[0], int):
+        if ndim_of(x) != 1 or not isinstance(x.meta["val"].shape[0], int):
             continue  # a size known only at run time: no even cut to check
         region = Region(node, int(x.meta["val"].shape[0]), gemms=gemms)
         try:
@@ -350,7 +347,8 @@ def _grow(region: Region) -> None:
 def region_rules(L: Lowering, graph: fx.Graph) -> dict[fx.Node, Callable[[Lowering, fx.Node], Any]]:
     """The rule of each node in a routing region of ``graph`` (the rest keep the table's)."""
     out: dict[fx.Node, Callable[[Lowering, fx.Node], Any]] = {}
-    for region in find_regions(graph):
+    regions = find_regions(graph)
+    for region in regions:
         out[region.sort] = _sort_rule(region)
         for n, (kind, _) in region.kinds.items():
             out[n] = _member_rule(region, kind)
@@ -358,45 +356,11 @@ def region_rules(L: Lowering, graph: fx.Graph) -> dict[fx.Node, Callable[[Loweri
             out[n] = _exit_rule(region)
         for n in region.aranges:
             out[n] = _arange_rule(region)
-        _pin_experts(L, region)
+    L.regions = regions
     return out
 
 
-# ops between a stacked expert weight and its grouped GEMM that keep the expert dim first
-_WEIGHT_VIEWS = {aten.transpose.int, aten.permute.default, aten._to_copy.default, aten.alias.default,
-                 aten.detach.default, aten.contiguous.default, aten.clone.default}
-
-
-def _pin_experts(L: Lowering, region: Region) -> None:
-    """With ``expert_axes``, store each grouped GEMM's expert weight cut on its expert dim
-    before anything uses it (a parameter's storage is otherwise its first use's layout: the
-    transpose of transformers' ``_grouped_linear`` would keep it whole), and let the views
-    between it and the GEMM keep that layout (``L.pinned``)."""
-    axes = L.ctx.options.expert_axes
-    if not axes or L.mesh.size(axes[0]) == 1:
-        return
-    for n in region.kinds:
-        if n.target not in region.gemms:
-            continue
-        w = _operands(region, n)[1]
-        while isinstance(w, fx.Node) and w.op == "call_function" and w.target in _WEIGHT_VIEWS:
-            if w.target is aten.permute.default and int(w.args[1][0]) % _ndim(w) != 0:
-                break
-            if w.target is aten.transpose.int and 0 in (int(w.args[1]) % _ndim(w), int(w.args[2]) % _ndim(w)):
-                break
-            w = w.args[0]
-        role = L.roles.get(w.name) if isinstance(w, fx.Node) and w.op == "placeholder" else None
-        if role is None or role[0] != "param":
-            continue
-        name = role[1]
-        shape = list(w.meta["val"].shape)
-        if name not in L.storage and shape and shape[0] % L.mesh.size(axes[0]) == 0:
-            cut = Layout(len(shape), ((axes[0],),) + tuple(() for _ in shape[1:]))
-            L.storage[name] = L._storage_for(cut, shape)
-            L.pinned.add(name)
-
-
-def _rows_layout(axes: tuple[str, ...], ndim: int) -> Layout:
+def rows_layout(axes: tuple[str, ...], ndim: int) -> Layout:
     return Layout(ndim, (axes,) + tuple(() for _ in range(ndim - 1)))
 
 
@@ -415,9 +379,9 @@ def _sort_rule(region: Region) -> Callable[[Lowering, fx.Node], Any]:
         if not even or lay.interleave[0] != 1:
             return _ordinary(L, node)
         region.axes = tuple(axes)
-        xn = L.to_layout(x, _rows_layout(region.axes, 1))
+        xn = L.to_layout(x, rows_layout(region.axes, 1))
         vals = node.meta["val"]
-        out = _rows_layout(region.axes, 1)
+        out = rows_layout(region.axes, 1)
         sn = L.emit(node.target, (xn, *node.args[1:]), dict(node.kwargs), layout=None, val=vals)
         L.decisions.append(
             f"{node.name} ({L.src.module}:{L.src.line}): each rank sorts its own rows over "
@@ -429,14 +393,14 @@ def _sort_rule(region: Region) -> Callable[[Lowering, fx.Node], Any]:
     return rule
 
 
-def _local(L: Lowering, region: Region, a: Any) -> Any:
+def local_value(L: Lowering, region: Region, a: Any) -> Any:
     """``a``'s node on this rank, its rows cut over the region's axes, the rest whole."""
     v = L.env[a] if isinstance(a, fx.Node) else a
     if not isinstance(v, Val):
         return v
     if a in region.kinds and region.kinds[a][0] in (COUNTS, OFFS):
         return v.node  # the rank's own counts: local by construction
-    return L.to_layout(v, _rows_layout(region.axes or (), v.ndim))
+    return L.to_layout(v, rows_layout(region.axes or (), v.ndim))
 
 
 def _emit_local(L: Lowering, node: fx.Node, args: tuple, kwargs: dict, lay: Layout) -> Val:
@@ -461,70 +425,39 @@ def _member_rule(region: Region, kind: str) -> Callable[[Lowering, fx.Node], Any
             return _ordinary(L, node)  # row-wise (and the sort's getitems)
         if kind == IDX and t is not aten.index.Tensor:
             return _ordinary(L, node)  # perm // k, and the sort's getitem
-        rows = _rows_layout(region.axes, _ndim(node))
+        rows = rows_layout(region.axes, ndim_of(node))
         if t is aten.index.Tensor:
             x, idx = node.args[0], node.args[1][0]
             if region.kinds[idx][0] == IDX:  # x[perm // k]: x's own rows on this rank
-                xn = _local(L, region, x)
+                xn = local_value(L, region, x)
             else:  # table[keys]: every rank holds the whole table
                 xv = L.env[x]
                 xn = L.to_layout(xv, Layout.replicate(xv.ndim))
-            return _emit_local(L, node, (xn, [_local(L, region, idx)]), {}, rows)
+            return _emit_local(L, node, (xn, [local_value(L, region, idx)]), {}, rows)
         if t in region.gemms:
             wi = region.gemms[t][1]
-            ep = _expert_axis(L, region, node)
-            if ep is not None:
-                return _expert_gemm(L, region, node, ep, rows)
             args, kwargs = _locals(L, region, node, skip=node.args[wi])
             wv = L.env[node.args[wi]]
             args = args[:wi] + (L.to_layout(wv, Layout.replicate(wv.ndim)),) + args[wi + 1:]
             return _emit_local(L, node, args, kwargs, rows)
         if kind == EMPTY:
-            return _emit_local(L, node, (_local(L, region, node.args[0]),), dict(node.kwargs), rows)
+            return _emit_local(L, node, (local_value(L, region, node.args[0]),), dict(node.kwargs), rows)
         if kind == INV:  # inv[perm] = arange(n), with n the rank's own rows
             ar = node.args[2]
             assert isinstance(ar, fx.Node)
             local_n = region.n // math.prod(L.mesh.size(a) for a in region.axes)
             arn = L.emit(aten.arange.default, (local_n,), dict(ar.kwargs), layout=rows,
                          val=ar.meta.get("val"))
-            return _emit_local(L, node, (_local(L, region, node.args[0]),
-                                         [_local(L, region, node.args[1][0])], arn), {}, rows)
+            return _emit_local(L, node, (local_value(L, region, node.args[0]),
+                                         [local_value(L, region, node.args[1][0])], arn), {}, rows)
         if kind in (COUNTS, OFFS):
             args, kwargs = _locals(L, region, node)
-            return _emit_local(L, node, args, kwargs, Layout.replicate(_ndim(node)))
+            return _emit_local(L, node, args, kwargs, Layout.replicate(ndim_of(node)))
         raise AssertionError(f"no routing rule for a {kind} value: {node.format_node()}")
     return rule
 
 
-def _expert_axis(L: Lowering, region: Region, node: fx.Node) -> str | None:
-    """The axis ``node``'s experts are cut over (``compile(expert_axes=...)``), or None
-    when they are kept whole; refuses a grouped GEMM whose experts cannot be cut."""
-    axes = L.ctx.options.expert_axes
-    if not axes or L.mesh.size(axes[0]) == 1:
-        return None
-    axis = axes[0]
-    w = node.args[region.gemms[node.target][1]]
-    experts = _val_shape(w)[0] if _val_shape(w) else 0
-    where = f"{node.target} ({L.src.module}:{L.src.line})"
-    assert region.axes is not None
-    if axis not in region.axes:
-        raise ShardcError(
-            f"shardc.compile: expert_axes={axes!r}, but the tokens reaching the experts of {where} "
-            f"are cut over {' and '.join(region.axes)} only, so no all-to-all over {axis} can "
-            "bring them to their experts' ranks.")
-    if experts % L.mesh.size(axis):
-        raise ShardcError(
-            f"shardc.compile: expert_axes={axes!r}: {where} has {experts} experts, which "
-            f"{axis}={L.mesh.size(axis)} does not divide; each rank must hold the same number.")
-    x, w, off = _operands(region, node)
-    if any(a is not None and a not in (x, w, off) for a in (*node.args, *node.kwargs.values())):
-        raise ShardcError(
-            f"shardc.compile: expert_axes={axes!r}: {where} takes arguments besides the rows, "
-            "the experts' weight and the offsets, which the expert-parallel GEMM does not pass on.")
-    return axis
-
-
-def _operands(region: Region, node: fx.Node) -> tuple[Any, Any, Any]:
+def gemm_operands(region: Region, node: fx.Node) -> tuple[Any, Any, Any]:
     """A grouped GEMM's (rows, weight, offsets) arguments."""
     xi, wi, oi = region.gemms[node.target]
     off = node.kwargs.get(oi) if isinstance(oi, str) else (node.args[oi] if len(node.args) > oi else None)
@@ -533,34 +466,9 @@ def _operands(region: Region, node: fx.Node) -> tuple[Any, Any, Any]:
     return node.args[xi], node.args[wi], off
 
 
-def _val_shape(n: Any) -> tuple[int, ...]:
-    v = n.meta.get("val") if isinstance(n, fx.Node) else None
-    return tuple(int(d) for d in v.shape) if isinstance(v, torch.Tensor) else ()
-
-
-def _expert_gemm(L: Lowering, region: Region, node: fx.Node, axis: str, rows: Layout) -> Val:
-    """The grouped GEMM with its experts cut over ``axis``: the weight stays this rank's
-    share (no gather), the rows travel to it and back (``runtime.experts.expert_mm``)."""
-    xa, wa, off = _operands(region, node)
-    wv = L.env[wa]
-    nd = wv.ndim
-    w = L.to_layout(wv, Layout(nd, ((axis,),) + tuple(() for _ in range(nd - 1))))
-    experts = _val_shape(wa)[0]
-    x = _local(L, region, xa)
-    offs = _local(L, region, off)
-    out = L.emit(EXPERT_MM, (x, offs, w, experts, str(node.target), L.rt, axis, node.name), {},
-                 layout=rows, val=node.meta.get("val"))
-    out.meta[COMM] = {"collective": "all_to_all", "axis": axis, "experts": experts}
-    L.decisions.append(
-        f"{node.name} ({L.src.module}:{L.src.line}): the {experts} experts are cut over {axis} "
-        f"({experts // L.mesh.size(axis)} a rank); each rank sends every row to its expert's "
-        "rank by all-to-all and gets the results back the same way")
-    return Val(out, rows.clean(L.mesh), node.meta.get("val"))
-
-
 def _locals(L: Lowering, region: Region, node: fx.Node, skip: Any = None) -> tuple[tuple, dict]:
     def sub(a: fx.Node) -> Any:
-        return a if a is skip else _local(L, region, a)
+        return a if a is skip else local_value(L, region, a)
     return fx.node.map_arg(node.args, sub), fx.node.map_arg(node.kwargs, sub)
 
 
@@ -577,6 +485,6 @@ def _exit_rule(region: Region) -> Callable[[Lowering, fx.Node], Any]:
         if region.axes is None:
             return _ordinary(L, node)
         x, inv = node.args[0], node.args[1][0]
-        return _emit_local(L, node, (_local(L, region, x), [_local(L, region, inv)]), {},
-                           _rows_layout(region.axes, _ndim(node)))
+        return _emit_local(L, node, (local_value(L, region, x), [local_value(L, region, inv)]), {},
+                           rows_layout(region.axes, ndim_of(node)))
     return rule

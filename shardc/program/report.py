@@ -33,7 +33,7 @@ from shardc.core.placement import Layout
 from shardc.core.precision import Precision, reduce_dtype
 from shardc.passes.step_nodes import collective_nodes
 from shardc.runtime import collectives as C
-from shardc.runtime.experts import EXPERT_MM
+from shardc.runtime.experts import EXPERT_REGION
 from shardc.runtime.volume import as_number, ring_bytes
 
 PHASES = ("forward", "backward", "step")
@@ -183,7 +183,7 @@ def build_rows(gm: fx.GraphModule, mesh: Mesh, storage: dict[str, Layout],
             nb = _local_numel(inp, mesh) * _elsize(inp.meta[GLOBAL_VAL])
             rows.append(CommRow(n.name, op, module, _param_of(inp), "all_reduce", axis, phase,
                                 as_number(ring_bytes("all_reduce", mesh.size(axis), nb)), *_terms(inp)))
-        elif n.target is EXPERT_MM:
+        elif n.target is EXPERT_REGION:
             rows += expert_rows(n, mesh, routed)
     for name, axes in reduce_params.items():
         val = param_vals[name]
@@ -200,45 +200,48 @@ def build_rows(gm: fx.GraphModule, mesh: Mesh, storage: dict[str, Layout],
     return rows
 
 
-# an expert GEMM's all-to-alls in one call: (phase, what, whose rows, its width), in the
-# order runtime/experts.py issues them. "sent": this rank's own rows (a fixed number);
-# "received": the rows routed to this rank's experts (known once a step has run)
-EXPERT_EXCHANGES = (("forward", "expert counts", "counts", ""),
-                    ("forward", "expert dispatch", "sent", "in"),
-                    ("forward", "expert combine", "received", "out"),
-                    ("backward", "expert dispatch (gradient)", "sent", "out"),
-                    ("backward", "expert combine (gradient)", "received", "in"))
-
-
 def expert_rows(n: fx.Node, mesh: Mesh, routed: dict[str, int] | None) -> list[CommRow]:
-    """The all-to-alls of one expert-parallel grouped GEMM (``runtime.experts``). Before a
-    step the received rows are taken as uniform routing (every rank gets as many rows as
-    it sends) and the row says so; after one, they are the last step's."""
-    x, _offs, w, experts, _gemm, _rt, axis, key = cast(tuple[Any, ...], n.args)
+    """The all-to-alls of one expert segment (``runtime.experts.expert_region``), one row
+    each, in the order it issues them: the E counts; each row input to the experts and each
+    output back (forward); each output's gradient to the experts and each floating input's
+    gradient back (backward). What comes back carries the rows routed to this rank's
+    experts: before a step they are taken as uniform routing (as many as the rank sends)
+    and the row says so; after one, they are the last step's."""
+    rows_in, _offs, _others, experts, _rt, axis, key = cast(tuple[Any, ...], n.args)
     module = getattr(n.meta.get(SOURCE), "module", "") or ""
     g = mesh.size(axis)
-    el = _elsize(x.meta[GLOBAL_VAL])
-    sent = _local_numel(x, mesh) // int(x.meta[GLOBAL_VAL].shape[1])
-    width = {"in": int(x.meta[GLOBAL_VAL].shape[1]), "out": int(w.meta[GLOBAL_VAL].shape[-1])}
     got = (routed or {}).get(key)
-    num, divs = _terms(x)
-    out = []
-    divs_: tuple[str, ...]
-    for phase, what, whose, dim in EXPERT_EXCHANGES:
-        if phase == "backward" and not n.meta.get(REQUIRES_GRAD):
-            continue
-        if whose == "counts":  # the E counts, int64 (fixed)
-            nb, num_, divs_ = experts * 8, experts * 8, ()
-        else:
-            count = sent if whose == "sent" or got is None else got
-            nb = count * width[dim] * el
-            num_, divs_ = (num // int(x.meta[GLOBAL_VAL].shape[1]) * width[dim], divs) \
-                if whose == "sent" or got is None else (nb, ())
-        label = what if whose != "received" else \
-            f"{what} ({'uniform-routing estimate' if got is None else 'routed, last step'})"
-        out.append(CommRow(n.name, label, module, None, "all_to_all", axis, phase,
-                           as_number(ring_bytes("all_to_all", g, nb)), num_, divs_))
+    sent = _local_numel(rows_in[0], mesh) // max(1, math.prod(rows_in[0].meta[GLOBAL_VAL].shape[1:]))
+    n_global = int(rows_in[0].meta[GLOBAL_VAL].shape[0])
+    divs = tuple(a for a in (n.meta.get(PLACEMENT) or _first_layout(n)).dims[0])
+    outs = list(n.meta[GLOBAL_VAL])
+    grads = n.meta.get(REQUIRES_GRAD)
+    label = "uniform-routing estimate" if got is None else "routed, last step"
+    out = [CommRow(n.name, "expert counts", module, None, "all_to_all", axis, "forward",
+                   as_number(ring_bytes("all_to_all", g, experts * 8)), experts * 8, ())]
+
+    def row(what: str, phase: str, t: Any, back: bool) -> CommRow:
+        per_row = math.prod(t.shape[1:]) * _elsize(t)
+        if back and got is not None:  # exact: this rank's last step
+            nb = got * per_row
+            return CommRow(n.name, f"{what} ({label})", module, None, "all_to_all", axis, phase,
+                           as_number(ring_bytes("all_to_all", g, nb)), nb, ())
+        return CommRow(n.name, f"{what} ({label})" if back else what, module, None, "all_to_all",
+                       axis, phase, as_number(ring_bytes("all_to_all", g, sent * per_row)),
+                       n_global * per_row, divs)
+
+    out += [row("expert dispatch", "forward", x.meta[GLOBAL_VAL], False) for x in rows_in]
+    out += [row("expert combine", "forward", o, True) for o in outs]
+    if grads:
+        out += [row("expert dispatch (gradient)", "backward", o, False) for o in outs]
+        out += [row("expert combine (gradient)", "backward", x.meta[GLOBAL_VAL], True)
+                for x in rows_in if x.meta[GLOBAL_VAL].dtype.is_floating_point]
     return out
+
+
+def _first_layout(n: fx.Node) -> Layout:
+    """The layout of a tuple-valued node's first element (its ``getitem`` user)."""
+    return next(u.meta[PLACEMENT] for u in n.users if isinstance(u.meta.get(PLACEMENT), Layout))
 
 
 def zero_rows(mesh: Mesh, layouts: dict[str, Layout], zero: dict[str, Any],
@@ -418,7 +421,7 @@ def comm_report(sm: Any) -> CommReport:
     if calls is not None:
         # an expert GEMM is one op of the step program that issues each of its rows'
         # all-to-alls itself
-        experts = {n.name for n in gm.graph.nodes if n.target is EXPERT_MM}
+        experts = {n.name for n in gm.graph.nodes if n.target is EXPERT_REGION}
         for r in rows:
             if r.node in experts:
                 calls[(r.collective, r.axis, r.phase)] = calls.get((r.collective, r.axis, r.phase), 0) + 1

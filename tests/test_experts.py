@@ -1,0 +1,148 @@
+"""Expert parallelism (``compile(expert_axes=...)``): the option's checks, what the
+lowering builds (the segment that runs on the experts' ranks, each expert weight stored
+1/G a rank, never gathered), the comm report before a step, and the refusals, in one
+process under the fake process group. The numbers on real gloo ranks against float64 are
+tests/test_experts_gloo.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from test_routing import Routed, _batch
+
+import shardc
+from shardc.core.context import GLOBAL_VAL, PARAM
+from shardc.runtime.experts import EXPERT_REGION, SEGMENTS
+
+pytestmark: list = []  # one process, fast: the fast tier
+
+
+@pytest.mark.parametrize("axes,error,text", [
+    ("data", shardc.OptionTypeError, "tuple of axis names"),
+    (("x",), shardc.OptionError, "does not cut the tokens"),
+    (("data", "z"), shardc.OptionError, "more than one axis"),
+    ((3,), shardc.OptionTypeError, "tuple of axis names"),
+])
+def test_expert_axes_is_checked(axes, error, text) -> None:
+    with pytest.raises(error, match=text):
+        shardc.Options(expert_axes=axes)
+
+
+def test_a_capacity_factor_is_refused_not_ignored() -> None:
+    with pytest.raises(shardc.OptionError, match="expert_capacity"):
+        shardc.Options(expert_axes=("data",), expert_capacity=1.25)
+
+
+def _segments(sm) -> list:
+    return [n for n in sm.graph_module.graph.nodes if n.target is EXPERT_REGION]
+
+
+def test_the_experts_side_of_a_region_is_one_segment(fake_world) -> None:
+    """Both grouped GEMMs, the bias looked up by key and the activation between them run
+    on the experts' ranks as one op: the tokens and their keys go there once, the output
+    comes back once."""
+    fake_world(4)
+    sm = shardc.compile(Routed("norm"), shardc.Mesh.parse("x1y1z1d4"), _batch(), expert_axes=("data",))
+    (seg,) = _segments(sm)
+    rows, _offs, others, experts, _rt, axis, key = seg.args
+    assert experts == 4 and axis == "data"
+    # the token rows and the sorted keys travel; the output comes back
+    assert sorted(str(r.meta[GLOBAL_VAL].dtype) for r in rows) == ["torch.float32", "torch.int64"]
+    assert len(SEGMENTS[key].outs) == 1
+    ops = {n.target for n in SEGMENTS[key].fn.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.native_layer_norm.default in ops or torch.ops.aten.layer_norm.default in ops
+    # each rank stores one expert of each stacked weight; the bias table stays whole
+    local = {k: tuple(v.shape) for k, v in sm.named_parameters()}
+    assert local["up"] == (1, 8, 16) and local["down"] == (1, 16, 8) and local["bias"] == (4, 16)
+    report = shardc.comm_report(sm)
+    assert not [r for r in report.rows if r.param in ("up", "down")], "an expert weight moved"
+    assert "run on the experts' ranks" in shardc.explain(sm)
+
+
+def test_the_report_before_a_step_is_uniform_routing_and_says_so(fake_world) -> None:
+    """Before any step the rows coming back are taken as many as were sent; the forward
+    all-to-all bytes are then (G-1)/G of: the counts, the rows and keys sent, the rows
+    back."""
+    fake_world(4)
+    sm = shardc.compile(Routed(), shardc.Mesh.parse("x1y1z1d4"), _batch(), expert_axes=("data",))
+    rows = [r for r in shardc.comm_report(sm).rows if r.collective == "all_to_all"]
+    assert {r.op for r in rows if "combine" in r.op} == {
+        "expert combine (uniform-routing estimate)", "expert combine (gradient) (uniform-routing estimate)"}
+    local_rows = 8 * 4 * 2 // 4  # tokens x top-2, a quarter each rank
+    counts, x_in, keys_in, out = 4 * 8, local_rows * 8 * 4, local_rows * 8, local_rows * 8 * 4
+    fwd = sum(r.bytes for r in rows if r.phase == "forward")
+    assert fwd == pytest.approx(3 / 4 * (counts + x_in + keys_in + out))
+    # backward: the output's gradient there, the rows' gradient back (the keys have none)
+    bwd = sum(r.bytes for r in rows if r.phase == "backward")
+    assert bwd == pytest.approx(3 / 4 * (out + x_in))
+
+
+class _EarlyRead(Routed):
+    """The activation between the GEMMs is also read before the second GEMM by a row-wise
+    op outside the experts' path: the segment cannot end after the second GEMM, so each
+    grouped GEMM is a segment of its own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        h = x.reshape(-1, d)
+        w, idx = torch.topk(self.router(h).softmax(-1), self.k, dim=-1)
+        keys, perm = torch.sort(idx.reshape(-1))
+        rows = h[perm // self.k]
+        counts = torch.histc(keys.float(), bins=self.experts, min=0, max=self.experts - 1)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        y1 = F.silu(self.grouped(rows, self.up, offs))
+        scale = y1.mean(-1, keepdim=True) * w.reshape(-1)[perm].unsqueeze(-1)
+        y = self.grouped(y1, self.down, offs) * scale
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0))
+        return (x + y[inv].view(-1, self.k, d).sum(1).view(b, s, d)).pow(2).mean()
+
+
+def test_a_segment_read_early_falls_back_to_one_a_gemm(fake_world) -> None:
+    fake_world(2)
+    sm = shardc.compile(_EarlyRead(), shardc.Mesh.parse("x1y1z1d2"), _batch(), expert_axes=("data",))
+    assert len(_segments(sm)) == 2
+
+
+def test_a_model_without_grouped_experts_is_refused(fake_world) -> None:
+    fake_world(2)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    with pytest.raises(shardc.ShardcError, match="no experts were found to cut"):
+        shardc.compile(model, shardc.Mesh.parse("x1y1z1d2"), (torch.randn(8, 8),), expert_axes=("data",))
+
+
+def test_experts_that_the_axis_does_not_divide_are_refused(fake_world) -> None:
+    fake_world(8)
+    with pytest.raises(shardc.ShardcError, match="4 experts, which data=8 does not divide"):
+        shardc.compile(Routed(), shardc.Mesh.parse("x1y1z1d8"), (torch.randn(16, 4, 8),),
+                       expert_axes=("data",))
+
+
+def test_an_axis_of_one_rank_keeps_the_experts_as_they_were(fake_world) -> None:
+    """expert_axes=("z",) on a mesh without z: nothing to cut over, the program is the
+    one without the option."""
+    fake_world(2)
+    mesh = shardc.Mesh.parse("x1y1z1d2")
+    a = shardc.compile(Routed(), mesh, _batch(), expert_axes=("z",))
+    b = shardc.compile(Routed(), mesh, _batch())
+    assert not _segments(a)
+    assert shardc.comm_report(a).by_key() == shardc.comm_report(b).by_key()
+
+
+def test_expert_weights_of_a_transformers_model_are_stored_cut(fake_world) -> None:
+    """transformers' experts transpose their stacked weights on the way to the grouped
+    GEMM: the stored shard is still 1/G of the experts, not the whole weight."""
+    import test_experts_gloo as E
+    import test_train_gloo as T
+
+    fake_world(4)
+    make, batches = T._lm(E.MOES["mixtral"])
+    sm = shardc.compile(make(), shardc.Mesh.parse("x1y1z1d4"), batches[0], expert_axes=("data",))
+    assert len(_segments(sm)) == 2  # one a layer: both GEMMs and the gate between them
+    experts = {n.meta[PARAM] for n in sm.graph_module.graph.nodes
+               if n.op == "placeholder" and ".experts." in str(n.meta.get(PARAM))}
+    assert experts
+    for name in experts:
+        local = dict(sm.named_parameters())[name]
+        assert local.shape[0] == 2, (name, local.shape)  # 8 experts over data=4
