@@ -440,6 +440,10 @@ class Lowering:
                 v = self.param_val[name]
                 self.storage[name] = self._storage_for(Layout.replicate(v.dim()), list(v.shape))
             ph.meta[PLACEMENT] = self.storage[name]
+        # in the model's order, whatever order the storages were decided in (an expert
+        # weight's before the lowering began): the module's parameters, and so an
+        # optimizer's groups, must not depend on the mesh or the options
+        self.storage = {name: self.storage[name] for name in self.param_ph}
         return LowerResult(gm, self.storage, fallbacks=self.fallbacks, decisions=self.decisions)
 
     def _placeholder(self, node: fx.Node) -> Any:

@@ -75,6 +75,8 @@ class Runtime:
         # node) received in its last call; they depend on routing, so the comm report
         # reads them here once a step has run
         self.routed: dict[str, int] = {}
+        # and how they were spread over the experts and ranks (runtime.experts.ExpertLoad)
+        self.expert_load: dict[str, Any] = {}
         # gradient accumulation (``ShardedModule.no_sync``): while ``sync`` is False the
         # backward skips every gradient reduction. A weight's full, unreduced gradient
         # waits in ``deferred`` (keyed by its all-gather node) for the next synced

@@ -79,6 +79,17 @@ SEGMENTS: dict[str, Segment] = {}
 
 
 @dataclass
+class ExpertLoad:
+    """How one expert segment's rows were spread in its last call, on this rank
+    (``ShardedModule.expert_load``): imbalance is what makes expert parallelism slow, the
+    rank with the most rows setting everyone's pace."""
+    axis: str  # the axis the experts are cut over
+    sent_per_expert: list[int]  # this rank's token-expert rows bound for each expert (all E)
+    received_per_rank: list[int]  # rows this rank's experts got from each rank of the axis
+    received_per_expert: list[int]  # rows each of this rank's experts got, from every rank
+
+
+@dataclass
 class _Saved:
     leaves: list[torch.Tensor]  # the segment's inputs (received rows, then others), as leaves
     outs: list[torch.Tensor]  # its outputs, attached to the leaves by autograd
@@ -113,7 +124,7 @@ def _a2a(x: torch.Tensor, out_rows: list[int], in_rows: list[int], rt: str, axis
     return out
 
 
-def _route(offs: torch.Tensor, experts: int, rt: str, axis: str, phase: str
+def _route(offs: torch.Tensor, experts: int, rt: str, axis: str, phase: str, key: str
            ) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
     """Exchange the counts: (rows sent each rank, rows got from each rank, the received
     rows' order by local expert, the local experts' offsets)."""
@@ -127,7 +138,9 @@ def _route(offs: torch.Tensor, experts: int, rt: str, axis: str, phase: str
     with guarded(rt, "all_to_all", axis, phase):
         dist.all_to_all_single(recv, counts, group=r.group(axis))
     sent = counts.view(g, local).sum(1).tolist()
-    by_source = recv.view(g, local)  # [source, local expert]: rows that source sends it
+    by_source = recv.view(g, local)
+    r.expert_load[key] = ExpertLoad(axis, counts.tolist(), by_source.sum(1).tolist(),
+                                    by_source.sum(0).tolist())  # [source, local expert]: rows that source sends it
     got = by_source.sum(1).tolist()
     # received rows come source-major, each source's rows expert by expert; the GEMM wants
     # them expert-major. A stable sort of the expert numbers gives that order and keeps
@@ -149,7 +162,7 @@ def expert_region(rows: list[torch.Tensor], offs: torch.Tensor, others: list[tor
     seg = SEGMENTS[key]
     r = get_runtime(rt)
     phase = "backward" if r.recomputing else "forward"
-    sent, got, order, local_offs = _route(offs, experts, rt, axis, phase)
+    sent, got, order, local_offs = _route(offs, experts, rt, axis, phase, key)
     received = [_a2a(x, got, sent, rt, axis, phase)[order] for x in rows]
     with _autograd_inside():
         leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in [*received, *others]]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 import shardc
 
@@ -91,6 +92,12 @@ def _expert_weights(sm: shardc.ShardedModule) -> dict[str, tuple]:
     return out
 
 
+def _segments_of(sm: shardc.ShardedModule) -> list:
+    from shardc.runtime.experts import EXPERT_REGION
+
+    return [n for n in sm.graph_module.graph.nodes if n.target is EXPERT_REGION]
+
+
 def _one(rank: int, world_size: int, name: str, spec: str, axis: str, options: dict) -> None:
     import test_train_gloo as T
     import transformers.integrations.moe as moe
@@ -112,6 +119,22 @@ def _one(rank: int, world_size: int, name: str, spec: str, axis: str, options: d
     for pname, (local, whole) in weights.items():
         if math.prod(local) * g > math.prod(whole) or local[0] * g > whole[0]:
             failures.append(f"{name}@{spec}: {pname} is {local} on a rank, of {whole}")
+    # the load: what each rank sent, its experts received (one step)
+    sm(*[shardc.shard_batch(t, mesh) for t in batches[0]]).backward()
+    load = sm.expert_load()
+    if len(load) != len(_segments_of(sm)):
+        failures.append(f"{name}@{spec}: expert_load has {sorted(load)}")
+    rows_sent = torch.tensor([sum(v.sent_per_expert) for v in load.values()], dtype=torch.float64)
+    rows_got = torch.tensor([sum(v.received_per_expert) for v in load.values()], dtype=torch.float64)
+    for v in load.values():
+        if sum(v.received_per_rank) != sum(v.received_per_expert) or \
+                len(v.received_per_rank) != g or len(v.sent_per_expert) * 1 != g * len(v.received_per_expert):
+            failures.append(f"{name}@{spec}: inconsistent load {v}")
+    # every row sent is received somewhere: equal sums over the world (dropless)
+    both = torch.stack([rows_sent, rows_got])
+    torch.distributed.all_reduce(both)
+    if not torch.equal(both[0], both[1]):
+        failures.append(f"{name}@{spec}: rows sent {both[0].tolist()} != received {both[1].tolist()}")
     gathered = [r for r in shardc.comm_report(sm).rows
                 if r.param in weights and r.collective == "all_gather" and r.axis == axis]
     if gathered:
@@ -147,3 +170,58 @@ def test_experts_cut_with_other_options(ranks, options: dict) -> None:
     the rest sharded over the ranks that replicate each (shard_optimizer), and the
     options that run the program another way."""
     ranks.run(_one, 4, "olmoe", "x1y1z2d2", "z", options)
+
+
+def _checkpoint(rank: int, world_size: int, root: str) -> None:
+    """Saved with the experts cut 4 ways over data; loaded with them cut 2 ways over z,
+    and kept whole: parameters and AdamW state bitwise the saved ones (resharding copies),
+    and the next step's loss the same to fp32 noise."""
+    import test_train_gloo as T
+    import transformers.integrations.moe as moe
+
+    import shardc.checkpoint as ckpt
+
+    moe._can_use_grouped_mm = lambda *args, **kwargs: False
+    make, batches = T._lm(MOES["mixtral"])
+    torch.manual_seed(0)
+    model = make()
+
+    def fresh(spec: str, axes: tuple | None) -> tuple:
+        sm = shardc.compile(model, shardc.Mesh.parse(spec), batches[0], expert_axes=axes)
+        return sm, torch.optim.AdamW(sm.parameters(), lr=1e-3)
+
+    def step(sm, opt, b) -> float:
+        loss = sm(*[shardc.shard_batch(t, sm.mesh) for t in b])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    def full_opt(sm, opt) -> dict:
+        names = {id(p): n for n, p in sm.named_parameters()}
+        return {f"{names[id(p)]}.{k}": sm._gather_full(names[id(p)], v) if v.dim() else v.clone()
+                for p, st in opt.state.items() for k, v in st.items()}
+
+    sm, opt = fresh("x1y1z1d4", ("data",))
+    step(sm, opt, batches[0])
+    ckpt.save(sm, opt, f"{root}/moe", step=1)
+    saved, saved_opt = sm.full_state_dict(), full_opt(sm, opt)
+    ref = step(sm, opt, batches[1])
+    for spec, axes in (("x1y1z2d2", ("z",)), ("x1y1z1d4", None)):
+        sm2, opt2 = fresh(spec, axes)
+        assert ckpt.load(sm2, opt2, f"{root}/moe") == 1
+        got, got_opt = sm2.full_state_dict(), full_opt(sm2, opt2)
+        assert got.keys() == saved.keys() and got_opt.keys() == saved_opt.keys()
+        for k in saved:
+            assert torch.equal(got[k], saved[k]), (spec, k)
+        for k in saved_opt:
+            assert torch.equal(got_opt[k], saved_opt[k]), (spec, k)
+        loss = step(sm2, opt2, batches[1])
+        # fp32: another mesh sums in another order
+        assert math.isclose(loss, ref, rel_tol=1e-5), (spec, loss, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_checkpoints_reshard_across_expert_parallel_degrees(ranks, tmp_path) -> None:
+    ranks.run(_checkpoint, 4, str(tmp_path))

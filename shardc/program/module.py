@@ -11,7 +11,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from shardc.core.context import KIND, PARAM, PLACEMENT, PROGRAM, CompileContext
+from shardc.core.context import KIND, PARAM, PLACEMENT, PROGRAM, SOURCE, CompileContext
 from shardc.core.errors import ShardcError
 from shardc.core.mesh import Mesh
 from shardc.core.placement import Layout, local_slice, shard_offsets
@@ -22,6 +22,7 @@ from shardc.passes.step_nodes import collective_nodes
 from shardc.program import step_program, validate
 from shardc.runtime import collectives as C
 from shardc.runtime import zero
+from shardc.runtime.experts import EXPERT_REGION
 from shardc.runtime.grad_buckets import ALL_REDUCE, REDUCE_SCATTER, GradBuckets, Spec
 from shardc.runtime.groups import axis_groups
 from shardc.runtime.ops import check_branch
@@ -633,6 +634,19 @@ class ShardedModule(nn.Module):
 
     def reset_measured_comm(self) -> None:
         self.runtime.reset_counters()
+
+    def expert_load(self) -> dict[str, Any]:
+        """With ``expert_axes``: for each expert segment (keyed by the module of its first
+        grouped GEMM), how its rows were spread in the last step on this rank: rows sent to
+        each expert, rows received from each rank, rows each local expert computed
+        (``shardc.runtime.experts.ExpertLoad``). Not collective; empty before a step."""
+        out = {}
+        for n in self.graph_module.graph.nodes:
+            if n.target is EXPERT_REGION and n.args[6] in self.runtime.expert_load:
+                module = getattr(n.meta.get(SOURCE), "module", "") or n.name
+                out[module if module not in out else f"{module}#{n.name}"] = \
+                    self.runtime.expert_load[n.args[6]]
+        return out
 
     def local_param_elements(self) -> int:
         return sum(p.numel() for p in self.parameters())
