@@ -34,12 +34,12 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from shardc.core.compat import checkpoint_whole
 from shardc.core.context import SOURCE
 from shardc.core.ir import Selective
 from shardc.runtime import collectives as C
@@ -178,8 +178,7 @@ class Checkpointed(nn.Module):
             fwd, rec = create_selective_checkpoint_contexts(self.selective.policy())
             return fwd, _both(rec, recomputing())
 
-        return torch.utils.checkpoint.checkpoint(
-            self.inner, *args, use_reentrant=False, early_stop=False, context_fn=contexts)
+        return checkpoint_whole(self.inner, *args, context_fn=contexts)
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ through a fallback (``tests/test_torch_range.py`` hides them and trains).
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 
@@ -35,3 +36,13 @@ def torch_version(version: str | None = None) -> tuple[int, int]:
 
 def supported(version: str | None = None) -> bool:
     return TORCH_FLOOR <= torch_version(version) < TORCH_CEILING
+
+
+def checkpoint_whole(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)`` that
+    recomputes the whole of ``fn`` in backward, never stopping early (a recompute re-issues
+    its block's collectives, which every rank must issue alike). ``checkpoint``'s
+    ``early_stop`` keyword is newer than the floor: torch 2.8 passed it on to ``fn``, which
+    failed every block recompute there; the context manager is in every supported release."""
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)

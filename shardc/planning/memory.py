@@ -44,8 +44,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils.checkpoint import checkpoint
 
+from shardc.core.compat import checkpoint_whole
 from shardc.core.ir import Selective, op_named
 from shardc.passes.joint import SWAP, trace_joint
 from shardc.passes.recompute import Checkpointed
@@ -284,7 +284,7 @@ def _trace_forward_program(sm: Any, args: list[Any], needs: list[bool]
         # plain checkpoint: its recompute is traced into backward (a selective policy's
         # saving is applied to the trace afterwards; under make_fx it would only tag)
         def fwd(*a: Any, _m: Checkpointed = m, _i: int = i) -> Any:
-            return checkpoint(recording(_m.inner, _i), *a, use_reentrant=False, early_stop=False)
+            return checkpoint_whole(recording(_m.inner, _i), *a)
         m.forward = fwd  # type: ignore[method-assign]
     grad_at = [i for i, w in enumerate(needs) if w]
 
