@@ -152,7 +152,9 @@ def _route(offs: torch.Tensor, experts: int, rt: str, axis: str, phase: str, key
     return sent, got, order, local_offs
 
 
-@torch.library.custom_op("shardc::expert_region", mutates_args=())
+# the schemas spelled out: torch 2.6's schema inference takes no ``list[Tensor]``
+@torch.library.custom_op("shardc::expert_region", mutates_args=(), schema=(
+    "(Tensor[] rows, Tensor offs, Tensor[] others, int experts, str rt, str axis, str key) -> Tensor[]"))
 def expert_region(rows: list[torch.Tensor], offs: torch.Tensor, others: list[torch.Tensor],
                   experts: int, rt: str, axis: str, key: str) -> list[torch.Tensor]:
     """The expert side of a routing region over ``experts`` experts cut over ``axis``:
@@ -181,7 +183,8 @@ def _(rows: list[torch.Tensor], offs: torch.Tensor, others: list[torch.Tensor], 
     return [rows[0].new_empty((n, *shape), dtype=dtype) for shape, dtype in SEGMENTS[key].outs]
 
 
-@torch.library.custom_op("shardc::expert_region_backward", mutates_args=())
+@torch.library.custom_op("shardc::expert_region_backward", mutates_args=(), schema=(
+    "(Tensor[] grads, str rt, str axis, str key) -> Tensor[]"))
 def expert_region_backward(grads: list[torch.Tensor], rt: str, axis: str, key: str
                            ) -> list[torch.Tensor]:
     """The gradients of ``expert_region``'s floating inputs: its rows (sent back to their
