@@ -167,7 +167,10 @@ def expert_region(rows: list[torch.Tensor], offs: torch.Tensor, others: list[tor
     sent, got, order, local_offs = _route(offs, experts, rt, axis, phase, key)
     received = [_a2a(x, got, sent, rt, axis, phase)[order] for x in rows]
     with _autograd_inside():
-        leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in [*received, *others]]
+        # contiguous: an expert weight arrives as the view the model made of it (transformers
+        # transposes it for the GEMM), and a GEMM on it, and into its gradient, is slower
+        leaves = [t.detach().contiguous().requires_grad_(t.is_floating_point())
+                  for t in [*received, *others]]
         outs = list(seg.fn(*leaves[:len(rows)], local_offs, *leaves[len(rows):]))
     inv = torch.argsort(order)
     back = [_a2a(o.detach()[inv], sent, got, rt, axis, phase) for o in outs]

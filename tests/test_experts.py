@@ -146,3 +146,15 @@ def test_expert_weights_of_a_transformers_model_are_stored_cut(fake_world) -> No
     for name in experts:
         local = dict(sm.named_parameters())[name]
         assert local.shape[0] == 2, (name, local.shape)  # 8 experts over data=4
+
+
+def test_batched_mm_experts_are_refused_with_the_reason(fake_world) -> None:
+    """transformers' batched_mm kernel looks each token's expert weights up by index: no
+    sort and no grouped GEMM to cut the experts around."""
+    import test_more_models_gloo as M
+    import test_train_gloo as T
+
+    fake_world(4)
+    make, batches = T._lm(M.MODELS["mixtral-batched"][0])
+    with pytest.raises(shardc.ShardcError, match="batched_mm"):
+        shardc.compile(make(), shardc.Mesh.parse("x1y1z1d4"), batches[0], expert_axes=("data",))
