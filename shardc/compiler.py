@@ -109,9 +109,12 @@ def _prepare(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | 
         if machine is None:
             raise ShardcError("shardc.compile: mesh='auto' needs machine=shardc.Machine(...) or a preset "
                               "(machine=shardc.Machine.preset('perlmutter')), or pass a mesh.")
+        fixed = {k: v for k, v in option_keywords.items() if k == "expert_axes"}
         cands = plan(model, world_size=dist.get_world_size(), machine=machine,
-                     example_inputs=tuple(example_inputs))
+                     example_inputs=tuple(example_inputs), **fixed)
         mesh = cands[0].mesh
+        if not fixed and (options is None or options.expert_axes is None):
+            option_keywords = {**option_keywords, **cands[0].options}  # experts cut, if planned
     mesh = _check_mesh(mesh, dist.get_world_size())
     example_inputs = tuple(example_inputs)
     check_batch(example_inputs, mesh, input_layouts or {})

@@ -158,3 +158,28 @@ def test_batched_mm_experts_are_refused_with_the_reason(fake_world) -> None:
     make, batches = T._lm(M.MODELS["mixtral-batched"][0])
     with pytest.raises(shardc.ShardcError, match="batched_mm"):
         shardc.compile(make(), shardc.Mesh.parse("x1y1z1d4"), batches[0], expert_axes=("data",))
+
+
+def test_the_planner_ranks_meshes_with_the_experts_cut_among_the_rest(fake_world) -> None:
+    """A mixture of experts: the planner's candidates include each mesh with its experts
+    cut over data and over z (where that axis has ranks), their memory per rank the lower
+    for it (each rank stores 1/G of the experts), the all-to-all bytes in their prediction,
+    each verified against its compiled program; compile(mesh="auto") takes the first with
+    its options."""
+    model = Routed(dim=64, hidden=256, experts=4)
+    batch = (torch.randn(8, 4, 64),)
+    cands = shardc.plan(model, 4, "local", batch, exact_top=10 ** 6)
+    by = {(c.mesh.spec(), c.expert_axes): c for c in cands}
+    cut, whole = by[("x1y1z1d4", ("data",))], by[("x1y1z1d4", None)]
+    assert cut.param_bytes_per_rank < whole.param_bytes_per_rank / 2
+    assert cut.bytes_per_axis["data"] != whole.bytes_per_axis["data"]
+    assert ("x1y1z4d1", ("z",)) in by and not any(c.expert_axes == ("z",) and c.mesh.z == 1 for c in cands)
+    # every candidate's prediction is its compiled program's report (one is verified per
+    # plan; here each one with its experts cut)
+    import shardc.planning.planner as P
+    for c in [c for c in cands if c.expert_axes][:4]:
+        P._verify(model, batch, c, {})
+    fake_world(4)
+    best = cands[0]
+    sm = shardc.compile(model, "auto", example_inputs=batch, machine=shardc.Machine.preset("local"))
+    assert sm.mesh == best.mesh and sm.ctx.options.expert_axes == best.expert_axes

@@ -26,7 +26,7 @@ import os
 import time
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -38,6 +38,8 @@ from shardc.core.context import GLOBAL_VAL, KIND, PLACEMENT, SOURCE
 from shardc.core.errors import ShardcError
 from shardc.core.machine import Machine
 from shardc.core.mesh import AXES, Mesh
+from shardc.core.options import EXPERT_AXES
+from shardc.passes.rules.routing import find_regions
 from shardc.passes.trace import signature, trace
 from shardc.planning.cost import StepShape, StepTime, per_rank, predict, step_shape
 from shardc.planning.memory import estimate
@@ -75,6 +77,14 @@ class Candidate:
     bytes_per_axis: dict[str, float] = field(default_factory=dict)
     exact: bool = True  # False: a first estimate from another pattern's program
     step: StepTime | None = None
+    # the experts of a mixture of experts cut over these axes (compile's expert_axes);
+    # None: kept as any weight
+    expert_axes: tuple[str, ...] | None = None
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The compile options this candidate was planned with, beyond the caller's."""
+        return {"expert_axes": self.expert_axes} if self.expert_axes else {}
 
     @property
     def predicted_step_s(self) -> float:
@@ -89,7 +99,8 @@ class Candidate:
         return self.step.hidden if self.step is not None else 0.0
 
     def __repr__(self) -> str:
-        return (f"Candidate({self.mesh.spec()}, {self.predicted_step_s:.4g} s, "
+        experts = f", expert_axes={self.expert_axes}" if self.expert_axes else ""
+        return (f"Candidate({self.mesh.spec()}{experts}, {self.predicted_step_s:.4g} s, "
                 f"{self.memory_bytes_per_rank / 2**30:.2f} GiB/rank)")
 
 
@@ -320,7 +331,9 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
         raise ValueError(f"shardc.plan: world_size must be >= 1, got {world_size}.")
     inputs = tuple(example_inputs)
     batch = next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim()), 1)
-    gemms = _weight_gemms(trace(model, inputs))
+    traced = trace(model, inputs)
+    gemms = _weight_gemms(traced)
+    routed = any(n.target in r.gemms for r in find_regions(traced.graph_module.graph) for n in r.kinds)
     weight_elements = sum({g.param: g.k * g.n for g in gemms}.values())
     dropped: list[Dropped] = []
     meshes: list[Mesh] = []
@@ -342,56 +355,72 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
 
 
     cache = _ANALYSES.setdefault(model, {})
-    stem = (signature(inputs), model.training, world_size, checkpointing, machine.models_step(),
-            repr(sorted(compile_kw.items())))
 
-    def analysis_for(pattern: tuple[bool, ...], members: list[Mesh]) -> _Pattern | str:
-        key = (stem, pattern)
-        if key not in cache:
-            reason = ""
-            tries = [_smallest_of_pattern(pattern, batch)] + sorted(members, key=Mesh.spec)[:2]
-            for m in [t for t in tries if t is not None]:
-                try:
-                    cache[key] = _analyse(compile_offline(model, inputs, m, refuse_indivisible=True,
-                                                          **compile_kw),
-                                          checkpointing, machine)
-                    break
-                except ShardcError as e:
-                    reason = str(e).split(". ")[0]
-            else:
-                cache[key] = reason or "no mesh of this pattern compiles"
-        return cache[key]
+    def rank(kw: dict[str, Any], members: list[Mesh]) -> tuple[list[Candidate], list[Dropped]]:
+        """Every mesh of ``members`` under the compile options ``kw``."""
+        stem = (signature(inputs), model.training, world_size, checkpointing, machine.models_step(),
+                repr(sorted(kw.items())))
+        experts = kw.get("expert_axes")
 
-    by_pattern: dict[tuple[bool, ...], list[Mesh]] = defaultdict(list)
-    for m in meshes:
-        by_pattern[_pattern_of(m)].append(m)
-    # the first estimate: every axis in use, so every term of every pattern is present
-    full = tuple(any(p[i] for p in by_pattern) for i in range(len(AXES)))
-    first = analysis_for(full, by_pattern.get(full, []))
-    evaluated: dict[Mesh, Candidate | Dropped] = {}
-    exact_patterns: set[tuple[bool, ...]] = set()
+        def analysis_for(pattern: tuple[bool, ...], members: list[Mesh]) -> _Pattern | str:
+            key = (stem, pattern)
+            if key not in cache:
+                reason = ""
+                tries = [_smallest_of_pattern(pattern, batch)] + sorted(members, key=Mesh.spec)[:2]
+                for m in [t for t in tries if t is not None]:
+                    try:
+                        cache[key] = _analyse(compile_offline(model, inputs, m, refuse_indivisible=True,
+                                                              **kw),
+                                              checkpointing, machine)
+                        break
+                    except ShardcError as e:
+                        reason = str(e).split(". ")[0]
+                else:
+                    cache[key] = reason or "no mesh of this pattern compiles"
+            return cache[key]
 
-    def evaluate(pattern: tuple[bool, ...], a: _Pattern | str, exact: bool) -> None:
-        for m in by_pattern[pattern]:
-            evaluated[m] = (_evaluate(m, a, machine, exact) if isinstance(a, _Pattern)
-                            else Dropped(m, f"divisibility: {a}"))
+        by_pattern: dict[tuple[bool, ...], list[Mesh]] = defaultdict(list)
+        for m in members:
+            by_pattern[_pattern_of(m)].append(m)
+        if not by_pattern:
+            return [], []
+        # the first estimate: every axis in use, so every term of every pattern is present
+        full = tuple(any(p[i] for p in by_pattern) for i in range(len(AXES)))
+        first = analysis_for(full, by_pattern.get(full, []))
+        evaluated: dict[Mesh, Candidate | Dropped] = {}
+        exact_patterns: set[tuple[bool, ...]] = set()
 
-    if isinstance(first, _Pattern):
-        for pattern in by_pattern:
-            evaluate(pattern, first, pattern == full)
-        exact_patterns.add(full)
-    while True:
-        ranked = sorted((c for c in evaluated.values() if isinstance(c, Candidate)), key=_key)
-        todo = {_pattern_of(c.mesh) for c in ranked[:exact_top]} - exact_patterns
-        if not isinstance(first, _Pattern):  # no estimate: compile every pattern
-            todo = set(by_pattern) - exact_patterns
-        if not todo:
-            break
-        for pattern in sorted(todo):
-            evaluate(pattern, analysis_for(pattern, by_pattern[pattern]), True)
-            exact_patterns.add(pattern)
-    cands = sorted((c for c in evaluated.values() if isinstance(c, Candidate)), key=_key)
-    dropped += [d for d in evaluated.values() if isinstance(d, Dropped)]
+        def evaluate(pattern: tuple[bool, ...], a: _Pattern | str, exact: bool) -> None:
+            for m in by_pattern[pattern]:
+                evaluated[m] = (_evaluate(m, a, machine, exact, experts) if isinstance(a, _Pattern)
+                                else Dropped(m, f"divisibility: {a}"))
+
+        if isinstance(first, _Pattern):
+            for pattern in by_pattern:
+                evaluate(pattern, first, pattern == full)
+            exact_patterns.add(full)
+        while True:
+            ranked = sorted((c for c in evaluated.values() if isinstance(c, Candidate)), key=_key)
+            todo = {_pattern_of(c.mesh) for c in ranked[:exact_top]} - exact_patterns
+            if not isinstance(first, _Pattern):  # no estimate: compile every pattern
+                todo = set(by_pattern) - exact_patterns
+            if not todo:
+                break
+            for pattern in sorted(todo):
+                evaluate(pattern, analysis_for(pattern, by_pattern[pattern]), True)
+                exact_patterns.add(pattern)
+        return ([c for c in evaluated.values() if isinstance(c, Candidate)],
+                [d for d in evaluated.values() if isinstance(d, Dropped)])
+
+    cands, lost = rank(compile_kw, meshes)
+    dropped += lost
+    # a mixture of experts whose experts can be cut: the same meshes with them cut over
+    # data or over z (where that axis has ranks) are candidates too, ranked with the rest
+    for axis in _expert_axes_to_try(inputs, routed, compile_kw):
+        more, lost = rank({**compile_kw, "expert_axes": (axis,)}, [m for m in meshes if m.size(axis) > 1])
+        cands += more
+        dropped += [replace(d, reason=f"expert_axes=('{axis}',): {d.reason}") for d in lost]
+    cands.sort(key=_key)
     if memory == "traced":
         cands = _traced_memory(model, inputs, cands, exact_top, machine, dropped, optimizer,
                                compile_kw)
@@ -403,10 +432,19 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
 
 
 def _key(c: Candidate) -> tuple:
-    return (c.predicted_step_s, c.memory_bytes_per_rank, c.mesh.spec())
+    return (c.predicted_step_s, c.memory_bytes_per_rank, c.mesh.spec(), c.expert_axes or ())
 
 
-def _evaluate(m: Mesh, a: _Pattern, machine: Machine, exact: bool) -> Candidate | Dropped:
+def _expert_axes_to_try(inputs: tuple, routed: bool, compile_kw: dict) -> list[str]:
+    """The axes to cut a mixture of experts' experts over, as extra candidates: none when
+    the model has no routing region or the caller fixed ``expert_axes``."""
+    if not routed or "expert_axes" in compile_kw:
+        return []
+    return list(EXPERT_AXES)
+
+
+def _evaluate(m: Mesh, a: _Pattern, machine: Machine, exact: bool,
+              experts: tuple[str, ...] | None = None) -> Candidate | Dropped:
     sizes = m.sizes
     bad = next(((n, axes, what) for n, axes, what in a.constraints
                 if n % math.prod(sizes[x] for x in axes)), None)
@@ -427,7 +465,7 @@ def _evaluate(m: Mesh, a: _Pattern, machine: Machine, exact: bool) -> Candidate 
         return Dropped(m, f"machine: {e}")
     per_axis = {x: step.bandwidth[x] + step.latency[x] for x in AXES}
     return Candidate(m, step.comm, per_axis, mem, pbytes, abytes, per_axis_bytes, exact,
-                     step if a.step is not None else None)
+                     step if a.step is not None else None, experts)
 
 
 def _nothing_fits(world_size: int, machine: Machine, dropped: list[Dropped]) -> None:
@@ -456,7 +494,7 @@ def _traced_memory(model: torch.nn.Module, inputs: tuple, cands: list[Candidate]
     for i, c in enumerate(cands):
         if i < top:
             est = estimate(compile_offline(model, inputs, c.mesh, refuse_indivisible=True,
-                                           **compile_kw), optimizer)
+                                           **compile_kw, **c.options), optimizer)
             c.memory_bytes_per_rank = float(est.total)
             c.param_bytes_per_rank = float(est.resident)
             c.activation_bytes_per_rank = float(est.step_peak)
@@ -471,7 +509,7 @@ def _traced_memory(model: torch.nn.Module, inputs: tuple, cands: list[Candidate]
 def _verify(model: torch.nn.Module, inputs: tuple, best: Candidate, compile_kw: dict) -> None:
     """Compile the winner for real: its report must equal the pattern's prediction."""
     rep = comm_report(compile_offline(model, inputs, best.mesh, refuse_indivisible=True,
-                                      **compile_kw))
+                                      **compile_kw, **best.options))
     for a in AXES:
         got, want = float(rep.total_bytes(axis=a)), best.bytes_per_axis[a]
         if not math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-6):
@@ -495,7 +533,8 @@ def print_plan(model: torch.nn.Module, inputs: tuple, world_size: int, machine: 
         t.add_column(col, justify="right" if col not in ("mesh",) else "left")
     for i, c in enumerate(p[:top]):
         extra = [f"{c.compute_s:.4g}", f"{c.hidden_s:.4g}", f"{c.predicted_step_s:.4g}"] if step else []
-        t.add_row(str(i + 1), c.mesh.spec(), *(f"{c.per_axis_s[a]:.4g}" for a in AXES),
+        spec = c.mesh.spec() + (f" experts/{','.join(c.expert_axes)}" if c.expert_axes else "")
+        t.add_row(str(i + 1), spec, *(f"{c.per_axis_s[a]:.4g}" for a in AXES),
                   f"{c.predicted_comm_s:.4g}", *extra, f"{c.memory_bytes_per_rank / 2**30:.2f} GiB")
     console = Console(width=max(Console().width, 110))
     console.print(t)
