@@ -125,10 +125,11 @@ K = 3  # micro-batches per step: K-1 under no_sync, the last synced
 
 
 def _accumulate(sm: shardc.ShardedModule, mesh: shardc.Mesh, micro: list[tuple]
-                ) -> tuple[list[dict], list[int]]:
-    """One step's backward over the micro-batches; the bytes each micro-batch moved and
-    the reductions pending after it."""
-    moved, pending = [], []
+                ) -> tuple[list[dict], list[int], list[shardc.CommReport]]:
+    """One step's backward over the micro-batches; the bytes each micro-batch moved, the
+    reductions pending after it, and the comm report after it (an expert-parallel
+    program's all-to-alls carry the rows routed in the call just made)."""
+    moved, pending, reports = [], [], []
     for i, (tokens, targets) in enumerate(micro):
         sm.reset_measured_comm()
         local = (shardc.shard_batch(tokens, mesh), shardc.shard_batch(targets, mesh))
@@ -140,7 +141,8 @@ def _accumulate(sm: shardc.ShardedModule, mesh: shardc.Mesh, micro: list[tuple]
             (sm(*local) / len(micro)).backward()
         moved.append(sm.measured_comm())
         pending.append(sm.pending_reductions())
-    return moved, pending
+        reports.append(shardc.comm_report(sm))
+    return moved, pending, reports
 
 
 def _no_sync_failures(name: str, make, spec: str, **compile_kw: Any) -> list[str]:
@@ -152,14 +154,19 @@ def _no_sync_failures(name: str, make, spec: str, **compile_kw: Any) -> list[str
     ref = copy.deepcopy(model)
     ref64 = copy.deepcopy(model).double()
     sm = shardc.compile(model, mesh, example_inputs=steps[0][0], **compile_kw)
-    rep = shardc.comm_report(sm)
-    report = rep.by_key()
     # what no_sync defers: the step-phase reductions, and the reduce-scatters of the
     # weights' gathers (those the program names; an activation's cannot wait)
     held = {n.name for n in sm.graph_module.graph.nodes if n.kwargs.get("key")}
-    deferred = [r for r in rep.rows if r.phase == "step"
+
+    def deferred_of(rep: shardc.CommReport) -> list:
+        return [r for r in rep.rows if r.phase == "step"
                 or (r.collective == "reduce_scatter" and r.phase == "backward" and r.node in held)]
-    want = shardc.CommReport([r for r in rep.rows if r not in deferred]).by_key()
+
+    def want_of(rep: shardc.CommReport) -> dict:
+        gone = deferred_of(rep)
+        return shardc.CommReport([r for r in rep.rows if r not in gone]).by_key()
+
+    deferred = deferred_of(shardc.comm_report(sm))
     opt = torch.optim.AdamW(sm.parameters(), lr=LR, eps=EPS)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
     out: list[str] = []
@@ -167,7 +174,7 @@ def _no_sync_failures(name: str, make, spec: str, **compile_kw: Any) -> list[str
         whole = tuple(torch.cat(parts) for parts in zip(*micro))  # the concatenated batch
         loss_ref = ref(*whole)
         loss_ref.backward()
-        moved, pending = _accumulate(sm, mesh, micro)
+        moved, pending, reports = _accumulate(sm, mesh, micro)
         if deferred and not all(pending[:-1]):
             out.append(f"{where}: nothing held under no_sync (pending {pending})")
         if pending[-1]:
@@ -184,10 +191,12 @@ def _no_sync_failures(name: str, make, spec: str, **compile_kw: Any) -> list[str
         if s == 0:
             # under no_sync: the report less its gradient reductions, byte for byte
             for i, m in enumerate(moved[:-1]):
-                if m != want:
-                    out.append(f"{where}: micro-batch {i} under no_sync moved {m}, want {want}")
-            if moved[-1] != report:
-                out.append(f"{where}: the synced micro-batch moved {moved[-1]}, report {report}")
+                if m != want_of(reports[i]):
+                    out.append(f"{where}: micro-batch {i} under no_sync moved {m}, want "
+                               f"{want_of(reports[i])}")
+            if moved[-1] != reports[-1].by_key():
+                out.append(f"{where}: the synced micro-batch moved {moved[-1]}, report "
+                           f"{reports[-1].by_key()}")
             if not deferred:
                 out.append(f"{where}: the mesh has no gradient reduction to defer (a useless case)")
         drive_with(ref, grads)
@@ -290,6 +299,15 @@ def _autocast_failures(spec: str) -> list[str]:
     return out
 
 
+def _no_sync_moe(name: str, spec: str, axes: tuple) -> list[str]:
+    import test_experts_gloo as E
+    import transformers.integrations.moe as moe
+
+    # the float64 reference of a grouped_mm MoE: transformers' own kernel (test_experts_gloo)
+    moe._can_use_grouped_mm = lambda *args, **kwargs: False
+    return _no_sync_failures(name, E.MOES[name], spec, expert_axes=axes)
+
+
 # every case a test: name -> its checks on one rank (the failures as lines)
 CHECKS: dict[str, Callable[[], list[str]]] = {
     **{f"clip-{spec}": (lambda spec=spec: _clip_failures(spec)) for spec in MESHES},
@@ -301,6 +319,9 @@ CHECKS: dict[str, Callable[[], list[str]]] = {
     # micro-batches under no_sync run the forward program (compiled in pieces), the last
     # the step program (compiled whole): both forms of the inductor backend in one step
     "no_sync-gpt-x1y1z2d2-inductor": lambda: _no_sync_failures("gpt", GPT, "x1y1z2d2", backend="inductor"),
+    # experts cut over z (their copies' gradients deferred over data), all-to-alls in
+    # every micro-batch
+    "no_sync-olmoe-x1y1z2d2-experts": lambda: _no_sync_moe("olmoe", "x1y1z2d2", ("z",)),
     "no_sync-refuses-clip-x1y1z2d2": lambda: _no_sync_refuses_clip("x1y1z2d2"),
     "autocast-x2y1z2d1": lambda: _autocast_failures("x2y1z2d1"),
 }
