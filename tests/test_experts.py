@@ -57,7 +57,9 @@ def test_the_experts_side_of_a_region_is_one_segment(fake_world) -> None:
     assert local["up"] == (1, 8, 16) and local["down"] == (1, 16, 8) and local["bias"] == (4, 16)
     report = shardc.comm_report(sm)
     assert not [r for r in report.rows if r.param in ("up", "down")], "an expert weight moved"
-    assert "run on the experts' ranks" in shardc.explain(sm)
+    text = shardc.explain(sm)
+    assert "run on the experts' ranks" in text and "rank at data coordinate c holds experts" in text
+    assert "(expert dispatch)" in text and "(expert combine (uniform-routing estimate))" in text
 
 
 def test_the_report_before_a_step_is_uniform_routing_and_says_so(fake_world) -> None:

@@ -94,7 +94,9 @@ def explain(sm: Any) -> str:
     rep = comm_report(sm)
     per_node: dict[str, list[str]] = {}
     for r in rep.rows:
-        per_node.setdefault(r.node, []).append(f"{r.phase} {r.collective}@{r.axis} {fmt_bytes(r.bytes)}")
+        # an expert segment's all-to-alls say which they are (counts, dispatch, combine)
+        what = f" ({r.op})" if r.op.startswith("expert ") else ""
+        per_node.setdefault(r.node, []).append(f"{r.phase} {r.collective}@{r.axis} {fmt_bytes(r.bytes)}{what}")
     lines = [f"shardc program for {mesh} ({mesh.world_size} ranks; byte counts are per rank)", ""]
     policy = sm.ctx.options.precision
     if policy.mixed:
