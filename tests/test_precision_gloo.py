@@ -56,6 +56,8 @@ CASES = [
     ("gpt", "x2y1z1d2", BF16_REDUCE, {"step_graph": False}),
     # bf16 through inductor: its casts and bf16 collectives inside the one compiled graph
     ("llama", "x2y1z2d1", "bf16", {"backend": "inductor"}),
+    # experts cut over data: bf16 rows travel to them and back
+    ("mixtral", "x1y1z2d2", "bf16", {"expert_axes": ("data",)}),
 ]
 
 
@@ -163,7 +165,12 @@ def _case_id(name: str, spec: str, policy, opts: dict) -> str:
 
 def _case(rank: int, world_size: int, index: int) -> None:
     """CASES[index], or the report's dtypes (index None)."""
-    makers = {"gpt": GPT, "llama": llama}
+    import test_experts_gloo as E
+    import transformers.integrations.moe as moe
+
+    # the float64 reference of a grouped_mm MoE: transformers' own kernel (test_experts_gloo)
+    moe._can_use_grouped_mm = lambda *args, **kwargs: False
+    makers = {"gpt": GPT, "llama": llama, "mixtral": E.MOES["mixtral"]}
     if index is None:
         failures = _report_failures("x1y1z2d2")
     else:
