@@ -47,7 +47,7 @@ from shardc.core.mesh import BATCH_AXES, Mesh
 from shardc.core.placement import Layout
 from shardc.core.precision import reduce_dtype
 from shardc.passes.rules import RULES, fallback_rule
-from shardc.passes.rules.experts import expert_rules
+from shardc.passes.rules.experts import cut_axes, expert_rules
 from shardc.passes.rules.routing import Region, region_rules
 from shardc.runtime import collectives as C
 from shardc.runtime import ops as R
@@ -530,16 +530,16 @@ def lower_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 def _check_experts_cut(gm: fx.GraphModule, ctx: CompileContext) -> None:
     """``expert_axes`` asks for experts cut over an axis: a program that cut none would
     hold every expert on every rank while the user plans memory for 1/G of them."""
-    axes = ctx.options.expert_axes
-    if not axes or ctx.mesh.size(axes[0]) == 1:
+    axes = cut_axes(ctx.options.expert_axes, ctx.mesh)
+    if not axes:
         return
     if not any(n.target is EXPERT_REGION for n in gm.graph.nodes):
         raise ShardcError(
-            f"shardc.compile: expert_axes={axes!r}, but no experts were found to cut. Expert "
+            f"shardc.compile: expert_axes={ctx.options.expert_axes!r}, but no experts were found to cut. Expert "
             "parallelism takes a mixture of experts whose token-expert pairs are sorted by "
             "expert and run by one grouped GEMM per weight (transformers' default "
             "'grouped_mm' experts kernel; passes/rules/routing.py), with the tokens cut over "
-            f"{axes[0]}. Experts held as a ModuleList, or transformers' 'batched_mm' kernel, "
+            f"{' and '.join(axes)}. Experts held as a ModuleList, or transformers' 'batched_mm' kernel, "
             "are not cut yet; leave expert_axes=None for them.")
 
 

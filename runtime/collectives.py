@@ -71,10 +71,10 @@ class Runtime:
         # per call cost ~20 us, on every collective of every step
         self.sent: dict[tuple[str, str, str], int] = defaultdict(int)
         self.calls: dict[tuple[str, str, str], int] = defaultdict(int)
-        # expert parallelism (runtime/experts.py): the rows each expert GEMM (by program
-        # node) received in its last call; they depend on routing, so the comm report
-        # reads them here once a step has run
-        self.routed: dict[str, int] = {}
+        # expert parallelism (runtime/experts.py): the rows each expert segment (by its
+        # key) received at each hop of its last call; they depend on routing, so the comm
+        # report reads them here once a step has run
+        self.routed: dict[str, list[int]] = {}
         # and how they were spread over the experts and ranks (runtime.experts.ExpertLoad)
         self.expert_load: dict[str, Any] = {}
         # gradient accumulation (``ShardedModule.no_sync``): while ``sync`` is False the

@@ -83,9 +83,9 @@ class ExpertLoad:
     """How one expert segment's rows were spread in its last call, on this rank
     (``ShardedModule.expert_load``): imbalance is what makes expert parallelism slow, the
     rank with the most rows setting everyone's pace."""
-    axis: str  # the axis the experts are cut over
+    axis: str  # the axes the experts are cut over, comma-separated, outermost first
     sent_per_expert: list[int]  # this rank's token-expert rows bound for each expert (all E)
-    received_per_rank: list[int]  # rows this rank's experts got from each rank of the axis
+    received_per_rank: list[int]  # rows this rank's experts got from each rank of the last axis
     received_per_expert: list[int]  # rows each of this rank's experts got, from every rank
 
 
@@ -93,9 +93,7 @@ class ExpertLoad:
 class _Saved:
     leaves: list[torch.Tensor]  # the segment's inputs (received rows, then others), as leaves
     outs: list[torch.Tensor]  # its outputs, attached to the leaves by autograd
-    order: torch.Tensor  # received row i (source order) is row order[i] of the segment's
-    sent: list[int]  # rows this rank sent each rank
-    got: list[int]  # rows this rank got from each rank
+    hops: list["_Hop"]  # the way the rows came
 
 
 @contextlib.contextmanager
@@ -124,32 +122,58 @@ def _a2a(x: torch.Tensor, out_rows: list[int], in_rows: list[int], rt: str, axis
     return out
 
 
-def _route(offs: torch.Tensor, experts: int, rt: str, axis: str, phase: str, key: str
-           ) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
-    """Exchange the counts: (rows sent each rank, rows got from each rank, the received
-    rows' order by local expert, the local experts' offsets)."""
+@dataclass
+class _Hop:
+    """One all-to-all leg of the way to the experts, over one axis, and how to undo it."""
+    axis: str
+    order: torch.Tensor  # received row i (source-major) is row order[i] once sorted by expert
+    sent: list[int]  # rows this rank sent each rank of the axis
+    got: list[int]  # rows it got from each
+
+
+def _hop(rows: list[torch.Tensor], counts: torch.Tensor, base: int, span: int, rt: str,
+         axis: str, phase: str) -> tuple[list[torch.Tensor], torch.Tensor, int, int, _Hop]:
+    """Move ``rows`` (sorted by expert; ``counts[e]`` of expert e, nonzero only for the
+    experts ``base .. base+span`` this rank's position so far leads to) one axis closer to
+    their experts: each row goes to the rank of the axis whose coordinate is its expert's
+    along that axis. Returns the rows received, sorted by expert again, their counts, and
+    the experts they can still reach (the range of this rank's coordinate)."""
     r = get_runtime(rt)
     g = r.mesh.size(axis)
-    local = experts // g
-    ends = offs.to(torch.int64)
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))  # rows this rank has per expert
-    recv = torch.empty_like(counts)
-    r.count("all_to_all", axis, phase, counts)
+    sub = span // g
+    mine = counts[base:base + span].contiguous()
+    recv = torch.empty_like(mine)
+    r.count("all_to_all", axis, phase, mine)
     with guarded(rt, "all_to_all", axis, phase):
-        dist.all_to_all_single(recv, counts, group=r.group(axis))
-    sent = counts.view(g, local).sum(1).tolist()
-    by_source = recv.view(g, local)
-    r.expert_load[key] = ExpertLoad(axis, counts.tolist(), by_source.sum(1).tolist(),
-                                    by_source.sum(0).tolist())  # [source, local expert]: rows that source sends it
-    got = by_source.sum(1).tolist()
-    # received rows come source-major, each source's rows expert by expert; the GEMM wants
-    # them expert-major. A stable sort of the expert numbers gives that order and keeps
-    # each expert's rows in source order.
-    expert_of = torch.repeat_interleave(torch.arange(local, device=offs.device).repeat(g),
+        dist.all_to_all_single(recv, mine, group=r.group(axis))
+    by_source = recv.view(g, sub)  # [source, expert of this rank's range]: its rows
+    sent, got = mine.view(g, sub).sum(1).tolist(), by_source.sum(1).tolist()
+    received = [_a2a(x, got, sent, rt, axis, phase) for x in rows]
+    # received rows come source-major, each source's expert by expert; the experts want
+    # them expert-major: a stable sort of the expert numbers keeps each expert's rows in
+    # source order
+    expert_of = torch.repeat_interleave(torch.arange(sub, device=counts.device).repeat(g),
                                         by_source.reshape(-1))
     order = torch.sort(expert_of, stable=True).indices
-    local_offs = torch.cumsum(by_source.sum(0), 0).to(offs.dtype)
-    return sent, got, order, local_offs
+    new_base = base + r.coord(axis) * sub
+    new_counts = torch.zeros_like(counts)
+    new_counts[new_base:new_base + sub] = by_source.sum(0)
+    return [x[order] for x in received], new_counts, new_base, sub, _Hop(axis, order, sent, got)
+
+
+def _back(xs: list[torch.Tensor], hops: list[_Hop], rt: str, phase: str) -> list[torch.Tensor]:
+    """Undo ``hops``, the last first: each row back to where it came from."""
+    for h in reversed(hops):
+        inv = torch.argsort(h.order)
+        xs = [_a2a(x[inv], h.sent, h.got, rt, h.axis, phase) for x in xs]
+    return xs
+
+
+def _there(xs: list[torch.Tensor], hops: list[_Hop], rt: str, phase: str) -> list[torch.Tensor]:
+    """Send ``xs`` the way ``hops`` went (the gradients of what came back)."""
+    for h in hops:
+        xs = [_a2a(x, h.got, h.sent, rt, h.axis, phase)[h.order] for x in xs]
+    return xs
 
 
 # the schemas spelled out: torch 2.6's schema inference takes no ``list[Tensor]``
@@ -164,19 +188,24 @@ def expert_region(rows: list[torch.Tensor], offs: torch.Tensor, others: list[tor
     seg = SEGMENTS[key]
     r = get_runtime(rt)
     phase = "backward" if r.recomputing else "forward"
-    sent, got, order, local_offs = _route(offs, experts, rt, axis, phase, key)
-    received = [_a2a(x, got, sent, rt, axis, phase)[order] for x in rows]
+    ends = offs.to(torch.int64)
+    counts = first = torch.diff(ends, prepend=ends.new_zeros(1))  # rows per expert, this rank's
+    base, span, hops = 0, experts, []
+    for a in axis.split(","):  # outer axis first: the rows stay grouped by destination
+        rows, counts, base, span, hop = _hop(rows, counts, base, span, rt, a, phase)
+        hops.append(hop)
+    local = counts[base:base + span]
+    r.expert_load[key] = ExpertLoad(axis, first.tolist(), hops[-1].got, local.tolist())
+    r.routed[key] = [sum(h.got) for h in hops]
     with _autograd_inside():
         # contiguous: an expert weight arrives as the view the model made of it (transformers
         # transposes it for the GEMM), and a GEMM on it, and into its gradient, is slower
         leaves = [t.detach().contiguous().requires_grad_(t.is_floating_point())
-                  for t in [*received, *others]]
-        outs = list(seg.fn(*leaves[:len(rows)], local_offs, *leaves[len(rows):]))
-    inv = torch.argsort(order)
-    back = [_a2a(o.detach()[inv], sent, got, rt, axis, phase) for o in outs]
-    r.routed[key] = sum(got)
-    STASH.saved[(rt, key)] = _Saved(leaves, outs, order, sent, got)
-    return back
+                  for t in [*rows, *others]]
+        outs = list(seg.fn(*leaves[:len(rows)], torch.cumsum(local, 0).to(offs.dtype),
+                           *leaves[len(rows):]))
+    STASH.saved[(rt, key)] = _Saved(leaves, outs, hops)
+    return _back([o.detach() for o in outs], hops, rt, phase)
 
 
 @expert_region.register_fake
@@ -194,22 +223,21 @@ def expert_region_backward(grads: list[torch.Tensor], rt: str, axis: str, key: s
     ranks) and its others (this rank's experts', whole over ``axis``; a table's, this
     rank's part of the sum)."""
     s = STASH.saved.pop((rt, key))
-    sent, got = s.sent, s.got
-    received = [_a2a(g, got, sent, rt, axis, "backward")[s.order] for g in grads]
+    received = _there(list(grads), s.hops, rt, "backward")
     wants = [t for t in s.leaves if t.requires_grad]
     with _autograd_inside():
         found = torch.autograd.grad(s.outs, wants, received, allow_unused=True)
     by_leaf = {id(t): g for t, g in zip(wants, found)}
-    inv = torch.argsort(s.order)
     n_rows = len(SEGMENTS[key].rows)
-    out = []
+    rows: list[torch.Tensor] = []
+    others: list[torch.Tensor] = []
     for i, t in enumerate(s.leaves):
         if not t.requires_grad:
             continue
         g = by_leaf[id(t)]
         g = torch.zeros(t.shape, dtype=t.dtype, device=t.device) if g is None else g.contiguous()
-        out.append(_a2a(g[inv], sent, got, rt, axis, "backward") if i < n_rows else g)
-    return out
+        (rows if i < n_rows else others).append(g)
+    return _back(rows, s.hops, rt, "backward") + others
 
 
 @expert_region_backward.register_fake

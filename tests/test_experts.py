@@ -21,7 +21,8 @@ pytestmark: list = []  # one process, fast: the fast tier
 @pytest.mark.parametrize("axes,error,text", [
     ("data", shardc.OptionTypeError, "tuple of axis names"),
     (("x",), shardc.OptionError, "does not cut the tokens"),
-    (("data", "z"), shardc.OptionError, "more than one axis"),
+    (("data", "data"), shardc.OptionError, "name each axis once"),
+    ((), shardc.OptionError, "name each axis once"),
     ((3,), shardc.OptionTypeError, "tuple of axis names"),
 ])
 def test_expert_axes_is_checked(axes, error, text) -> None:
@@ -185,3 +186,21 @@ def test_the_planner_ranks_meshes_with_the_experts_cut_among_the_rest(fake_world
     best = cands[0]
     sm = shardc.compile(model, "auto", example_inputs=batch, machine=shardc.Machine.preset("local"))
     assert sm.mesh == best.mesh and sm.ctx.options.expert_axes == best.expert_axes
+
+
+def test_experts_cut_over_two_axes_travel_one_axis_at_a_time(fake_world) -> None:
+    """expert_axes=("z", "data"): each rank holds E/(z x data) experts; a row goes over z
+    to its expert's z coordinate, then over data, and comes back the other way. Before a
+    step every leg is counted at uniform routing: (G-1)/G of, on each axis, the counts of
+    the experts still reachable, the rows and keys sent and the rows back."""
+    fake_world(4)
+    sm = shardc.compile(Routed(), shardc.Mesh.parse("x1y1z2d2"), _batch(), expert_axes=("z", "data"))
+    assert {k: tuple(v.shape) for k, v in sm.named_parameters()}["up"] == (1, 8, 16)
+    rows = [r for r in shardc.comm_report(sm).rows if r.collective == "all_to_all" and r.phase == "forward"]
+    own = 8 * 4 * 2 // 4  # token-expert rows a rank sends
+    x, keys, out = own * 8 * 4, own * 8, own * 8 * 4
+    z = sum(r.bytes for r in rows if r.axis == "z")
+    data = sum(r.bytes for r in rows if r.axis == "data")
+    assert z == pytest.approx(1 / 2 * (4 * 8 + x + keys + out))  # counts of all 4 experts
+    assert data == pytest.approx(1 / 2 * (2 * 8 + x + keys + out))  # of the 2 left reachable
+    assert "one axis at a time (z, then data)" in shardc.explain(sm)

@@ -71,6 +71,9 @@ CASES = [
     ("olmoe", "x1y2z1d2", "data"),
     ("gpt-oss", "x1y1z4d1", "z"),  # 4 ways over z
     ("deepseek-v3", "x2y1z2d1", "z"),
+    # over z and data at once: the rows travel over z, then over data
+    ("qwen3-moe", "x1y1z2d2", "z,data"),
+    ("gpt-oss", "x1y1z2d2", "data,z"),
 ]
 
 
@@ -107,13 +110,14 @@ def _one(rank: int, world_size: int, name: str, spec: str, axis: str, options: d
     moe._can_use_grouped_mm = lambda *args, **kwargs: False
     T.MODELS[name] = (lambda m: (lambda: T._lm(m)))(MOES[name])
     mesh = shardc.Mesh.parse(spec)
+    axes = tuple(axis.split(","))
     failures = T._case_failures(name, mesh, allowed=lambda f: not f.gathered,
-                                expert_axes=(axis,), **options)
+                                expert_axes=axes, **options)
     # the memory: each rank holds 1/G of every expert weight, and never gathers one
     make, batches = T.model_and_batches(name)
-    sm = shardc.compile(make(), mesh, batches[0], expert_axes=(axis,), **options)
+    sm = shardc.compile(make(), mesh, batches[0], expert_axes=axes, **options)
     weights = _expert_weights(sm)
-    g = mesh.size(axis)
+    g = math.prod(mesh.size(a) for a in axes)
     if not weights:
         failures.append(f"{name}@{spec}: no expert GEMM in the program")
     for pname, (local, whole) in weights.items():
@@ -128,7 +132,8 @@ def _one(rank: int, world_size: int, name: str, spec: str, axis: str, options: d
     rows_got = torch.tensor([sum(v.received_per_expert) for v in load.values()], dtype=torch.float64)
     for v in load.values():
         if sum(v.received_per_rank) != sum(v.received_per_expert) or \
-                len(v.received_per_rank) != g or len(v.sent_per_expert) * 1 != g * len(v.received_per_expert):
+                len(v.received_per_rank) != mesh.size(axes[-1]) or \
+                len(v.sent_per_expert) != g * len(v.received_per_expert):
             failures.append(f"{name}@{spec}: inconsistent load {v}")
     # every row sent is received somewhere: equal sums over the world (dropless)
     both = torch.stack([rows_sent, rows_got])
@@ -136,9 +141,9 @@ def _one(rank: int, world_size: int, name: str, spec: str, axis: str, options: d
     if not torch.equal(both[0], both[1]):
         failures.append(f"{name}@{spec}: rows sent {both[0].tolist()} != received {both[1].tolist()}")
     gathered = [r for r in shardc.comm_report(sm).rows
-                if r.param in weights and r.collective == "all_gather" and r.axis == axis]
+                if r.param in weights and r.collective == "all_gather" and r.axis in axes]
     if gathered:
-        failures.append(f"{name}@{spec}: expert weights gathered over {axis}: {gathered}")
+        failures.append(f"{name}@{spec}: expert weights gathered over {axes}: {gathered}")
     if failures:
         raise AssertionError(f"{len(failures)} failures:\n" + "\n".join(failures))
 

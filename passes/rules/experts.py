@@ -24,6 +24,7 @@ whole); the views between it and its GEMM keep that layout (``Lowering.pinned``)
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -82,15 +83,15 @@ class _Segment:
 def expert_rules(L: Lowering, region: Region) -> dict[fx.Node, Callable[[Lowering, fx.Node], Any]]:
     """The rules of the region's segments' nodes (each but the last emits nothing; the
     last emits the segment), and each expert weight's storage, fixed now."""
-    axes = L.ctx.options.expert_axes
-    if not axes or L.mesh.size(axes[0]) == 1:
+    axes = cut_axes(L.ctx.options.expert_axes, L.mesh)
+    if not axes:
         return {}
     out: dict[fx.Node, Callable[[Lowering, fx.Node], Any]] = {}
     for seg in _segments(region):
         for n in seg.nodes:
             out[n] = _segment_rule(region, seg)
         for w in seg.weights:
-            _pin(L, w, axes[0])
+            _pin(L, w, axes)
     return out
 
 
@@ -152,9 +153,16 @@ def _made_from_keys(region: Region, rows: set[fx.Node], order: dict[fx.Node, int
     return keyed
 
 
-def _pin(L: Lowering, w: Any, axis: str) -> None:
-    """Store the parameter behind expert weight ``w`` cut on its expert dim over ``axis``
-    (then over z, as any stored shard), before its first use decides otherwise."""
+def cut_axes(axes: tuple[str, ...] | None, mesh: Any) -> tuple[str, ...]:
+    """The axes of ``expert_axes`` that have ranks to cut over, in the order given (the
+    first outermost)."""
+    return tuple(a for a in axes or () if mesh.size(a) > 1)
+
+
+def _pin(L: Lowering, w: Any, axes: tuple[str, ...]) -> None:
+    """Store the parameter behind expert weight ``w`` cut on its expert dim over ``axes``
+    (then over z, as any stored shard, if z is not one of them), before its first use
+    decides otherwise."""
     while isinstance(w, fx.Node) and w.op == "call_function" and w.target in _WEIGHT_VIEWS:
         nd = ndim_of(w)
         if w.target is aten.permute.default and int(w.args[1][0]) % nd != 0:
@@ -167,13 +175,13 @@ def _pin(L: Lowering, w: Any, axis: str) -> None:
         return
     name = role[1]
     shape = list(w.meta["val"].shape)
-    if name not in L.storage and shape and shape[0] % L.mesh.size(axis) == 0:
-        L.storage[name] = L._storage_for(_expert_cut(len(shape), axis), shape)
+    if name not in L.storage and shape and shape[0] % math.prod(L.mesh.size(a) for a in axes) == 0:
+        L.storage[name] = L._storage_for(_expert_cut(len(shape), axes), shape)
         L.pinned.add(name)
 
 
-def _expert_cut(ndim: int, axis: str) -> Layout:
-    return Layout(ndim, ((axis,),) + tuple(() for _ in range(ndim - 1)))
+def _expert_cut(ndim: int, axes: tuple[str, ...]) -> Layout:
+    return Layout(ndim, (axes,) + tuple(() for _ in range(ndim - 1)))
 
 
 def _segment_rule(region: Region, seg: _Segment) -> Callable[[Lowering, fx.Node], Any]:
@@ -184,32 +192,35 @@ def _segment_rule(region: Region, seg: _Segment) -> Callable[[Lowering, fx.Node]
     return rule
 
 
-def _check(L: Lowering, region: Region, seg: _Segment) -> tuple[str, int]:
-    """(the experts' axis, their number), or a ShardcError saying why they cannot be cut."""
-    axes = L.ctx.options.expert_axes
-    axis = axes[0]
+def _check(L: Lowering, region: Region, seg: _Segment) -> tuple[tuple[str, ...], int]:
+    """(the experts' axes, their number), or a ShardcError saying why they cannot be cut."""
+    given = L.ctx.options.expert_axes
+    axes = cut_axes(given, L.mesh)
     g = seg.gemms[0]
     where = f"{g.target} ({L.src.module}:{L.src.line})"
-    if region.axes is None or axis not in region.axes:
+    missing = [a for a in axes if region.axes is None or a not in region.axes]
+    if missing:
         cut = " and ".join(region.axes) if region.axes else "no batch axis evenly"
         raise ShardcError(
-            f"shardc.compile: expert_axes={axes!r}, but the token-expert rows reaching the experts "
-            f"of {where} are cut over {cut}, so no all-to-all over {axis} can bring them to their "
-            "experts' ranks (the tokens must be cut over that axis, evenly).")
+            f"shardc.compile: expert_axes={given!r}, but the token-expert rows reaching the experts "
+            f"of {where} are cut over {cut}, so no all-to-all over {missing[0]} can bring them to "
+            "their experts' ranks (the tokens must be cut over that axis, evenly).")
     counts = {int(w.meta["val"].shape[0]) for w in seg.weights}
     if len(counts) != 1:
-        raise ShardcError(f"shardc.compile: expert_axes={axes!r}: the grouped GEMMs of {where} "
+        raise ShardcError(f"shardc.compile: expert_axes={given!r}: the grouped GEMMs of {where} "
                           f"read weights of {sorted(counts)} experts; one number expected.")
     experts = counts.pop()
-    if experts % L.mesh.size(axis):
+    ranks = math.prod(L.mesh.size(a) for a in axes)
+    if experts % ranks:
+        sizes = " x ".join(f"{a}={L.mesh.size(a)}" for a in axes)
         raise ShardcError(
-            f"shardc.compile: expert_axes={axes!r}: {where} has {experts} experts, which "
-            f"{axis}={L.mesh.size(axis)} does not divide; each rank must hold as many.")
-    return axis, experts
+            f"shardc.compile: expert_axes={given!r}: {where} has {experts} experts, which "
+            f"{sizes} does not divide; each rank must hold as many.")
+    return axes, experts
 
 
 def _emit_segment(L: Lowering, region: Region, seg: _Segment) -> Any:
-    axis, experts = _check(L, region, seg)
+    axes, experts = _check(L, region, seg)
     weights = set(seg.weights)
     rows = [local_value(L, region, a) for a in seg.rows]
     offs = local_value(L, region, seg.offs[0])
@@ -219,7 +230,7 @@ def _emit_segment(L: Lowering, region: Region, seg: _Segment) -> Any:
         if not isinstance(v, Val):
             consts[a] = v  # a constant of the traced program
             continue
-        lay = _expert_cut(v.ndim, axis) if a in weights else Layout.replicate(v.ndim)
+        lay = _expert_cut(v.ndim, axes) if a in weights else Layout.replicate(v.ndim)
         others.append(L.to_layout(v, lay))
         specs.append((tuple(lay.clean(L.mesh).local_shape(list(v.val.shape), L.mesh)), v.val.dtype))
     key = f"{L.rt}:{seg.nodes[-1].name}"
@@ -228,19 +239,24 @@ def _emit_segment(L: Lowering, region: Region, seg: _Segment) -> Any:
                             [(tuple(o.meta["val"].shape[1:]), o.meta["val"].dtype) for o in seg.outputs],
                             specs)
     vals = tuple(o.meta["val"] for o in seg.outputs)
-    op = L.emit(EXPERT_REGION, (rows, offs, others, experts, L.rt, axis, key), layout=None, val=vals)
-    op.meta[COMM] = {"collective": "all_to_all", "axis": axis}
+    op = L.emit(EXPERT_REGION, (rows, offs, others, experts, L.rt, ",".join(axes), key), layout=None,
+                val=vals)
+    op.meta[COMM] = {"collective": "all_to_all", "axis": axes[-1]}
     for i, o in enumerate(seg.outputs):
         lay = rows_layout(region.axes or (), ndim_of(o))
         n = L.emit(operator.getitem, (op, i), layout=lay, val=vals[i])
         L.env[o] = Val(n, lay.clean(L.mesh), vals[i])
-    g = L.mesh.size(axis)
+    per = experts // math.prod(L.mesh.size(a) for a in axes)
+    over = " x ".join(axes)
+    where = (f"{axes[0]} coordinate c" if len(axes) == 1 else
+             f"coordinates ({', '.join(axes)}), read as one number c with {axes[0]} outermost,")
     L.decisions.append(
         f"{seg.gemms[0].name} ({L.src.module}:{L.src.line}): the {experts} experts are cut over "
-        f"{axis}, {experts // g} a rank (the rank at {axis} coordinate c holds experts "
-        f"{experts // g}c to {experts // g}c+{experts // g - 1}); {len(seg.nodes)} ops "
+        f"{over}, {per} a rank (the rank at {where} holds experts {per}c to {per}c+{per - 1}); "
+        f"{len(seg.nodes)} ops "
         f"({', '.join(n.name for n in seg.gemms)} and what lies between) run on the experts' "
-        f"ranks: {len(seg.rows)} row input(s) go there and {len(seg.outputs)} output(s) come back by all-to-all")
+        f"ranks: {len(seg.rows)} row input(s) go there and {len(seg.outputs)} output(s) come back by "
+        f"all-to-all{'' if len(axes) == 1 else ', one axis at a time (' + ', then '.join(axes) + ')'}")
     return L.env[seg.nodes[-1]]
 
 

@@ -68,8 +68,9 @@ class Options:
     expert dim over that batch axis (expert parallelism): each rank holds E/G experts,
     and inside a routing region every grouped GEMM sends each token-expert row to its
     expert's rank by all-to-all and the result back (``runtime/experts.py``), dropless.
-    One axis, ``"data"`` or ``"z"``, that cuts the tokens. ``expert_capacity`` (a
-    capacity factor with padding and dropped tokens) is refused for now.
+    ``"data"``, ``"z"`` or both (``("z", "data")``: the first outermost; the rows then
+    travel one axis at a time). ``expert_capacity`` (a capacity factor with padding and
+    dropped tokens) is refused for now.
 
     ``backend="inductor"`` compiles each part of the step program (forward, backward) with
     inductor as one graph, its collectives and random draws inside as ops that keep the
@@ -182,7 +183,7 @@ EXPERT_AXES = ("data", "z")
 
 
 def _as_expert_axes(axes: Any) -> tuple[str, ...] | None:
-    """None, or a tuple of one batch axis name ("data" or "z")."""
+    """None, or a tuple of batch axis names ("data", "z"), each once."""
     if axes is None:
         return None
     if isinstance(axes, str):
@@ -198,11 +199,9 @@ def _as_expert_axes(axes: Any) -> tuple[str, ...] | None:
         raise OptionError(
             f"shardc.compile: expert_axes={axes!r}: {bad[0]!r} does not cut the tokens, so no "
             f"all-to-all can bring them to their experts; use one of {EXPERT_AXES}.")
-    if len(axes) != 1:
-        raise OptionError(
-            f"shardc.compile: expert_axes={axes!r}: experts cut over more than one axis at "
-            "once are not implemented yet; cut them over one of them (the other keeps "
-            "its copy of the experts, its ranks' gradients summed).")
+    if not axes or len(set(axes)) != len(axes):
+        raise OptionError(f"shardc.compile: expert_axes={axes!r}: name each axis once, e.g. "
+                          "('data',) or ('z', 'data').")
     return axes
 
 

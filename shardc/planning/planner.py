@@ -416,10 +416,11 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
     dropped += lost
     # a mixture of experts whose experts can be cut: the same meshes with them cut over
     # data or over z (where that axis has ranks) are candidates too, ranked with the rest
-    for axis in _expert_axes_to_try(inputs, routed, compile_kw):
-        more, lost = rank({**compile_kw, "expert_axes": (axis,)}, [m for m in meshes if m.size(axis) > 1])
+    for axes in _expert_axes_to_try(inputs, routed, compile_kw):
+        more, lost = rank({**compile_kw, "expert_axes": axes},
+                          [m for m in meshes if all(m.size(a) > 1 for a in axes)])
         cands += more
-        dropped += [replace(d, reason=f"expert_axes=('{axis}',): {d.reason}") for d in lost]
+        dropped += [replace(d, reason=f"expert_axes={axes}: {d.reason}") for d in lost]
     cands.sort(key=_key)
     if memory == "traced":
         cands = _traced_memory(model, inputs, cands, exact_top, machine, dropped, optimizer,
@@ -435,12 +436,13 @@ def _key(c: Candidate) -> tuple:
     return (c.predicted_step_s, c.memory_bytes_per_rank, c.mesh.spec(), c.expert_axes or ())
 
 
-def _expert_axes_to_try(inputs: tuple, routed: bool, compile_kw: dict) -> list[str]:
-    """The axes to cut a mixture of experts' experts over, as extra candidates: none when
-    the model has no routing region or the caller fixed ``expert_axes``."""
+def _expert_axes_to_try(inputs: tuple, routed: bool, compile_kw: dict) -> list[tuple[str, ...]]:
+    """The ways to cut a mixture of experts' experts, as extra candidates (over data, over
+    z, over both): none when the model has no routing region or the caller fixed
+    ``expert_axes``."""
     if not routed or "expert_axes" in compile_kw:
         return []
-    return list(EXPERT_AXES)
+    return [(a,) for a in EXPERT_AXES] + [("z", "data")]
 
 
 def _evaluate(m: Mesh, a: _Pattern, machine: Machine, exact: bool,

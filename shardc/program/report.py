@@ -121,11 +121,11 @@ def _param_of(n: Any) -> str | None:
 
 def build_rows(gm: fx.GraphModule, mesh: Mesh, storage: dict[str, Layout],
                reduce_params: dict[str, list[str]], param_vals: dict[str, Any],
-               policy: Precision | None = None, routed: dict[str, int] | None = None
+               policy: Precision | None = None, routed: dict[str, list[int]] | None = None
                ) -> list[CommRow]:
     """``policy``: the precision policy (the step reductions run in its reduce dtype
-    where that is narrower than the parameter's); ``routed``: the rows each expert GEMM
-    received in the last step (``Runtime.routed``), where one has run."""
+    where that is narrower than the parameter's); ``routed``: the rows each expert segment
+    received at each hop in the last step (``Runtime.routed``), where one has run."""
     policy = policy or Precision(torch.float32, torch.float32)
     rows: list[CommRow] = []
 
@@ -200,42 +200,58 @@ def build_rows(gm: fx.GraphModule, mesh: Mesh, storage: dict[str, Layout],
     return rows
 
 
-def expert_rows(n: fx.Node, mesh: Mesh, routed: dict[str, int] | None) -> list[CommRow]:
+def expert_rows(n: fx.Node, mesh: Mesh, routed: dict[str, list[int]] | None) -> list[CommRow]:
     """The all-to-alls of one expert segment (``runtime.experts.expert_region``), one row
-    each, in the order it issues them: the E counts; each row input to the experts and each
-    output back (forward); each output's gradient to the experts and each floating input's
-    gradient back (backward). What comes back carries the rows routed to this rank's
-    experts: before a step they are taken as uniform routing (as many as the rank sends)
-    and the row says so; after one, they are the last step's."""
-    rows_in, _offs, _others, experts, _rt, axis, key = cast(tuple[Any, ...], n.args)
+    each, in the order it issues them. Its experts are cut over one axis or several; the
+    rows go one axis at a time (a hop), outer axis first. Each hop: the counts of the
+    experts still reachable; each row input onward (forward). Then each output back, the
+    last hop first. In backward: each output's gradient onward, each floating input's
+    gradient back. The first hop sends the rank's own rows (a fixed number); any other
+    leg carries rows the routing decided: before a step they are taken as uniform (as
+    many as the rank's own) and the row says so; after one, they are the last step's."""
+    rows_in, _offs, _others, experts, _rt, axes, key = cast(tuple[Any, ...], n.args)
     module = getattr(n.meta.get(SOURCE), "module", "") or ""
-    g = mesh.size(axis)
+    hops = axes.split(",")
     got = (routed or {}).get(key)
     sent = _local_numel(rows_in[0], mesh) // max(1, math.prod(rows_in[0].meta[GLOBAL_VAL].shape[1:]))
     n_global = int(rows_in[0].meta[GLOBAL_VAL].shape[0])
     divs = tuple(a for a in (n.meta.get(PLACEMENT) or _first_layout(n)).dims[0])
     outs = list(n.meta[GLOBAL_VAL])
-    grads = n.meta.get(REQUIRES_GRAD)
+    floating_in = [x.meta[GLOBAL_VAL] for x in rows_in if x.meta[GLOBAL_VAL].dtype.is_floating_point]
     label = "uniform-routing estimate" if got is None else "routed, last step"
-    out = [CommRow(n.name, "expert counts", module, None, "all_to_all", axis, "forward",
-                   as_number(ring_bytes("all_to_all", g, experts * 8)), experts * 8, ())]
 
-    def row(what: str, phase: str, t: Any, back: bool) -> CommRow:
+    def row(what: str, phase: str, axis: str, t: Any, held: int | None) -> CommRow:
+        """``held``: the rows sent, when the routing decided them (None: the rank's own)."""
         per_row = math.prod(t.shape[1:]) * _elsize(t)
-        if back and got is not None:  # exact: this rank's last step
-            nb = got * per_row
-            return CommRow(n.name, f"{what} ({label})", module, None, "all_to_all", axis, phase,
-                           as_number(ring_bytes("all_to_all", g, nb)), nb, ())
-        return CommRow(n.name, f"{what} ({label})" if back else what, module, None, "all_to_all",
-                       axis, phase, as_number(ring_bytes("all_to_all", g, sent * per_row)),
-                       n_global * per_row, divs)
+        g = mesh.size(axis)
+        if held is None or got is None:
+            fixed = held is None
+            return CommRow(n.name, what if fixed else f"{what} ({label})", module, None, "all_to_all",
+                           axis, phase, as_number(ring_bytes("all_to_all", g, sent * per_row)),
+                           n_global * per_row, divs)
+        nb = held * per_row  # exact: this rank's last step
+        return CommRow(n.name, f"{what} ({label})", module, None, "all_to_all", axis, phase,
+                       as_number(ring_bytes("all_to_all", g, nb)), nb, ())
 
-    out += [row("expert dispatch", "forward", x.meta[GLOBAL_VAL], False) for x in rows_in]
-    out += [row("expert combine", "forward", o, True) for o in outs]
-    if grads:
-        out += [row("expert dispatch (gradient)", "backward", o, False) for o in outs]
-        out += [row("expert combine (gradient)", "backward", x.meta[GLOBAL_VAL], True)
-                for x in rows_in if x.meta[GLOBAL_VAL].dtype.is_floating_point]
+    def there(k: int) -> int | None:  # rows held before hop k (None: the rank's own)
+        return None if k == 0 else (got[k - 1] if got is not None else -1)
+
+    out = []
+    span = experts
+    for k, axis in enumerate(hops):
+        nb = span * 8  # the counts of the experts still reachable, int64
+        out.append(CommRow(n.name, "expert counts", module, None, "all_to_all", axis, "forward",
+                           as_number(ring_bytes("all_to_all", mesh.size(axis), nb)), nb, ()))
+        span //= mesh.size(axis)
+        out += [row("expert dispatch", "forward", axis, x.meta[GLOBAL_VAL], there(k)) for x in rows_in]
+    for k in reversed(range(len(hops))):
+        out += [row("expert combine", "forward", hops[k], o, got[k] if got else -1) for o in outs]
+    if n.meta.get(REQUIRES_GRAD):
+        for k, axis in enumerate(hops):
+            out += [row("expert dispatch (gradient)", "backward", axis, o, there(k)) for o in outs]
+        for k in reversed(range(len(hops))):
+            out += [row("expert combine (gradient)", "backward", hops[k], t, got[k] if got else -1)
+                    for t in floating_in]
     return out
 
 
