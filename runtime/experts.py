@@ -271,5 +271,6 @@ def _backward(ctx: Any, grads: list[torch.Tensor]) -> tuple:
 
 expert_region.register_autograd(_backward, setup_context=_setup)
 
-# the op as a graph node's target (a CustomOpDef is not one)
+# the ops as graph nodes' targets (a CustomOpDef is not one)
 EXPERT_REGION = torch.ops.shardc.expert_region.default
+EXPERT_REGION_BACKWARD = torch.ops.shardc.expert_region_backward.default

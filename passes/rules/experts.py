@@ -120,7 +120,10 @@ def _segments(region: Region) -> list[_Segment]:
     last = order[nodes[-1]]
     early = any(order[u] < last for o in seg.outputs for u in o.users
                 if u not in inside and u.target not in IGNORED)
-    if early or len(seg.offs) != 1:
+    # a region value other than rows and offsets (the permutation, the rank's own counts)
+    # means this rank's order, which the experts' ranks do not have
+    foreign = any(a in region.kinds for a in seg.others)
+    if early or foreign or len(seg.offs) != 1:
         return [_Segment(region, [g]) for g in gemms]
     return [seg]
 

@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -51,6 +52,7 @@ from shardc.passes.joint import SWAP, trace_joint
 from shardc.passes.recompute import Checkpointed
 from shardc.runtime import functional as F
 from shardc.runtime.collectives import get_runtime
+from shardc.runtime.experts import EXPERT_REGION, EXPERT_REGION_BACKWARD, SEGMENTS
 from shardc.runtime.functional import ALIASES
 from shardc.runtime.grad_buckets import REDUCE_SCATTER
 
@@ -94,9 +96,47 @@ def estimate(sm: Any, optimizer: str | int = "adamw") -> MemoryEstimate:
     trainable = sum(_nbytes(p) for p in sm.parameters() if p.requires_grad)
     graph, saved_as = traced_step(sm)
     held = _grad_bucket_buffers(sm, graph)
-    for n, nbytes in _gather_group_buffers(sm, graph).items():
+    for n, nbytes in [*_gather_group_buffers(sm, graph).items(), *_expert_buffers(graph).items()]:
         held[n] = held.get(n, 0) + nbytes
     return MemoryEstimate(own + copies, per * trainable, peak_bytes(graph, saved_as, held))
+
+
+def _expert_buffers(graph: fx.Graph) -> dict[fx.Node, int]:
+    """An expert segment (``runtime.experts``) is one op of the traced step: what it holds
+    from its forward to its backward (the rows it received and every value of the experts'
+    ops, which their backward reads) is beside the graph. Counted at uniform routing (a
+    rank receives as many rows as it sends), by running the segment's ops on fake tensors
+    of that many rows."""
+    out: dict[fx.Node, int] = {}
+    made: dict[str, int] = {}
+    for n in graph.nodes:
+        if n.target is EXPERT_REGION:
+            key = n.args[6]
+            made[key] = _segment_bytes(SEGMENTS[key], int(n.args[0][0].meta["val"].shape[0]))
+            out[n] = out.get(n, 0) + made[key]
+        elif n.target is EXPERT_REGION_BACKWARD and n.args[3] in made:
+            out[n] = out.get(n, 0) - made[n.args[3]]
+    return out
+
+
+def _segment_bytes(seg: Any, rows: int) -> int:
+    with FakeTensorMode():
+        ins = [torch.empty((rows, *shape), dtype=dtype) for shape, dtype in seg.rows]
+        others = [torch.empty(shape, dtype=dtype) for shape, dtype in seg.others]
+        local = next((s[0] for s, _ in seg.others if len(s) == 3), 1)  # the local experts
+        offs = torch.zeros(local, dtype=torch.int32)
+        seen = 0
+
+        class Count(fx.Interpreter):
+            def run_node(self, node: fx.Node) -> Any:
+                nonlocal seen
+                v = super().run_node(node)
+                if node.op == "call_function":
+                    seen += sum(_tensor_bytes(t) for t in (v if isinstance(v, (list, tuple)) else [v]))
+                return v
+
+        Count(seg.fn).run(*ins, offs, *others)
+    return seen + sum(_tensor_bytes(t) for t in ins)
 
 
 def _grad_bucket_buffers(sm: Any, graph: fx.Graph) -> dict[fx.Node, int]:
