@@ -230,3 +230,32 @@ def _checkpoint(rank: int, world_size: int, root: str) -> None:
 @pytest.mark.distributed
 def test_checkpoints_reshard_across_expert_parallel_degrees(ranks, tmp_path) -> None:
     ranks.run(_checkpoint, 4, str(tmp_path))
+
+
+def _trace(rank: int, world_size: int, root: str) -> None:
+    """``shardc trace --expert-axes``: each rank's trace carries how its experts' rows were
+    spread in the traced step, and the CLI's lines say it per layer and rank."""
+    import glob
+
+    from shardc.tools.specs import moe_small
+    from shardc.tools.timeline import expert_load_lines, trace_step
+
+    model, batch = moe_small()
+    mesh = shardc.Mesh.parse("x1y1z1d4")
+    sm = shardc.compile(model, mesh, example_inputs=batch, expert_axes=("data",))
+    trace_step(sm, tuple(shardc.shard_batch(x, mesh) for x in batch), root, warmup=0)
+    torch.distributed.barrier()
+    if rank:
+        return
+    lines = expert_load_lines(sorted(glob.glob(f"{root}/rank*.json")))
+    assert len(lines) == 2 * 4, lines  # a line per layer and rank
+    # every token-expert row of the batch was computed on some rank, in each layer
+    for layer in ("layers.0", "layers.1"):
+        rows = [int(x.split(" computed ")[1].split()[0]) for x in lines if layer in x]
+        assert sum(rows) == 8 * 32 * 2, (layer, rows)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_shardc_trace_shows_the_experts_load(ranks, tmp_path) -> None:
+    ranks.run(_trace, 4, str(tmp_path))

@@ -19,7 +19,7 @@ from shardc.tools.bench import run_bench
 from shardc.tools.demo import run_demo
 from shardc.tools.gate import check_against_baseline
 from shardc.tools.specs import SpecError, load_spec
-from shardc.tools.timeline import run_trace
+from shardc.tools.timeline import expert_load_lines, run_trace
 
 
 # ---------------------------------------------------------------------- commands
@@ -98,8 +98,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
         opts["overlap"] = False
     if args.bucket_mb is not None:
         opts["bucket_mb"] = args.bucket_mb
-    for path in run_trace(args.spec, args.mesh, args.out, png=args.png, **opts):
+    if args.expert_axes:
+        opts["expert_axes"] = tuple(args.expert_axes.split(","))
+    files = run_trace(args.spec, args.mesh, args.out, png=args.png, **opts)
+    for path in files:
         print(f"wrote {path}")
+    for line in expert_load_lines(files):
+        print(line)
     return 0
 
 
@@ -170,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("--png", action="store_true", help="also draw rank 0's step (needs matplotlib)")
     t.add_argument("--no-overlap", action="store_true", help="compile with overlap=False")
     t.add_argument("--bucket-mb", type=float, default=None)
+    t.add_argument("--expert-axes", default="", help="compile with expert_axes (e.g. data or z,data); "
+                   "prints the rows each rank's experts computed")
     t.set_defaults(fn=cmd_trace)
 
     args = p.parse_args(argv)

@@ -11,7 +11,7 @@ import sys
 import torch
 
 from shardc.core.errors import ShardcError
-from shardc.tools.models import GPT, MLPChain, lm_batch
+from shardc.tools.models import GPT, HFCausalLM, MLPChain, lm_batch
 
 
 class SpecError(ShardcError):
@@ -61,6 +61,20 @@ def gpt_peer() -> tuple[torch.nn.Module, tuple]:
     """The peers' GPT: 4 blocks, hidden 256, 4 heads, seq 64, vocab 512, batch 16."""
     torch.manual_seed(0)
     return GPT.peer(), lm_batch(16, 64, 512)
+
+
+def moe_small() -> tuple[torch.nn.Module, tuple]:
+    """A transformers Mixtral (2 layers, hidden 64, 8 experts, top 2; its default
+    ``grouped_mm`` experts kernel), batch 8 x 32: for ``expert_axes`` (needs transformers)."""
+    import transformers  # noqa: PLC0415 - optional dependency (the [test] extra)
+
+    cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                     num_local_experts=8, num_experts_per_tok=2,
+                                     max_position_embeddings=32, use_cache=False,
+                                     tie_word_embeddings=False, router_jitter_noise=0.0)
+    torch.manual_seed(0)
+    return HFCausalLM(transformers.MixtralForCausalLM(cfg)), lm_batch(8, 32, 256)
 
 
 def paper_gpt(name: str, batch: int = 512, seq: int = 2048) -> tuple[torch.nn.Module, tuple]:

@@ -15,6 +15,7 @@ Open the JSON in https://ui.perfetto.dev or chrome://tracing.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -64,9 +65,35 @@ def trace_step(sm: Any, inputs: tuple, out_dir: str, warmup: int = 1) -> str:
         with open(raw) as f:
             trace = json.load(f)
     add_collective_spans(trace)
+    # expert parallelism: how the traced step's rows were spread (sm.expert_load()),
+    # beside the timeline (the trace viewers ignore keys they do not know)
+    load = sm.expert_load() if hasattr(sm, "expert_load") else {}
+    if load:
+        trace["shardcExpertLoad"] = {m: dataclasses.asdict(v) for m, v in load.items()}
     with open(path, "w") as f:
         json.dump(trace, f)
     return path
+
+
+def expert_load_lines(files: list[str]) -> list[str]:
+    """One line per MoE layer and rank of the traces ``files`` (``trace_step``'s): the rows
+    each rank's experts computed in the traced step, expert by expert, and their total
+    against the mean over ranks (the busiest rank sets the step's pace)."""
+    loads: dict[str, list[tuple[int, list[int]]]] = {}
+    for f in files:
+        if not f.endswith(".json"):
+            continue
+        rank = int(os.path.basename(f)[len("rank"):-len(".json")])
+        with open(f) as fh:
+            for module, v in json.load(fh).get("shardcExpertLoad", {}).items():
+                loads.setdefault(module, []).append((rank, v["received_per_expert"]))
+    out = []
+    for module, ranks in loads.items():
+        mean = sum(sum(r) for _, r in ranks) / len(ranks)
+        for rank, rows in sorted(ranks):
+            out.append(f"{module}: rank {rank} computed {sum(rows)} rows ({sum(rows) / mean:.2f}x the "
+                       f"mean), by local expert {rows}")
+    return out
 
 
 def collective_spans(trace: dict) -> list[dict]:
