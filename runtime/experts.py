@@ -10,7 +10,9 @@ entering the first grouped GEMM to the rows leaving the last (the activation, th
 an expert's bias looked up by its key, in between). ``shardc::expert_region`` runs it:
 
 1. the ranks of ``axis`` exchange how many rows each sends each expert (an all-to-all of
-   the E counts);
+   the E counts; over two axes, ``expert_axes=("z", "data")``, steps 1-2 are a leg per
+   axis, the outer first, each with the counts of the experts still reachable, and step 4
+   goes back the same legs);
 2. each rank sends every row to the rank of its expert (one all-to-all per row input of the
    segment, split sizes from the counts: the rows are sorted by expert, so each
    destination's rows are one run);
@@ -35,7 +37,7 @@ plain autograd call the same code.
 Every all-to-all is counted by the runtime (``Runtime.count``) as the program's other
 collectives are. Those that carry the received rows (the outputs going back, and in
 backward the input gradients going back) move a number of rows that depends on the
-routing: the rows each node received in its last call are kept in ``Runtime.routed``, from
+routing: the rows each node received at each leg in its last call are kept in ``Runtime.routed``, from
 which ``shardc.comm_report`` reports them exactly once a step has run (before, from uniform
 routing, and says so).
 """
@@ -126,7 +128,7 @@ def _a2a(x: torch.Tensor, out_rows: list[int], in_rows: list[int], rt: str, axis
 class _Hop:
     """One all-to-all leg of the way to the experts, over one axis, and how to undo it."""
     axis: str
-    order: torch.Tensor  # received row i (source-major) is row order[i] once sorted by expert
+    order: torch.Tensor  # row j sorted by expert is received (source-major) row order[j]
     sent: list[int]  # rows this rank sent each rank of the axis
     got: list[int]  # rows it got from each
 
