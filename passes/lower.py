@@ -48,7 +48,7 @@ from shardc.core.placement import Layout
 from shardc.core.precision import reduce_dtype
 from shardc.passes.rules import RULES, fallback_rule
 from shardc.passes.rules.experts import cut_axes, expert_rules
-from shardc.passes.rules.routing import Region, region_rules
+from shardc.passes.rules.routing import region_rules
 from shardc.runtime import collectives as C
 from shardc.runtime import ops as R
 from shardc.runtime.experts import EXPERT_REGION
@@ -129,9 +129,8 @@ class Lowering:
         self.env: dict[fx.Node, Any] = {}
         self.storage: dict[str, Layout] = {}
         # parameters whose storage was decided before their first use (experts cut by
-        # expert_axes, passes/rules/routing.py): views of them keep the stored layout
+        # expert_axes, passes/rules/experts.py): views of them keep the stored layout
         self.pinned: set[str] = set()
-        self.regions: list[Region] = []  # the routing regions found (passes/rules/routing.py)
         self.param_ph: dict[str, fx.Node] = {}
         self.param_val: dict[str, Any] = {}
         self.cache: dict[tuple, fx.Node] = {}
@@ -403,8 +402,8 @@ class Lowering:
     def run(self) -> LowerResult:
 
         # ops whose rule depends on a region around them, not on the op alone
-        regions = region_rules(self, self.old.graph)
-        for region in self.regions:
+        regions, found = region_rules(self, self.old.graph)
+        for region in found:
             # experts cut over an axis (expert_axes): the segments that run on the
             # experts' ranks take over their nodes' rules
             regions.update(expert_rules(self, region))

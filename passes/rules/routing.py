@@ -344,8 +344,10 @@ def _grow(region: Region) -> None:
 
 
 # ---------------------------------------------------------------------------- lowering
-def region_rules(L: Lowering, graph: fx.Graph) -> dict[fx.Node, Callable[[Lowering, fx.Node], Any]]:
-    """The rule of each node in a routing region of ``graph`` (the rest keep the table's)."""
+def region_rules(L: Lowering, graph: fx.Graph
+                 ) -> tuple[dict[fx.Node, Callable[[Lowering, fx.Node], Any]], list[Region]]:
+    """The rule of each node in a routing region of ``graph`` (the rest keep the table's),
+    and the regions."""
     out: dict[fx.Node, Callable[[Lowering, fx.Node], Any]] = {}
     regions = find_regions(graph)
     for region in regions:
@@ -356,8 +358,7 @@ def region_rules(L: Lowering, graph: fx.Graph) -> dict[fx.Node, Callable[[Loweri
             out[n] = _exit_rule(region)
         for n in region.aranges:
             out[n] = _arange_rule(region)
-    L.regions = regions
-    return out
+    return out, regions
 
 
 def rows_layout(axes: tuple[str, ...], ndim: int) -> Layout:

@@ -416,7 +416,7 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
     dropped += lost
     # a mixture of experts whose experts can be cut: the same meshes with them cut over
     # data or over z (where that axis has ranks) are candidates too, ranked with the rest
-    for axes in _expert_axes_to_try(inputs, routed, compile_kw):
+    for axes in _expert_axes_to_try(routed, compile_kw):
         more, lost = rank({**compile_kw, "expert_axes": axes},
                           [m for m in meshes if all(m.size(a) > 1 for a in axes)])
         cands += more
@@ -436,7 +436,7 @@ def _key(c: Candidate) -> tuple:
     return (c.predicted_step_s, c.memory_bytes_per_rank, c.mesh.spec(), c.expert_axes or ())
 
 
-def _expert_axes_to_try(inputs: tuple, routed: bool, compile_kw: dict) -> list[tuple[str, ...]]:
+def _expert_axes_to_try(routed: bool, compile_kw: dict) -> list[tuple[str, ...]]:
     """The ways to cut a mixture of experts' experts, as extra candidates (over data, over
     z, over both): none when the model has no routing region or the caller fixed
     ``expert_axes``."""
