@@ -9,8 +9,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from litgpt import Config
-from litgpt.model import GPT as LitGPT
 
 
 class MLPChain(nn.Module):
@@ -195,6 +193,10 @@ def litgpt_llama(vocab: int = 64, dim: int = 64, layers: int = 2, heads: int = 8
     laid out per query group (the group's q heads, then its k, then its v), RMSNorm,
     rotary positions, SiLU-gated MLP, no biases, untied head. ``query_groups == heads``
     is plain multi-head attention, fewer is grouped-query attention."""
+    # optional, as transformers is: the tests install LitGPT, a user of the other models
+    # and of the benchmarks need not
+    from litgpt import Config  # noqa: PLC0415 - see above
+    from litgpt.model import GPT as LitGPT  # noqa: PLC0415 - see above
 
     cfg = Config(name="shardc-tiny-llama", block_size=seq, vocab_size=vocab,
                  padded_vocab_size=vocab, n_layer=layers, n_embd=dim, n_head=heads,
