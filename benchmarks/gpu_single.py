@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_single.py                    # GPT-2 small and a ~0.5B GPT, bf16
     python benchmarks/gpu_single.py --tiny             # a tiny shape, minutes on a CPU
-    python benchmarks/gpu_single.py --backends eager,inductor --steps 20
+    python benchmarks/gpu_single.py --variants eager,torch.compile:cudagraphs,shardc:inductor --profile 12
     OMP_NUM_THREADS=1 python benchmarks/gpu_single.py --shapes peer,medium   # the CPU shapes
 
 On a GPU, shardc runs on NCCL with a world of one (this process); without one, on gloo
@@ -104,8 +104,9 @@ def build(shape: str, device: torch.device, dtype: torch.dtype, which: list[str]
         if name == "eager":
             fn: Callable[..., torch.Tensor] = m
             params = m.parameters()
-        elif name == "torch.compile":
-            fn = torch.compile(m)
+        elif name in ("torch.compile", "torch.compile:cudagraphs"):
+            # torch's own CUDA graphs: mode="reduce-overhead"
+            fn = torch.compile(m, mode="reduce-overhead" if name.endswith("cudagraphs") else None)
             params = m.parameters()
         elif name.startswith("shardc"):
             sm = shardc.compile(m, shardc.Mesh(), example_inputs=batch,
@@ -118,8 +119,30 @@ def build(shape: str, device: torch.device, dtype: torch.dtype, which: list[str]
     return out, flops
 
 
+def show_kernels(variants: list[Variant], device: torch.device, top: int) -> None:
+    """Where each variant's step spends the device's time: two steps under torch.profiler,
+    the kernels (CPU ops on the CPU) with the most self time, and how many ran."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415 - only --profile
+
+    cuda = device.type == "cuda"
+    for v in variants:
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as p:
+            for _ in range(2):
+                v.step()
+            _sync(device)
+        events = [e for e in p.key_averages()
+                  if (e.device_type == torch.autograd.DeviceType.CUDA) == cuda]
+        key = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+        total = sum(key(e) for e in events) / 2
+        launched = sum(e.count for e in events) / 2
+        print(f"\n{v.name}: {total / 1e3:.1f} ms of {'kernels' if cuda else 'CPU ops'} a step, "
+              f"{launched:,.0f} launched; the {top} longest:")
+        for e in sorted(events, key=key, reverse=True)[:top]:
+            print(f"  {key(e) / 2e3:8.2f} ms {e.count // 2:6d}x  {e.key[:110]}")
+
+
 def run(shape: str, device: torch.device, dtype: torch.dtype, which: list[str], warmup: int,
-        steps: int) -> None:
+        steps: int, top: int = 0) -> None:
     variants, flops = build(shape, device, dtype, which)
     peak, source = device_peak_flops(device, dtype)
     times: dict[str, list[float]] = {v.name: [] for v in variants}
@@ -143,6 +166,8 @@ def run(shape: str, device: torch.device, dtype: torch.dtype, which: list[str], 
         tp = throughput(flops, med, 1, peak)
         print(f"{v.name:<18}{med * 1e3:>11.1f}{med / base:>9.3f}x{tp.tokens_per_s_per_rank:>12,.0f}"
               f"{100 * tp.mfu:>7.2f}%{v.peak / 2**20:>9.0f} MiB{losses[v.name][-1]:>11.4f}")
+    if top:
+        show_kernels(variants, device, top)
 
 
 def main() -> None:
@@ -150,10 +175,13 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="only the tiny shape (CPU-friendly)")
     p.add_argument("--shapes", default="gpt2-small,gpt-0.5b")
     p.add_argument("--variants", default="eager,torch.compile,shardc,shardc:inductor",
-                   help="comma-separated: eager, torch.compile, shardc, shardc:inductor")
+                   help="comma-separated: eager, torch.compile, torch.compile:cudagraphs (mode="
+                        "'reduce-overhead'), shardc, shardc:inductor")
     p.add_argument("--dtype", default=None, help="bf16 (default on GPU) or fp32 (default on CPU)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="then profile two steps of each variant and print its N longest kernels")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -165,7 +193,7 @@ def main() -> None:
                                 rank=0, world_size=1)
         try:
             for shape in shapes:
-                run(shape, device, dtype, args.variants.split(","), args.warmup, args.steps)
+                run(shape, device, dtype, args.variants.split(","), args.warmup, args.steps, args.profile)
         finally:
             dist.destroy_process_group()
 
