@@ -11,6 +11,7 @@ from shardc.core.context import FALLBACK, GLOBAL_VAL, KIND, PLACEMENT
 from shardc.passes.bucket import BUCKET
 from shardc.passes.coalesce import COALESCED, block_of
 from shardc.passes.gemm_modes import GEMM, gemm_nodes
+from shardc.passes.remat import REMAT
 from shardc.passes.schedule import SCHEDULE
 from shardc.passes.step_nodes import collective_nodes
 from shardc.program.report import comm_report, fmt_bytes
@@ -264,6 +265,9 @@ def _step_section(sm: Any) -> list[str]:
     if o.backend == "inductor":
         lines.append("  backend inductor:")
         lines += [f"    {r.describe()}" for r in jp.runners() if hasattr(r, "describe")]
+        remat = jp.forward.meta.get(REMAT)
+        if remat is not None:
+            lines.append(f"    {remat.describe()}")
     lines.append("")
     return lines
 

@@ -20,6 +20,7 @@ from shardc.core.ir import StepProgram
 from shardc.passes import STEP_PIPELINE, run_step_pipeline
 from shardc.passes.gemm_modes import gemm_modes_pass, settle
 from shardc.passes.joint import trace_joint
+from shardc.passes.remat import remat_pass
 from shardc.program.backend import build_runner
 
 
@@ -40,6 +41,7 @@ def build(program: fx.GraphModule, ctx: CompileContext, args: Sequence[Any], nee
         return None, err or "another rank could not build it"
     assert jp is not None
     settle([jp.forward, jp.backward], ctx)  # gemm_modes="auto": the ranks agree on forms
+    jp = remat_pass(jp, ctx)  # backend="inductor": recompute in backward what is cheap
     jp.run_forward = build_runner(jp.forward, ctx.options.backend, "forward")
     jp.run_backward = build_runner(jp.backward, ctx.options.backend, "backward")
     return jp, ""

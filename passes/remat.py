@@ -1,0 +1,249 @@
+"""Recompute in backward what is cheaper to recompute than to save (``backend="inductor"``).
+
+Reads:  a built ``StepProgram`` (after the step passes): forward returns
+        ``(*outputs, *saved, *deferred outputs' inputs)``, backward takes
+        ``(*saved, *tangents)``
+Writes: the same program with fewer bytes saved: a saved value made from other saved
+        values (or from the primals) by cheap ops is dropped from forward's outputs and
+        its ops are copied into backward, before its first use there; a saved value
+        backward never reads is dropped
+Keeps:  the arithmetic (the same ops on the same values), the collectives and their
+        order, the random draws (never recomputed)
+
+Why: ``joint.py`` saves what autograd would save, and autograd saves outputs: a GELU's
+output for the next GEMM's weight gradient beside its input for its own backward, the
+fp32 log-softmax of the whole vocabulary for the loss's backward. ``torch.compile``'s
+partitioner (AOTAutograd's min-cut) recomputes such values from what is saved anyway,
+and inductor fuses the recompute into the backward kernels that read it; measured on
+one H100 (GPT-2 small, bf16, torch 2.11), that was most of the gap between shardc's
+inductor step and ``torch.compile``'s: 1 GiB more activations, 1.6 ms more kernel time
+a step. Only under inductor: the eager program would pay a kernel for each recomputed op.
+
+How: for each saved value, in forward's order, the cheapest way to have it in backward
+is either to save it (its bytes) or to recompute it from its inputs, each of them in turn
+saved or recomputed (a small tree search over cheap ops: pointwise, views, casts,
+softmax and log-softmax, to a depth of ``DEPTH``); values already saved or already
+recomputed cost nothing. Where recomputing costs fewer bytes than the value, forward
+stops returning it. A tie keeps the value saved: recomputing at equal bytes (a GEMM's
+output saved in place of the log-softmax made from it, 296 ops moved for a GPT-2 small
+instead of 110) made the CPU step 2-3% slower, measured side by side. A value that anything writes in place is never read by a recompute:
+it may hold another value by then.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from shardc.core.context import COMM, CompileContext
+from shardc.core.ir import DEFERRED, StepProgram
+from shardc.passes.aliases import view_of, written
+from shardc.passes.step_nodes import PART
+
+aten = torch.ops.aten
+DEPTH = 6  # how far back a recompute may reach: a GELU's tanh form is 6 ops deep
+# ops that are not pointwise but cheap to recompute from a saved input: one pass of reads
+CHEAP = frozenset({aten._to_copy.default, aten._log_softmax.default, aten._softmax.default,
+                   aten.clone.default})
+_FREE = 0  # a value backward already has
+
+
+def _bytes(n: fx.Node) -> int:
+    v = n.meta.get("val")
+    if not isinstance(v, torch.Tensor):
+        return -1
+    return v.numel() * v.element_size()
+
+
+def _cheap(n: fx.Node) -> bool:
+    t = n.target
+    if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or t.namespace != "aten":
+        return False
+    if COMM in n.meta or t._schema.is_mutable or _bytes(n) < 0:
+        return False
+    if torch.Tag.nondeterministic_seeded in t.tags:
+        return False
+    return t in CHEAP or torch.Tag.pointwise in t.tags or view_of(n) is not None
+
+
+class _Plan:
+    """The cheapest way to have a forward value in backward: cost in bytes newly saved,
+    the values to save, the values to recompute (inputs before users)."""
+
+    def __init__(self, cost: int, save: list[fx.Node], compute: list[fx.Node]) -> None:
+        self.cost, self.save, self.compute = cost, save, compute
+
+
+class _Search:
+    def __init__(self, have: set[fx.Node], touched: set[fx.Node]) -> None:
+        self.have = have          # forward values backward has (saved or recomputed)
+        self.touched = touched    # values something writes in place: never re-read
+
+    def plan(self, n: fx.Node, depth: int) -> _Plan | None:
+        if n in self.touched:
+            return None
+        if n in self.have:
+            return _Plan(_FREE, [], [])
+        if n.op == "placeholder":
+            # a primal: the caller holds it through the step (a parameter, an input)
+            return _Plan(_FREE, [n], [])
+        size = _bytes(n)
+        if size < 0 or n.op != "call_function":
+            return None
+        save = _Plan(size, [n], [])
+        if depth == 0 or not _cheap(n):
+            return save
+        total, saves, computes = 0, [], []
+        for a in n.all_input_nodes:
+            p = self.plan(a, depth - 1)
+            if p is None:
+                return save
+            total += p.cost
+            saves += p.save
+            computes += p.compute
+        if total < size:
+            return _Plan(total, saves, [*computes, n])
+        return save
+
+
+def _root(n: fx.Node) -> fx.Node:
+    """The node whose storage ``n`` shares (itself, unless it is a view)."""
+    seen = {n}
+    while (v := view_of(n)) is not None and v not in seen:
+        seen.add(v)
+        n = v
+    return n
+
+
+def _touched(fg: fx.Graph, bg: fx.Graph, forward_of: dict[fx.Node, fx.Node]) -> set[fx.Node]:
+    """Forward values whose storage something writes in place, in either part (a backward
+    placeholder stands for the forward value it receives), every view of it included."""
+    roots: set[fx.Node] = set()
+    for g in (fg, bg):
+        for n in g.nodes:
+            for w in written(n):
+                w = _root(w)
+                roots.add(forward_of.get(w, w))
+    return {n for n in fg.nodes if _root(n) in roots}
+
+
+REMAT = "shardc_remat"  # forward part's gm.meta: a Remat
+
+
+class Remat:
+    """What ``remat_pass`` did to a step program: bytes saved for backward before and
+    after (a rank's, one step), and how many ops backward recomputes."""
+
+    def __init__(self, before: int, after: int, ops: int) -> None:
+        self.before, self.after, self.ops = before, after, ops
+
+    def describe(self) -> str:
+        mib = 2 ** 20
+        return (f"saved for backward: {self.after / mib:,.1f} MiB ({self.before / mib:,.1f} MiB before "
+                f"{self.ops} ops were moved to backward to recompute there)")
+
+
+def remat_pass(jp: StepProgram, ctx: CompileContext) -> StepProgram:
+    """``jp`` with what is cheaper to recompute than to save recomputed in backward
+    (``backend="inductor"`` only)."""
+    if ctx.options.backend != "inductor":
+        return jp
+    fg, bg = jp.forward.graph, jp.backward.graph
+    f_out = next(n for n in fg.nodes if n.op == "output")
+    vals = list(f_out.args[0])
+    extra = sum(d.n_inputs for d in jp.forward.meta.get(DEFERRED, []))
+    head, saved, tail = vals[:jp.n_outputs], vals[jp.n_outputs:len(vals) - extra], vals[len(vals) - extra:]
+    b_ph = [n for n in bg.nodes if n.op == "placeholder"]
+    saved_ph, tangents = b_ph[:len(saved)], b_ph[len(saved):]
+    if not all(isinstance(s, fx.Node) for s in saved) or not tangents and not saved_ph:
+        return jp
+    # forward value -> backward node that holds it (a placeholder, or a recomputed copy);
+    # a forward value saved twice (two entries) keeps one placeholder
+    held: dict[fx.Node, fx.Node] = {}
+    for s, p in zip(saved, saved_ph):
+        if s in held:
+            p.replace_all_uses_with(held[s])
+        else:
+            held[s] = p
+    touched = _touched(fg, bg, {p: s for s, p in zip(saved, saved_ph)})
+    before = sum(max(_bytes(s), 0) for s in held)
+    changed = True
+    while changed:
+        changed = False
+        for s in list(held):
+            p = held[s]
+            if p.op != "placeholder":
+                continue
+            if not p.users:
+                del held[s]
+                changed = True
+                continue
+            search = _Search(set(held) - {s}, touched)
+            plan = search.plan(s, DEPTH)
+            if plan is None or not plan.compute:
+                continue
+            order = _order(bg)
+            first = min(p.users, key=lambda u: order[u])
+            for n in plan.save:
+                if n not in held:
+                    held[n] = _placeholder(bg, tangents, n)
+            for n in dict.fromkeys(plan.compute):
+                if n in held and n is not s:  # s itself is held by the placeholder it replaces
+                    continue
+                with bg.inserting_before(first):
+                    copy = bg.node_copy(n, lambda a: held[a])
+                copy.meta[PART] = "backward"
+                held[n] = copy
+            p.replace_all_uses_with(held[s])
+            changed = True
+    # what is still a placeholder is what forward saves; the rest is gone from both
+    keep = [s for s, p in held.items() if p.op == "placeholder"]
+    for p in [n for n in bg.nodes if n.op == "placeholder" and n not in tangents]:
+        if p not in {held[s] for s in keep}:
+            bg.erase_node(p)
+    _order_placeholders(bg, [held[s] for s in keep], tangents)
+    _repair_order(bg)
+    f_out.args = (tuple(head) + tuple(keep) + tuple(tail),)
+    bg.lint()
+    recomputed = sum(1 for p in held.values() if p.op != "placeholder")
+    jp.forward.meta[REMAT] = Remat(before, sum(max(_bytes(s), 0) for s in keep), recomputed)
+    jp.forward.recompile()
+    jp.backward.recompile()
+    return jp
+
+
+def _order(g: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(g.nodes)}
+
+
+def _placeholder(bg: fx.Graph, tangents: list[fx.Node], n: fx.Node) -> fx.Node:
+    anchor = tangents[0] if tangents else next(m for m in bg.nodes if m.op != "placeholder")
+    with bg.inserting_before(anchor):
+        p = bg.placeholder(f"saved_{n.name}")
+    p.meta.update(n.meta)
+    return p
+
+
+def _order_placeholders(bg: fx.Graph, saved: list[fx.Node], tangents: list[fx.Node]) -> None:
+    """Backward's placeholders in forward's output order: the saved, then the tangents."""
+    anchor = next(n for n in bg.nodes if n.op != "placeholder")
+    for p in [*saved, *tangents]:
+        anchor.prepend(p)
+
+
+def _repair_order(bg: fx.Graph) -> None:
+    """Move each recomputed node (and what it reads) before its first reader, where a
+    later recompute put a reader earlier than the node."""
+    order = _order(bg)
+    for n in list(bg.nodes):
+        for a in n.all_input_nodes:
+            if order[a] > order[n]:
+                _move_before(a, n, order)
+                order = _order(bg)
+
+
+def _move_before(a: fx.Node, n: fx.Node, order: dict[fx.Node, int]) -> None:
+    for b in a.all_input_nodes:
+        if order[b] > order[n]:
+            _move_before(b, n, order)
+    n.prepend(a)
+
