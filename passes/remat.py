@@ -26,8 +26,8 @@ softmax and log-softmax, to a depth of ``DEPTH``); values already saved or alrea
 recomputed cost nothing. Where recomputing costs fewer bytes than the value, forward
 stops returning it. A tie keeps the value saved: recomputing at equal bytes (a GEMM's
 output saved in place of the log-softmax made from it, 296 ops moved for a GPT-2 small
-instead of 110) made the CPU step 2-3% slower, measured side by side. A value that anything writes in place is never read by a recompute:
-it may hold another value by then.
+instead of 110) made the CPU step 2-3% slower, measured side by side. A value that
+anything writes in place is never read by a recompute: it may hold another value by then.
 """
 from __future__ import annotations
 

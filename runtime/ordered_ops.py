@@ -107,6 +107,41 @@ def _(token, keep, after, slot, shape, dtype):  # type: ignore[no-untyped-def]
     return token.new_empty(shape, dtype=dtype), _token(token)
 
 
+@torch.library.custom_op("shardc::issue_in_place", mutates_args=("x",))
+def issue_in_place(x: torch.Tensor, after: torch.Tensor, slot: int, op: str, rt: str, axis: str,
+                   ph: str) -> torch.Tensor:
+    """The all-reduce of a buffer nothing else reads (``passes/inplace.py``: a packed
+    bucket, a GEMM's partial sum) into itself, with no copy."""
+    out = F.run_all_reduce(x, op, "", rt, axis, ph, inplace=True)
+    SLOTS.flight[slot] = F.STATE.flight.pop(id(out))
+    return _token(x)
+
+
+@issue_in_place.register_fake
+def _(x, after, slot, op, rt, axis, ph):  # type: ignore[no-untyped-def]
+    return _token(x)
+
+
+@torch.library.custom_op("shardc::wait_in_place", mutates_args=("x",))
+def wait_in_place(token: torch.Tensor, x: torch.Tensor, after: torch.Tensor, slot: int) -> torch.Tensor:
+    """Wait for ``issue_in_place``'s all-reduce; ``x`` then holds its result. The compiler
+    passes the buffer the issue reduces, unless it could not reuse it in place: then a copy
+    of it, made before this wait (so of bytes still being written), which the result
+    overwrites here. Either way ``x`` ends with the reduced value."""
+    flight = _claim(slot)
+    out = flight[6]
+    F.STATE.flight[id(out)] = flight
+    F.run_wait(out)
+    if x.data_ptr() != out.data_ptr():
+        x.copy_(out.view_as(x))
+    return _token(token)
+
+
+@wait_in_place.register_fake
+def _(token, x, after, slot):  # type: ignore[no-untyped-def]
+    return _token(token)
+
+
 class _Done:
     """The Work of a collective already waited for."""
 
@@ -179,4 +214,5 @@ def _(tensors, after, key):  # type: ignore[no-untyped-def]
 
 
 OPS = (torch.ops.shardc.issue.default, torch.ops.shardc.wait.default,
+       torch.ops.shardc.issue_in_place.default, torch.ops.shardc.wait_in_place.default,
        torch.ops.shardc.hand_off.default, torch.ops.shardc.draw.default)

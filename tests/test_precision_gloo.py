@@ -56,6 +56,8 @@ CASES = [
     ("gpt", "x2y1z1d2", BF16_REDUCE, {"step_graph": False}),
     # bf16 through inductor: its casts and bf16 collectives inside the one compiled graph
     ("llama", "x2y1z2d1", "bf16", {"backend": "inductor"}),
+    # ... and a data mesh, whose gradient buckets inductor reduces in place
+    ("gpt", "x1y1z1d4", "bf16", {"backend": "inductor"}),
     # experts cut over data: bf16 rows travel to them and back
     ("mixtral", "x1y1z2d2", "bf16", {"expert_axes": ("data",)}),
 ]

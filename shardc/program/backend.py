@@ -337,7 +337,7 @@ class WholePart:
         kinds: dict[str, int] = {}
         for n in self.whole.graph.nodes:
             if n.op == "call_function" and n.target in ORDERED_OPS:
-                name = n.target._schema.name.split("::")[1]
+                name = n.target._schema.name.split("::")[1].replace("_in_place", "")
                 kinds[name] = kinds.get(name, 0) + 1
         ops = ", ".join(f"{k} {kinds.get(k, 0)}" for k in ("issue", "wait", "draw", "hand_off"))
         if self.compiled is None:
