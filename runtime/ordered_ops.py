@@ -110,8 +110,8 @@ def _(token, keep, after, slot, shape, dtype):  # type: ignore[no-untyped-def]
 @torch.library.custom_op("shardc::issue_in_place", mutates_args=("x",))
 def issue_in_place(x: torch.Tensor, after: torch.Tensor, slot: int, op: str, rt: str, axis: str,
                    ph: str) -> torch.Tensor:
-    """The all-reduce of a buffer nothing else reads (``passes/inplace.py``: a packed
-    bucket, a GEMM's partial sum) into itself, with no copy."""
+    """The all-reduce of a buffer nothing else reads into itself, with no copy: a packed
+    gradient bucket (``passes/ordered_ops.py`` gives this op no other all-reduce)."""
     out = F.run_all_reduce(x, op, "", rt, axis, ph, inplace=True)
     SLOTS.flight[slot] = F.STATE.flight.pop(id(out))
     return _token(x)
