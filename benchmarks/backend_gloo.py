@@ -1,6 +1,7 @@
 """CPU ranks on gloo: shardc's eager program vs backend="inductor", side by side.
 
     python benchmarks/backend_gloo.py --ranks 2 --mesh x2y1z1d1 --rounds 7 [--pieces]
+                                      [--activation-checkpoint blocks]
 
 Both programs are compiled in the same processes from the same model; each round runs
 one training step of each, in turns (eager, inductor, eager, ...), with a barrier around
@@ -51,7 +52,8 @@ def _measure(rank: int, args: argparse.Namespace) -> None:
     programs = ("eager", "inductor", "pieces") if args.pieces else ("eager", "inductor")
     for name in programs:
         sm = shardc.compile(model, mesh, example_inputs=batch,
-                            backend="eager" if name == "eager" else "inductor")
+                            backend="eager" if name == "eager" else "inductor",
+                            activation_checkpoint=args.activation_checkpoint)
 
         opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)
 
@@ -120,7 +122,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--pieces", action="store_true", help="also run the piecewise inductor program")
+    p.add_argument("--activation-checkpoint", choices=("none", "blocks"), default="none",
+                   help="both programs with this recompute (blocks: each runs the forward program "
+                        "with autograd's backward; inductor compiles its segments between collectives)")
     args = p.parse_args()
+    if args.pieces and args.activation_checkpoint != "none":
+        p.error("--pieces cuts the step program, which block recompute does not run")
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_rank, args=(args.ranks, f"{d}/store", args), nprocs=args.ranks, join=True)
 

@@ -17,8 +17,9 @@ from models import GPT, MLPChain, llama
 import shardc
 from shardc.core.context import COMM
 from shardc.passes.ordered_ops import is_draw, ordered_ops_pass
+from shardc.passes.recompute import Checkpointed
 from shardc.passes.step_nodes import RUN_FUNCTIONS
-from shardc.program.backend import InductorProgram, WholePart, is_collective, is_random, runs_eagerly
+from shardc.program.backend import InductorProgram, WholePart, _Compiled, is_collective, is_random, runs_eagerly
 from shardc.runtime import functional as F
 from shardc.runtime.ordered_ops import OPS as ORDERED_OPS
 from shardc.tools.models import lm_batch
@@ -184,6 +185,39 @@ def test_only_gradient_buckets_are_reduced_in_place(fake_world) -> None:
             kinds.setdefault(n.meta[COMM]["phase"], set()).add(n.target._schema.name)
     assert kinds["backward"] == {"shardc::issue"}  # the partial sums: a copy each
     assert "shardc::issue_in_place" in kinds["step"]  # the buckets (a lone gradient may not be fresh)
+
+
+def test_block_recompute_runs_every_segment_compiled_between_its_collectives(fake_world) -> None:
+    """``activation_checkpoint="blocks"`` with inductor: every segment of the recompute's
+    split (the checkpointed blocks' inner programs and the segments between them) runs as
+    an ``InductorProgram``, whose pieces hold no collective and no random draw, and explain
+    says so. (Nothing runs here: the gloo cases of ``test_recompute_gloo.py`` train it.)"""
+    fake_world(2)
+    torch.manual_seed(0)
+    sm = shardc.compile(GPT(layers=3, dropout=0.1), shardc.Mesh(x=2), lm_batch(4, 16, 64),
+                        backend="inductor", activation_checkpoint="blocks")
+    programs = sm._recompute_programs
+    children = list(sm._recompute_compiled.children())
+    # the split the memory estimate traces stays uncompiled
+    assert not [m for m in sm._recompute.modules() if isinstance(m, _Compiled)]
+    # a segment a block, one before (embeddings) and one after (head, loss): nothing
+    # runs between two blocks
+    assert len(programs) == len(children) == 3 + 2
+    assert [isinstance(c, Checkpointed) for c in children] == [False, True, True, True, False]
+    for c in children:
+        inner = c.inner if isinstance(c, Checkpointed) else c
+        assert isinstance(inner, _Compiled) and inner.program in programs
+    for prog in programs:
+        for node in prog.split.graph.nodes:
+            if node.op == "call_module" and node.target in prog._pieces:
+                piece = getattr(prog.split, node.target).eager
+                assert not [n for n in piece.graph.nodes if runs_eagerly(n)]
+    # each block's segment is cut at its collectives (x: the all-reduces of its two
+    # partial sums) and its dropouts' draws
+    assert all(p.eager_nodes >= 2 for p in programs[1:4])
+    text = shardc.explain(sm)
+    assert re.search(r"backend inductor: the recompute's 5 segments run compiled between their "
+                     r"collectives \(\d+ compiled pieces, \d+ nodes eager", text), text
 
 
 def test_an_in_place_wait_handed_a_copy_fills_the_copy(fake_world) -> None:

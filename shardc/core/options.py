@@ -51,7 +51,9 @@ class Options:
     with autograd's backward over the forward program: the step passes do not apply);
     ``"selective"`` (or ``shardc.Selective(save=[...])``) cuts the same blocks but keeps
     the outputs of their GEMMs and attention (or of the ops named) and recomputes the
-    rest, as torch's selective activation checkpointing does.
+    rest, as torch's selective activation checkpointing does. With ``backend="inductor"``
+    each segment's compute runs compiled between its collectives; the selective policy is
+    refused there (it chooses what to save op by op, and compiled code runs fused kernels).
     ``precision="bf16"`` computes and communicates in bf16 with fp32 parameters and
     gradient reductions; a ``shardc.Precision(compute, reduce)`` says both dtypes (see
     ``shardc.core.precision``). ``shard_optimizer=True`` shards the optimizer state
@@ -160,10 +162,15 @@ class Options:
             raise OptionError(f"shardc.compile: bucket_mb must be >= 0, got {self.bucket_mb}.")
         # both run the forward program through something the other cannot wrap: refuse
         # the pair rather than silently drop one
-        if self.recompute and self.backend != "eager":
-            raise OptionError("shardc.compile: block or selective recompute (activation_checkpoint) "
-                             f"with backend={self.backend!r} is not supported (the recompute wraps the "
-                             "eager program's blocks); use one of them.")
+        if isinstance(self.activation_checkpoint, Selective) and self.backend != "eager":
+            # the policy decides op by op, as each op runs, what to save; compiled code
+            # runs fused kernels the policy never sees, so it would save nothing it names
+            # and recompute everything: "blocks" under another name
+            raise OptionError("shardc.compile: selective recompute (activation_checkpoint="
+                             f"{self.activation_checkpoint!r}) with backend={self.backend!r} is not "
+                             "supported: the policy picks the ops to save as they run, and compiled "
+                             "code runs fused kernels it never sees. Use activation_checkpoint='blocks' "
+                             "with this backend, or backend='eager'.")
         if self.reshard_after_forward and self.recompute:
             raise OptionError("shardc.compile: reshard_after_forward=True is a pass of the "
                              "step program, which block or selective recompute does not "

@@ -21,6 +21,7 @@ compiled against 4.16936, same seed).
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import socket
 import time
@@ -231,6 +232,42 @@ class InductorProgram:
 
     def __call__(self, *args: Any) -> Any:
         return self.split(*args)
+
+
+class _Compiled(torch.nn.Module):
+    """An ``InductorProgram`` in a module's place (``Checkpointed.inner``, a segment of the
+    recompute's split): a module attribute must stay a module."""
+
+    def __init__(self, program: InductorProgram) -> None:
+        super().__init__()
+        self.program = program
+        self.split = program.split  # registered, so the split's own modules stay visible
+
+    def forward(self, *args: Any) -> Any:
+        return self.program(*args)
+
+
+def compile_segments(split: torch.nn.Module) -> tuple[torch.nn.Module, list[InductorProgram]]:
+    """Block recompute under ``backend="inductor"``: a copy of ``split`` in which each
+    segment (``passes/recompute.py``'s, the checkpointed ones' inner program too) is
+    compiled the way the forward program is, cut at its collectives, and the compiled
+    programs in segment order (for ``explain``). ``split`` itself stays as it was: the
+    memory estimate traces it. A checkpointed segment's recompute calls the same compiled
+    pieces again (torch's checkpoint replays the segment with its saved random state; a
+    piece is an autograd function whose saved tensors go through the checkpoint's hooks,
+    so they are freed after forward as eager ones are)."""
+    split = copy.deepcopy(split)
+    programs = []
+    for name, child in list(split.named_children()):
+        inner = getattr(child, "inner", None)
+        if isinstance(inner, fx.GraphModule):  # a checkpointed segment: compile what it runs
+            program = InductorProgram(inner)
+            child.inner = _Compiled(program)
+        else:
+            program = InductorProgram(cast(fx.GraphModule, child))
+            setattr(split, name, _Compiled(program))
+        programs.append(program)
+    return split, programs
 
 
 # Inductor settings for a whole part. Off: the two passes that move nodes for locality

@@ -23,7 +23,7 @@ from shardc.core.placement import Layout
 from shardc.passes import aliases, run_pipeline
 from shardc.passes.recompute import RECOMPUTE, mark_and_split, repeated_blocks
 from shardc.passes.trace import checkpointed_modules, trace
-from shardc.program.backend import build_runner
+from shardc.program.backend import build_runner, compile_segments
 from shardc.program.module import ShardedModule
 from shardc.runtime.collectives import Runtime
 
@@ -90,8 +90,7 @@ def build(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
              rank: int, input_layouts: Mapping[int, Layout] | None = None) -> ShardedModule:
     ep = trace(model, example_inputs, options.precision.compute)
     own_blocks, lost = _checkpointed_blocks(model, ep)
-    if own_blocks and (options.backend != "eager" or options.reshard_after_forward
-                       or options.gemm_modes != "default"):
+    if own_blocks and (options.reshard_after_forward or options.gemm_modes != "default"):
         # those run the step program, which the recompute does not wrap: keep the
         # user's explicit option and say what is not honoured
         lost, own_blocks = own_blocks + lost, []
@@ -99,7 +98,7 @@ def build(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
         warnings.warn(
             f"shardc.compile: {type(model).__name__} calls torch.utils.checkpoint on "
             f"{', '.join(lost)}, which the compiled program cannot recompute (a function or the "
-            "root rather than a submodule, or with backend, reshard_after_forward or gemm_modes "
+            "root rather than a submodule, or with reshard_after_forward or gemm_modes "
             "options, which run the step program); torch.export inlines it, so these "
             "activations are kept. Results are unchanged. Checkpoint submodules "
             "(checkpoint(self.block, x)) with the default options, or use "
@@ -169,6 +168,11 @@ def build(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
                 ShardcWarning, stacklevel=3)
     if options.backend != "eager":
         sm.set_runner(build_runner(program, options.backend))
+        segments = sm.__dict__["_recompute"]  # set by object.__setattr__: not a submodule
+        if segments is not None:
+            compiled, programs = compile_segments(segments)
+            object.__setattr__(sm, "_recompute_compiled", compiled)
+            object.__setattr__(sm, "_recompute_programs", programs)
     return sm
 
 

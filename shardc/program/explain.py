@@ -227,7 +227,7 @@ def _step_section(sm: Any) -> list[str]:
                 *_eager_buckets(sm), ""]
     if sm._recompute is not None:
         return [head, "  not used: block or selective recompute runs autograd's backward over "
-                "the forward program", *_eager_buckets(sm), ""]
+                "the forward program", *_eager_buckets(sm), *_segment_lines(sm._recompute_programs), ""]
     if not built:
         return [head, "  built on the first call that needs gradients (it needs the process "
                 "groups); call explain again after a training step", ""]
@@ -269,6 +269,20 @@ def _step_section(sm: Any) -> list[str]:
         if remat is not None:
             lines.append(f"    {remat.describe()}")
     lines.append("")
+    return lines
+
+
+def _segment_lines(programs: list[Any]) -> list[str]:
+    """Under backend="inductor" with block recompute: how the segments run (compiled
+    between their collectives, shardc.program.backend.compile_segments)."""
+    if not programs:
+        return []
+    pieces = sum(p.pieces for p in programs)
+    eager = sum(p.eager_nodes for p in programs)
+    lines = [f"  backend inductor: the recompute's {len(programs)} segments run compiled between "
+             f"their collectives ({pieces} compiled pieces, {eager} nodes eager: collectives, "
+             "random draws, in-place writes)"]
+    lines += [f"    runs eagerly: segment {i} {f}" for i, p in enumerate(programs) for f in p.fallbacks]
     return lines
 
 

@@ -100,6 +100,10 @@ class ShardedModule(nn.Module):
         # the program split into checkpointed block segments (activation_checkpoint="blocks");
         # not a submodule: it owns no parameters, the program reads this module's
         object.__setattr__(self, "_recompute", None)
+        # under backend="inductor", a copy of it whose segments run compiled (what forward
+        # calls; backend.compile_segments) and their programs
+        object.__setattr__(self, "_recompute_compiled", None)
+        object.__setattr__(self, "_recompute_programs", [])
         # what forward calls: the program itself, or a compiled form of it (shardc.program.backend)
         object.__setattr__(self, "_runner", program)
         self.mesh: Mesh = ctx.mesh
@@ -410,7 +414,7 @@ class ShardedModule(nn.Module):
         """The forward program, whose backward is autograd's (with no_sync's and
         recompute's runtime behaviour)."""
         self._hooks_active = True
-        run: Any = self._recompute if self._recompute is not None else self._runner
+        run: Any = next(r for r in (self._recompute_compiled, self._recompute, self._runner) if r is not None)
         return run(*args)
 
     def _run(self, args: list[Any]) -> Any:
