@@ -8,7 +8,8 @@ calls it cannot honour.
 
 Both forms of ``torch.utils.checkpoint.checkpoint`` go through a name in that module's
 globals at call time (``_checkpoint_without_reentrant_generator`` for
-``use_reentrant=False``, ``CheckpointFunction`` for the reentrant form), so replacing
+``use_reentrant=False``, ``_checkpoint_without_reentrant_generator_impl`` from torch 2.15,
+``CheckpointFunction`` for the reentrant form), so replacing
 those two names for the duration of the trace sees every call, however the model imported
 ``checkpoint``.
 """
@@ -28,12 +29,18 @@ def _name_of(fn: Any, names: dict[int, str]) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
+# the function checkpoint(use_reentrant=False) calls, newest torch first
+_GENERATORS = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator")
+
+
 @contextlib.contextmanager
 def record_recompute_calls(model: nn.Module, found: list[str]) -> Iterator[None]:
     """While active, append to ``found`` the qualified name of each module (or the name of
     each function) that ``torch.utils.checkpoint.checkpoint`` is called on."""
     names = {id(m): n for n, m in model.named_modules()}
-    gen = getattr(tuc, "_checkpoint_without_reentrant_generator", None)
+    # torch 2.15 calls a new name (its args as one tuple); the old one stays as a shim
+    gen_name = next((n for n in _GENERATORS if hasattr(tuc, n)), _GENERATORS[-1])
+    gen = getattr(tuc, gen_name, None)
     fn_cls = getattr(tuc, "CheckpointFunction", None)
     if gen is None or fn_cls is None:  # another torch layout: nothing to hook, say nothing
         yield
@@ -61,12 +68,12 @@ def record_recompute_calls(model: nn.Module, found: list[str]) -> Iterator[None]
                 function = owner
             return function(*args)
 
-    tuc._checkpoint_without_reentrant_generator = recording_gen  # type: ignore[attr-defined]
+    setattr(tuc, gen_name, recording_gen)
     tuc.CheckpointFunction = RecordingFunction  # type: ignore[attr-defined, misc]
     try:
         yield
     finally:
-        tuc._checkpoint_without_reentrant_generator = gen  # type: ignore[attr-defined]
+        setattr(tuc, gen_name, gen)
         tuc.CheckpointFunction = fn_cls  # type: ignore[attr-defined, misc]
 
 
