@@ -23,6 +23,7 @@ from models import GPT, gpt_bigcode, llama
 from test_train_gloo import ATOL, EPS, LR, RTOL, _steps_grad_failures
 
 import shardc
+from shardc.core.compat import RECOMPUTE_COMPILED_FROM, torch_version
 from shardc.planning.memory import estimate, measured_peak
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -61,6 +62,14 @@ def _train_failures(spec: str, policy: str = "blocks", make=lambda: GPT(layers=3
     mesh = shardc.Mesh.parse(spec)
     where = f"{name} {policy}@{spec} {backend}"
     batches = _batches(3)
+    if backend != "eager" and torch_version() < RECOMPUTE_COMPILED_FROM:
+        # refused there (shardc.core.compat says why): the refusal is what to check
+        try:
+            shardc.compile(make(), mesh, example_inputs=batches[0], activation_checkpoint=policy,
+                           backend=backend)
+        except shardc.OptionError as e:
+            return [] if "needs torch >=" in str(e) else [f"{where}: refused for another reason: {e}"]
+        return [f"{where}: compiled on torch {torch.__version__}, older than {RECOMPUTE_COMPILED_FROM}"]
     run = train_side_by_side(make, batches, mesh, lr=LR, eps=EPS, activation_checkpoint=policy,
                              backend=backend)
     if backend == "inductor":
@@ -134,6 +143,8 @@ def _memory_inductor(spec: str, rank: int) -> list[str]:
     compiled piece saves its tensors through the checkpoint's hooks, which drop them after
     forward. Same bar and reason as ``_memory``'s (the step program without recompute,
     each part one graph, keeps all 8 blocks' activations)."""
+    if torch_version() < RECOMPUTE_COMPILED_FROM:  # refused there: _train_failures checks it
+        return []
     (none, blocks), *_ = _mean_peaks(spec, ("none", "blocks"), backend="inductor")
     if rank == 0:
         print(f"\ninductor, peak allocated during forward+backward per rank, {spec}: none "

@@ -26,6 +26,14 @@ NEWER_THAN_FLOOR: dict[str, str] = {
 }
 
 
+# Block recompute under backend="inductor" (compiled pieces inside torch.utils.checkpoint):
+# run on 2.11, 2.13 and 2.15. On 2.8 the gradient hooks of the parameters a compiled piece
+# reads inside a checkpointed block never fired (Llama's RMSNorm weights on x1y1z1d2: their
+# gradients were not all-reduced, measured != reported), which 2.8 without the checkpoint
+# did not do; 2.9 and 2.10 were not run. Below this, compile refuses the pair.
+RECOMPUTE_COMPILED_FROM = (2, 11)
+
+
 def torch_version(version: str | None = None) -> tuple[int, int]:
     """(major, minor) of ``version`` (default: the installed torch), e.g. "2.13.0+cpu"."""
     m = re.match(r"(\d+)\.(\d+)", version or torch.__version__)

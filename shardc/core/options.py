@@ -5,6 +5,9 @@ import difflib
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+import torch
+
+from shardc.core.compat import RECOMPUTE_COMPILED_FROM, torch_version
 from shardc.core.errors import OptionError, OptionTypeError
 from shardc.core.ir import Selective
 from shardc.core.precision import as_precision
@@ -162,6 +165,13 @@ class Options:
             raise OptionError(f"shardc.compile: bucket_mb must be >= 0, got {self.bucket_mb}.")
         # both run the forward program through something the other cannot wrap: refuse
         # the pair rather than silently drop one
+        if self.activation_checkpoint == "blocks" and self.backend != "eager" \
+                and torch_version() < RECOMPUTE_COMPILED_FROM:
+            raise OptionError(
+                f"shardc.compile: activation_checkpoint='blocks' with backend={self.backend!r} needs "
+                f"torch >= {'.'.join(map(str, RECOMPUTE_COMPILED_FROM))} (this is {torch.__version__}): "
+                "on older torch the gradient hooks of parameters read by compiled code inside a "
+                "checkpoint did not fire, so their gradients went unreduced. Use one of them.")
         if isinstance(self.activation_checkpoint, Selective) and self.backend != "eager":
             # the policy decides op by op, as each op runs, what to save; compiled code
             # runs fused kernels the policy never sees, so it would save nothing it names

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from shardc.core.compat import RECOMPUTE_COMPILED_FROM, torch_version
 from shardc.core.context import CompileContext
 from shardc.core.errors import ShardcError, ShardcWarning
 from shardc.core.ir import Selective
@@ -90,7 +91,8 @@ def build(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
              rank: int, input_layouts: Mapping[int, Layout] | None = None) -> ShardedModule:
     ep = trace(model, example_inputs, options.precision.compute)
     own_blocks, lost = _checkpointed_blocks(model, ep)
-    if own_blocks and (options.reshard_after_forward or options.gemm_modes != "default"):
+    if own_blocks and (options.reshard_after_forward or options.gemm_modes != "default"
+                       or (options.backend != "eager" and torch_version() < RECOMPUTE_COMPILED_FROM)):
         # those run the step program, which the recompute does not wrap: keep the
         # user's explicit option and say what is not honoured
         lost, own_blocks = own_blocks + lost, []
@@ -98,8 +100,9 @@ def build(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
         warnings.warn(
             f"shardc.compile: {type(model).__name__} calls torch.utils.checkpoint on "
             f"{', '.join(lost)}, which the compiled program cannot recompute (a function or the "
-            "root rather than a submodule, or with reshard_after_forward or gemm_modes "
-            "options, which run the step program); torch.export inlines it, so these "
+            "root rather than a submodule, with reshard_after_forward or gemm_modes "
+            "options, which run the step program, or with backend='inductor' on torch older than "
+            f"{'.'.join(map(str, RECOMPUTE_COMPILED_FROM))}); torch.export inlines it, so these "
             "activations are kept. Results are unchanged. Checkpoint submodules "
             "(checkpoint(self.block, x)) with the default options, or use "
             "compile(..., activation_checkpoint='blocks').", ShardcWarning, stacklevel=3)
