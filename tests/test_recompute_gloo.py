@@ -145,12 +145,22 @@ def _memory_inductor(spec: str, rank: int) -> list[str]:
     each part one graph, keeps all 8 blocks' activations)."""
     if torch_version() < RECOMPUTE_COMPILED_FROM:  # refused there: _train_failures checks it
         return []
-    (none, blocks), *_ = _mean_peaks(spec, ("none", "blocks"), backend="inductor")
+    # against the eager programs: the inductor step program without recompute would be
+    # compiled whole for 8 blocks, minutes of CI with a cold cache, to show what the eager
+    # "none" shows as well (both keep every block's activations)
+    (none, blocks), *_ = _mean_peaks(spec, ("none", "blocks"))
+    (compiled,), *_ = _mean_peaks(spec, ("blocks",), backend="inductor")
     if rank == 0:
-        print(f"\ninductor, peak allocated during forward+backward per rank, {spec}: none "
-              f"{none / 2**20:.2f} MiB, blocks {blocks / 2**20:.2f} MiB ({none / max(blocks, 1):.2f}x)")
-    return [] if blocks < 2 / 3 * none else [
-        f"memory@{spec} inductor: blocks {blocks:.0f} B is not below 2/3 of none {none:.0f} B"]
+        print(f"\npeak allocated during forward+backward per rank, {spec}: eager none {none / 2**20:.2f} MiB, "
+              f"eager blocks {blocks / 2**20:.2f} MiB, inductor blocks {compiled / 2**20:.2f} MiB")
+    out = []
+    if not compiled < 2 / 3 * none:
+        out.append(f"memory@{spec} inductor: blocks {compiled:.0f} B is not below 2/3 of eager none {none:.0f} B")
+    # the compiled pieces save what the eager ops save, or less (fused temporaries never
+    # materialise); 10% for the allocator's rounding of the pieces' differently sized buffers
+    if not compiled <= 1.1 * blocks:
+        out.append(f"memory@{spec} inductor: blocks {compiled:.0f} B above 1.1x eager blocks {blocks:.0f} B")
+    return out
 
 
 def _memory(spec: str, rank: int) -> list[str]:
