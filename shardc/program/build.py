@@ -93,8 +93,9 @@ def build(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
     own_blocks, lost = _checkpointed_blocks(model, ep)
     if own_blocks and (options.reshard_after_forward or options.gemm_modes != "default"
                        or (options.backend != "eager" and torch_version() < RECOMPUTE_COMPILED_FROM)):
-        # those run the step program, which the recompute does not wrap: keep the
-        # user's explicit option and say what is not honoured
+        # those run the step program, which the recompute does not wrap (and compiled
+        # segments lost gradient hooks on older torch): keep the user's explicit option
+        # and say what is not honoured
         lost, own_blocks = own_blocks + lost, []
     if lost:
         warnings.warn(
