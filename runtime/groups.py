@@ -12,9 +12,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shardc.core.mesh import AXES, Mesh
+from shardc.core.mesh import AXES, PIPE, Mesh
 
 _CACHE: dict[tuple[str, int], dict[str, dist.ProcessGroup | None]] = {}
+_STAGES: dict[tuple[str, int], dist.ProcessGroup] = {}
 
 
 def default_device() -> torch.device:
@@ -43,6 +44,38 @@ def axis_groups(mesh: Mesh) -> dict[str, dist.ProcessGroup | None]:
     return _CACHE[key]
 
 
+def stage_group(mesh: Mesh) -> dist.ProcessGroup:
+    """This rank's pipeline stage: the ranks that share its ``pipe`` coordinate (the
+    world when ``pipe`` is 1). Made by every rank, for every stage, in one order."""
+    if mesh.pipe == 1:
+        assert dist.group.WORLD is not None
+        return dist.group.WORLD
+    key = (mesh.spec(), id(dist.group.WORLD))
+    if key not in _STAGES:
+        stages = [[r for r in range(mesh.world_size) if mesh.coords(r)[PIPE] == s] for s in range(mesh.pipe)]
+        _STAGES[key], _ = dist.new_subgroups_by_enumeration(stages, timeout=world_timeout())
+    return _STAGES[key]
+
+
+def pipe_group(mesh: Mesh) -> dist.ProcessGroup:
+    """This rank's group along ``pipe``: the ranks of every stage that share its x, y, z
+    and data coordinates (made by every rank, for every such group, in one order)."""
+    key = (mesh.spec() + "/pipe", id(dist.group.WORLD))
+    if key not in _STAGES:
+        if mesh.pipe == mesh.world_size:
+            assert dist.group.WORLD is not None
+            _STAGES[key] = dist.group.WORLD
+        else:
+            _STAGES[key], _ = dist.new_subgroups_by_enumeration(mesh.groups(PIPE), timeout=world_timeout())
+    return _STAGES[key]
+
+
+def stage_ranks(mesh: Mesh, rank: int) -> list[int]:
+    """The ranks of ``rank``'s stage, in rank order (its ranks' order in ``stage_group``)."""
+    stage = mesh.coords(rank)[PIPE]
+    return [r for r in range(mesh.world_size) if mesh.coords(r)[PIPE] == stage]
+
+
 def world_timeout() -> timedelta | None:
     """The timeout the user gave ``init_process_group``. torch gives a new group its
     backend's default (30 minutes on gloo) instead: without passing this on, a collective
@@ -58,3 +91,4 @@ def world_timeout() -> timedelta | None:
 
 def clear_cache() -> None:
     _CACHE.clear()
+    _STAGES.clear()

@@ -14,7 +14,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any, overload
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send")
 
 
 @overload
@@ -33,6 +33,8 @@ def ring_factor(collective: str, group_size: Any) -> Any:
         if g <= 1:
             return Fraction(0)
         g = Fraction(g)
+    if collective == "send":  # a pipeline's point-to-point send: its bytes, once
+        return Fraction(1) if isinstance(g, Fraction) else sympy_one(g)
     if collective == "all_gather":
         return g - 1
     if collective == "all_reduce":
@@ -49,6 +51,11 @@ def ring_bytes(collective: str, group_size: Any, nbytes: Any) -> Any:
     input of ``nbytes``: ``ring_factor(collective, group_size) * nbytes``. Exact (a
     Fraction) for integers; a sympy expression when either argument is symbolic."""
     return ring_factor(collective, group_size) * nbytes
+
+
+def sympy_one(g: Any) -> Any:
+    """1 in ``g``'s kind of number (a sympy expression stays one)."""
+    return g / g
 
 
 def as_number(v: Fraction) -> int | float:

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardc.core.errors import ShardcError
+from shardc.core.errors import OptionError, ShardcError
 from shardc.core.launch import check_device
 from shardc.core.mesh import Mesh
 from shardc.core.options import Options, options_from
@@ -64,6 +64,9 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
             "shardc.compile: torch.distributed is not initialised. Call "
             "torch.distributed.init_process_group(backend, ...) on every rank first "
             "(gloo on CPU, nccl on CUDA; torchrun sets the rank and world size).")
+    if not (isinstance(mesh, str) and mesh == "auto") and _check_mesh(mesh, None).pipe > 1:
+        return _compile_pipeline(model, _check_mesh(mesh, dist.get_world_size()), example_inputs, options,
+                                 option_keywords, input_layouts)
     # Compile locally (no communication but two small exchanges: the traces' digests
     # before lowering, the whole description's after), then settle with the other ranks: a
     # rank whose compile fails still reaches each exchange, so its peers raise too instead
@@ -90,6 +93,23 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
     settle(seen.get("items"), failure)
     assert sm is not None
     return sm
+
+
+def _compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Any, options: Options | None,
+                      option_keywords: dict[str, Any], input_layouts: Any) -> Any:
+    """A mesh with pipeline stages: shardc/program/pipeline.py."""
+    from shardc.program.pipeline import compile_pipeline  # noqa: PLC0415 - only pipeline meshes need it
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shardc.compile: model must be a torch.nn.Module, got {type(model).__name__}.")
+    check_device(model)
+    if example_inputs is None:
+        raise ShardcError("shardc.compile: example_inputs is required: the global-shaped inputs a "
+                          "single device would see, e.g. example_inputs=(tokens, targets).")
+    validate.check_example_inputs(model, example_inputs)
+    check_no_autocast("shardc.compile")
+    return compile_pipeline(model, mesh, tuple(example_inputs), options_from(options, option_keywords),
+                            input_layouts)
 
 
 def _prepare(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | None,
@@ -120,6 +140,10 @@ def _prepare(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | 
     check_batch(example_inputs, mesh, input_layouts or {})
     check_no_autocast("shardc.compile")
     options = options_from(options, option_keywords)
+    if options.microbatches not in (None, 1):
+        raise OptionError(f"shardc.compile: microbatches={options.microbatches} cuts a step for pipeline "
+                          f"stages, and {mesh} has none (pipe=1). Use a mesh with pipe > 1, or "
+                          "accumulate gradients over calls under sm.no_sync().")
     if dist.get_backend() != "fake" and dist.get_world_size() > 1:
         ep = trace(model, example_inputs, options.precision.compute)
         checked = mesh

@@ -37,11 +37,38 @@ def test_parse_and_all() -> None:
 
 
 def test_bad_meshes() -> None:
-    with pytest.raises(ValueError, match="'x2y2' is not a mesh spec"):
-        shardc.Mesh.parse("x2y2")
+    with pytest.raises(ValueError, match="'x2 y2' is not a mesh spec"):
+        shardc.Mesh.parse("x2 y2")
+    with pytest.raises(ValueError, match="gives axis 'x' twice"):
+        shardc.Mesh.parse("x2y2x2")
+    with pytest.raises(ValueError, match="unknown axis letter 'w'"):
+        shardc.Mesh.parse("x2w2")
+    with pytest.raises(ValueError, match="context axis"):
+        shardc.Mesh.parse("x2c2")
+    with pytest.raises(ValueError, match="axis 'pipe' must have a positive integer size"):
+        shardc.Mesh(pipe=0)
     with pytest.raises(ValueError, match="axis 'z' must have a positive integer size"):
         shardc.Mesh(z=0)
     with pytest.raises(ValueError, match="rank 8 is outside a mesh of 8 ranks"):
         shardc.Mesh(x=8).coords(8)
     with pytest.raises(ValueError, match="unknown axis 'w'"):
         shardc.Mesh().size("w")
+
+
+def test_pipe_axis_is_outermost() -> None:
+    """The API's contract: letters in any order, a left-out axis is 1, and a stage's ranks
+    are contiguous (pipe outermost), so x, y and z groups stay inside a stage."""
+    m = shardc.Mesh.parse("d2p2x2")
+    assert m == shardc.Mesh(pipe=2, data=2, x=2) == shardc.Mesh.parse("p2x2y1z1d2")
+    assert m.spec() == "p2x2y1z1d2" and shardc.Mesh.parse(m.spec()) == m
+    assert str(m) == "Mesh(pipe=2, x=2, y=1, z=1, data=2)"
+    assert shardc.Mesh(x=2).spec() == "x2y1z1d1"  # the 4D spelling is unchanged
+    assert m.world_size == 8 and m.stage_size == 4 and m.stride("pipe") == 4
+    assert m.coords(5) == {"x": 1, "y": 0, "z": 0, "data": 0, "pipe": 1}
+    assert all(m.rank(m.coords(r)) == r for r in range(8))
+    assert m.groups("pipe") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert m.groups("x") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert m.groups("data") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    with_pipe = shardc.Mesh.all(8, axes=("x", "y", "z", "data", "pipe"))
+    assert len(with_pipe) == len(set(with_pipe)) and {mm.pipe for mm in with_pipe} == {1, 2, 4, 8}
+    assert [mm for mm in with_pipe if mm.pipe == 1] == shardc.Mesh.all(8)

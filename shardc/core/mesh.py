@@ -1,7 +1,12 @@
-"""The four-dimensional device grid: data x z x y x x.
+"""The device grid: pipe x data x z x y x x.
 
 The rank order is part of the contract (the planner's bandwidth model depends on it):
-x is innermost, then y, then z, then data, so ``rank = x + Gx*(y + Gy*(z + Gz*data))``.
+x is innermost, then y, then z, then data, then pipe, so
+``rank = x + Gx*(y + Gy*(z + Gz*(data + Gdata*pipe)))``. A pipeline stage's ranks are
+contiguous: its x, y and z groups stay inside a node while stages cross nodes.
+
+``pipe`` never cuts a tensor: it picks which of the model's stages a rank runs
+(shardc/program/pipeline.py). ``AXES`` are the axes a layout may cut over.
 """
 from __future__ import annotations
 
@@ -12,7 +17,10 @@ from typing import Iterator
 AXES: tuple[str, ...] = ("x", "y", "z", "data")  # innermost first
 BATCH_AXES: tuple[str, ...] = ("data", "z")  # outermost first: the order dim 0 is split in
 
-_PARSE = re.compile(r"^x(\d+)y(\d+)z(\d+)d(\d+)$")
+PIPE = "pipe"
+ALL_AXES: tuple[str, ...] = AXES + (PIPE,)  # innermost first
+_LETTERS = {"x": "x", "y": "y", "z": "z", "d": "data", "p": PIPE}
+_PART = re.compile(r"([a-z])(\d+)")
 
 
 @dataclass(frozen=True)
@@ -23,9 +31,10 @@ class Mesh:
     z: int = 1
     y: int = 1
     x: int = 1
+    pipe: int = 1
 
     def __post_init__(self) -> None:
-        for axis in AXES:
+        for axis in ALL_AXES:
             size = getattr(self, axis)
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(
@@ -34,11 +43,16 @@ class Mesh:
 
     @property
     def world_size(self) -> int:
+        return self.data * self.z * self.y * self.x * self.pipe
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks in one pipeline stage (the whole world when ``pipe`` is 1)."""
         return self.data * self.z * self.y * self.x
 
     def size(self, axis: str) -> int:
-        if axis not in AXES:
-            raise ValueError(f"Mesh.size: unknown axis {axis!r}; the axes are {AXES}.")
+        if axis not in ALL_AXES:
+            raise ValueError(f"Mesh.size: unknown axis {axis!r}; the axes are {ALL_AXES}.")
         return int(getattr(self, axis))
 
     @property
@@ -50,7 +64,7 @@ class Mesh:
         """Distance in rank numbers between neighbours along ``axis``: the product of the
         sizes of the axes inside it (the planner's "inner" figure)."""
         s = 1
-        for a in AXES:
+        for a in ALL_AXES:
             if a == axis:
                 return s
             s *= self.size(a)
@@ -60,28 +74,26 @@ class Mesh:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"Mesh.coords: rank {rank} is outside a mesh of {self.world_size} ranks.")
         out: dict[str, int] = {}
-        for a in AXES:
+        for a in ALL_AXES:
             out[a] = rank % self.size(a)
             rank //= self.size(a)
-        return {"x": out["x"], "y": out["y"], "z": out["z"], "data": out["data"]}
+        return out
 
     def rank(self, coords: dict[str, int]) -> int:
         r = 0
-        for a in reversed(AXES):
+        for a in reversed(ALL_AXES):
             r = r * self.size(a) + coords.get(a, 0)
         return r
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group of ranks that differ only in their ``axis`` coordinate, ordered by
         that coordinate; the groups are ordered by their first rank."""
-        others = [a for a in AXES if a != axis]
         seen: list[list[int]] = []
         for r in range(self.world_size):
             c = self.coords(r)
             if c[axis] != 0:
                 continue
             seen.append([self.rank({**c, axis: i}) for i in range(self.size(axis))])
-        del others
         return seen
 
     def group_of(self, rank: int, axis: str) -> list[int]:
@@ -89,29 +101,50 @@ class Mesh:
         return [self.rank({**c, axis: i}) for i in range(self.size(axis))]
 
     def __str__(self) -> str:
-        return f"Mesh(x={self.x}, y={self.y}, z={self.z}, data={self.data})"
+        pipe = f"pipe={self.pipe}, " if self.pipe > 1 else ""
+        return f"Mesh({pipe}x={self.x}, y={self.y}, z={self.z}, data={self.data})"
 
     def spec(self) -> str:
-        """The short form ``Mesh.parse`` reads: ``x2y1z2d2``."""
-        return f"x{self.x}y{self.y}z{self.z}d{self.data}"
+        """The short form ``Mesh.parse`` reads: ``x2y1z2d2``, ``p2x2y1z1d2`` with stages."""
+        pipe = f"p{self.pipe}" if self.pipe > 1 else ""
+        return f"{pipe}x{self.x}y{self.y}z{self.z}d{self.data}"
 
     @classmethod
     def parse(cls, text: str) -> "Mesh":
-        m = _PARSE.match(text.strip())
-        if not m:
+        """Letters and sizes in any order, each letter once: x, y, z, d (data), p (pipe);
+        a letter left out is size 1 (``'p2d2'`` is ``Mesh(pipe=2, data=2)``)."""
+        body = text.strip()
+        parts = _PART.findall(body)
+        if not parts or "".join(f"{k}{v}" for k, v in parts) != body:
             raise ValueError(
-                f"Mesh.parse: {text!r} is not a mesh spec; write the four sizes as "
-                "'x<Gx>y<Gy>z<Gz>d<Gdata>', e.g. 'x2y1z2d2'."
-            )
-        x, y, z, d = (int(g) for g in m.groups())
-        return cls(data=d, z=z, y=y, x=x)
+                f"Mesh.parse: {text!r} is not a mesh spec; write each axis as a letter and its "
+                "size, e.g. 'x2y1z2d2' or 'p2x2d2' (x, y, z, d = data, p = pipe).")
+        sizes: dict[str, int] = {}
+        for letter, size in parts:
+            if letter == "c":
+                raise ValueError(f"Mesh.parse: {text!r} has a context axis (c), which shardc does not "
+                                 "run yet; leave it out (size 1).")
+            if letter not in _LETTERS:
+                raise ValueError(f"Mesh.parse: {text!r} has an unknown axis letter {letter!r}; the "
+                                 f"letters are {', '.join(_LETTERS)}.")
+            if _LETTERS[letter] in sizes:
+                raise ValueError(f"Mesh.parse: {text!r} gives axis {letter!r} twice.")
+            sizes[_LETTERS[letter]] = int(size)
+        return cls(**sizes)
 
     @classmethod
-    def all(cls, world_size: int) -> list["Mesh"]:
-        """Every mesh whose sizes multiply to ``world_size``, in a fixed order."""
+    def all(cls, world_size: int, axes: tuple[str, ...] = AXES) -> list["Mesh"]:
+        """Every mesh whose sizes multiply to ``world_size``, in a fixed order; the 4D ones
+        unless ``axes`` names ``"pipe"`` too."""
         if world_size < 1:
             raise ValueError(f"Mesh.all: world size must be positive, got {world_size}.")
-        return list(_factorizations(world_size))
+        unknown = [a for a in axes if a not in ALL_AXES]
+        if unknown:
+            raise ValueError(f"Mesh.all: unknown axes {unknown}; the axes are {ALL_AXES}.")
+        if PIPE not in axes:
+            return list(_factorizations(world_size))
+        return [Mesh(pipe=p, data=m.data, z=m.z, y=m.y, x=m.x)
+                for p in _divisors(world_size) for m in _factorizations(world_size // p)]
 
 
 def _divisors(n: int) -> list[int]:

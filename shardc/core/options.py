@@ -14,7 +14,10 @@ from shardc.core.precision import as_precision
 
 GEMM_MODES = ("auto", "default", "NN", "NT", "TN")
 CHECKPOINT_POLICIES = ("none", "blocks")
-BACKENDS = ("eager", "inductor")  # how the rank's program runs (shardc/program/backend.py)
+BACKENDS = ("eager", "inductor")
+SCHEDULES = ("gpipe", "1f1b")  # runtime/pipeline.py runs these
+# the API names these; refused until built
+PLANNED_SCHEDULES = ("interleaved", "zero_bubble")  # how the rank's program runs (shardc/program/backend.py)
 
 
 # torch DDP's defaults: bucket_cap_mb, and the first bucket when that is left unset
@@ -105,6 +108,10 @@ class Options:
     # any other weight); a tuple of axis names
     expert_axes: Any = None
     expert_capacity: Any = None
+    # a mesh with pipe > 1: the micro-batches a step's global batch is cut into (None:
+    # as many as stages) and the order the stages run them in
+    microbatches: Any = None
+    schedule: str = "1f1b"
     # a GEMM dim that its mesh axis does not divide (a 3-class head on x=2): False keeps
     # that dim whole on that axis (every rank of it computes the product); True refuses
     # it, as the planner asks (its pattern analysis drops meshes that do not divide the
@@ -188,6 +195,19 @@ class Options:
         if self.prefetch_depth < 0:
             raise OptionError(f"shardc.compile: prefetch_depth must be >= 0, got {self.prefetch_depth}.")
         object.__setattr__(self, "expert_axes", _as_expert_axes(self.expert_axes))
+        if self.microbatches is not None and (not isinstance(self.microbatches, int)
+                                              or isinstance(self.microbatches, bool)):
+            raise OptionTypeError(f"shardc.compile: microbatches={self.microbatches!r} must be an int "
+                                  "(or None: as many as pipeline stages).")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise OptionError(f"shardc.compile: microbatches must be >= 1, got {self.microbatches}.")
+        if self.schedule not in SCHEDULES + PLANNED_SCHEDULES:
+            raise OptionError(f"shardc.compile: schedule={self.schedule!r} is not one of "
+                              f"{SCHEDULES + PLANNED_SCHEDULES}.")
+        if self.schedule in PLANNED_SCHEDULES:
+            raise OptionError(
+                f"shardc.compile: schedule={self.schedule!r} is not implemented yet; the pipeline "
+                f"runs {' and '.join(map(repr, SCHEDULES))} (docs/pipeline.md).")
         if self.expert_capacity is not None:
             raise OptionError(
                 f"shardc.compile: expert_capacity={self.expert_capacity!r}: a capacity factor "

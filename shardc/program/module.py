@@ -6,7 +6,6 @@ import warnings
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
@@ -24,7 +23,7 @@ from shardc.runtime import collectives as C
 from shardc.runtime import zero
 from shardc.runtime.experts import EXPERT_REGION
 from shardc.runtime.grad_buckets import ALL_REDUCE, REDUCE_SCATTER, GradBuckets, Spec
-from shardc.runtime.groups import axis_groups
+from shardc.runtime.groups import axis_groups, stage_group, stage_ranks
 from shardc.runtime.ops import check_branch
 from shardc.runtime.pending import PendingOutput, settle_all
 from shardc.runtime.step import StepRunner
@@ -563,14 +562,15 @@ class ShardedModule(nn.Module):
     # ------------------------------------------------------------- full tensors
     def _gather_full(self, name: str, local: torch.Tensor) -> torch.Tensor:
         layout = self.param_layouts[name]
-        world = dist.get_world_size()
+        # a pipeline stage's parameters live on its own ranks only (the world when pipe is 1)
+        ranks = stage_ranks(self.mesh, self.ctx.rank)
         flat = local.detach().contiguous().reshape(-1)
-        buf = flat.new_empty(world * flat.numel())
+        buf = flat.new_empty(len(ranks) * flat.numel())
         with C.guarded(self.runtime.key, "all_gather", None, "gathering full tensors"):
-            C.all_gather_flat(buf, flat)
+            C.all_gather_flat(buf, flat, group=stage_group(self.mesh))
         full = local.new_empty(self._global_shapes[name])
-        for r in range(world):
-            piece = buf[r * flat.numel():(r + 1) * flat.numel()].view(local.shape)
+        for i, r in enumerate(ranks):
+            piece = buf[i * flat.numel():(i + 1) * flat.numel()].view(local.shape)
             write_local(full, layout, self.mesh.coords(r), self.mesh, piece)
         return full
 

@@ -28,7 +28,7 @@ from shardc.core.context import (
     REQUIRES_GRAD,
     SOURCE,
 )
-from shardc.core.mesh import AXES, Mesh
+from shardc.core.mesh import ALL_AXES, AXES, Mesh
 from shardc.core.placement import Layout
 from shardc.core.precision import Precision, reduce_dtype
 from shardc.passes.step_nodes import collective_nodes
@@ -37,7 +37,7 @@ from shardc.runtime.experts import EXPERT_REGION
 from shardc.runtime.volume import as_number, ring_bytes
 
 PHASES = ("forward", "backward", "step")
-SYMBOLS = {a: sympy.Symbol(f"G_{a}", positive=True, integer=True) for a in AXES}
+SYMBOLS = {a: sympy.Symbol(f"G_{a}", positive=True, integer=True) for a in ALL_AXES}
 
 
 @dataclass
@@ -414,6 +414,8 @@ def fmt_bytes(b: Any) -> str:
 
 def comm_report(sm: Any) -> CommReport:
     """The report of a compiled module (no communication)."""
+    if hasattr(sm, "pipeline_report"):  # a pipeline stage (shardc/program/pipeline.py)
+        return cast(CommReport, sm.pipeline_report())
     gm = sm.graph_module
     param_vals = {}
     for n in gm.graph.nodes:

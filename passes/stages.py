@@ -1,0 +1,298 @@
+"""Pipeline stages cut from the model's graph: ``compile(mesh=Mesh(pipe=p, ...))``.
+
+Reads:  the whole model's pre-dispatch export (``torch.export``, unlifted: parameters are
+        ``get_attr`` nodes) traced on one micro-batch, each node's ``nn_module_stack`` and
+        ``meta["val"]``; the model's repeated blocks (``recompute.repeated_blocks``)
+Writes: nothing in the graph; returns one ``Stage`` a pipeline stage: a GraphModule of its
+        nodes whose placeholders are the values it reads from the model's inputs or from
+        earlier stages, and whose outputs are the values later stages (or the model's
+        output) read
+Keeps:  every rank cuts identically (the cut depends on the graph and the shapes only), so
+        the stages' sends and receives pair up
+
+Why here, before tracing a stage: each stage is then compiled by the existing compiler on
+its own ranks (its x, y, z and data layout), exactly like a model of its own; what crosses
+a stage boundary is a plain tensor the runtime sends point to point.
+
+The cut falls between repeated blocks only (a transformer's layers): the nodes before the
+first block (embeddings) go with the first stage, those after the last block (final norm,
+head, loss) with the last. The blocks are spread over the stages by dynamic programming so
+that the most expensive stage is as cheap as it can be: cost is the forward FLOPs of the
+GEMMs and attention (the work a step repeats three times), then the parameter bytes (the
+memory a stage holds) to break ties. A parameter read by two stages (a tied embedding and
+head) is held by both; the runtime sums its gradient over them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from shardc.core.errors import ShardcError
+from shardc.passes.recompute import repeated_blocks
+
+_aten = torch.ops.aten
+# GEMM-like ops of the pre-dispatch graph: FLOPs = 2 * output elements * reduced dim
+_GEMMS = {_aten.linear.default: 1, _aten.matmul.default: 1, _aten.mm.default: 1,
+          _aten.bmm.default: 1, _aten.addmm.default: 2, _aten.baddbmm.default: 2,
+          _aten.einsum.default: None}
+_ATTENTION = {_aten.scaled_dot_product_attention.default}
+
+
+@dataclass
+class Stage:
+    """One stage's program and where its inputs come from and its outputs go."""
+
+    index: int
+    module: fx.GraphModule
+    # per placeholder: (source stage, index there): source -1 is the model's inputs (the
+    # index is the input's position), else an earlier stage (the index is its output's)
+    inputs: list[tuple[int, int]]
+    # per placeholder: the value's global shape and dtype on one micro-batch, and whether
+    # it carries a gradient back to where it came from
+    input_vals: list[Any]
+    # per output: the stages that read it; -1 marks the model's output (the loss)
+    consumers: list[list[int]]
+    output_vals: list[Any]
+    blocks: list[str] = field(default_factory=list)
+    flops: float = 0.0
+    param_bytes: int = 0
+    params: list[str] = field(default_factory=list)
+
+
+def _val(n: Any) -> Any:
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def node_flops(n: fx.Node) -> float:
+    """Forward FLOPs of a GEMM or attention node from its traced shapes (0 for the rest)."""
+    out = _val(n)
+    if n.op != "call_function" or not isinstance(out, torch.Tensor):
+        return 0.0
+    if n.target in _ATTENTION:
+        q, k = _val(n.args[0]), _val(n.args[1])
+        if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+            return 0.0
+        # QK^T and PV: 2 * 2 * (batch, heads) * Tq * Tk * d
+        return 4.0 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1]
+    pos = _GEMMS.get(n.target)  # type: ignore[call-overload]
+    if pos is not None:
+        a = _val(n.args[pos])
+        if isinstance(a, torch.Tensor) and a.dim() > 0:
+            return 2.0 * out.numel() * a.shape[-1]
+    return 0.0
+
+
+def _grad_val(val: Any, grad: bool) -> Any:
+    """The traced value as a meta tensor whose ``requires_grad`` says whether a gradient
+    flows through it (the trace's fake values do not say)."""
+    if not isinstance(val, torch.Tensor):
+        return val
+    out = torch.empty(val.shape, dtype=val.dtype, device="meta")
+    return out.requires_grad_(grad and val.dtype.is_floating_point)
+
+
+def _carries_grad(gm: fx.GraphModule, params: Mapping[str, torch.Tensor]) -> set[fx.Node]:
+    """The nodes whose value a gradient flows through: made (with gradients enabled) from
+    a trainable parameter, by a floating-point op. A region under ``torch.no_grad()`` shows
+    in the pre-dispatch graph as ``_set_grad_enabled`` calls around it."""
+    out: set[fx.Node] = set()
+    enabled = True
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
+            enabled = bool(n.args[0])
+            continue
+        if n.op == "get_attr":
+            p = params.get(str(n.target))
+            if p is not None and p.requires_grad:
+                out.add(n)
+            continue
+        val = _val(n)
+        floating = any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+                       for v in (val if isinstance(val, (tuple, list)) else [val]))
+        if enabled and floating and any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+def _block_index(n: fx.Node, blocks: list[str]) -> int | None:
+    for path, _ in (n.meta.get("nn_module_stack") or {}).values():
+        for i, b in enumerate(blocks):
+            if path == b or path.startswith(b + "."):
+                return i
+    return None
+
+
+def balance(flops: list[float], nbytes: list[int], stages: int) -> list[int]:
+    """Contiguous split of the units into ``stages`` non-empty groups minimising the most
+    expensive group (FLOPs, then bytes); returns each group's first unit."""
+    n = len(flops)
+    inf = (math.inf, math.inf)
+    # best[s][i]: the best (max cost) of the first i units in s groups; cut[s][i] the
+    # first unit of the last group
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = (0.0, 0.0)
+    for s in range(1, stages + 1):
+        for i in range(s, n + 1):
+            for j in range(s - 1, i):
+                if best[s - 1][j] == inf:
+                    continue
+                here = (sum(flops[j:i]), float(sum(nbytes[j:i])))
+                cand = (max(best[s - 1][j][0], here[0]), max(best[s - 1][j][1], here[1]))
+                if cand < best[s][i]:
+                    best[s][i], cut[s][i] = cand, j
+    starts, i = [], n
+    for s in range(stages, 0, -1):
+        starts.append(cut[s][i])
+        i = cut[s][i]
+    return starts[::-1]
+
+
+def unlifted_graph(model: nn.Module, example_inputs: tuple) -> fx.GraphModule:
+    """The model's pre-dispatch export with its parameters as ``get_attr`` nodes (every
+    parameter and buffer keeps its qualified name) and no input guard call."""
+    ep = torch.export.export(model, tuple(example_inputs), strict=False)
+    gm = ep.module()
+    for n in list(gm.graph.nodes):
+        # torch >= 2.9 checks the input shapes in a submodule call; a stage has none of
+        # the model's inputs to check (its own trace guards its own)
+        if n.op == "call_module" and not n.users:
+            gm.graph.erase_node(n)
+    # a tied parameter has several names; every stage reads it by the model's first one
+    # (named_parameters()'), so a stage's names are the model's
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            try:
+                obj = gm.get_parameter(str(n.target))
+            except AttributeError:
+                continue
+            name = canonical.get(id(obj))
+            if name is not None and name != n.target:
+                try:
+                    gm.get_parameter(name)
+                except AttributeError:
+                    continue
+                n.target = name
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def cut_stages(model: nn.Module, gm: fx.GraphModule, n_stages: int) -> list[Stage]:
+    """Cut ``gm`` (``unlifted_graph`` of ``model``) into ``n_stages`` stages."""
+    blocks = repeated_blocks(model)
+    if len(blocks) < n_stages:
+        raise ShardcError(
+            f"shardc.compile: pipe={n_stages} cuts the model between its repeated blocks (the "
+            f"children of a ModuleList or Sequential of one class), and it has {len(blocks)}"
+            f"{' (' + ', '.join(blocks[:4]) + ')' if blocks else ''}: at most {len(blocks)} stages. "
+            "Use a smaller pipe axis.")
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    out_node = nodes[-1]
+    unit: dict[fx.Node, int] = {}
+    cur = 0
+    for n in nodes:
+        if n.op in ("call_function", "call_method", "call_module"):
+            b = _block_index(n, blocks)
+            cur = max(cur, b if b is not None else cur)  # a stage never reads a later one
+            unit[n] = cur
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    grads = _carries_grad(gm, params)
+    unit_flops = [0.0] * len(blocks)
+    unit_bytes = [0] * len(blocks)
+    counted: set[str] = set()
+    for n in nodes:
+        if n in unit:
+            unit_flops[unit[n]] += node_flops(n)
+        if n.op == "get_attr" and n.target in params and n.target not in counted and n.users:
+            counted.add(str(n.target))
+            first = min(unit[u] for u in n.users if u in unit)
+            unit_bytes[first] += params[str(n.target)].numel() * params[str(n.target)].element_size()
+    starts = balance(unit_flops, unit_bytes, n_stages)
+    stage_of_unit = [max(s for s in range(n_stages) if starts[s] <= u) for u in range(len(blocks))]
+    stage: dict[fx.Node, int] = {n: stage_of_unit[u] for n, u in unit.items()}
+
+    outputs = list(out_node.args[0]) if isinstance(out_node.args[0], (tuple, list)) else [out_node.args[0]]
+    if len(outputs) != 1 or not isinstance(outputs[0], fx.Node) or not (
+            isinstance(_val(outputs[0]), torch.Tensor) and _val(outputs[0]).dim() == 0):
+        raise ShardcError(
+            "shardc.compile: a pipeline (pipe > 1) needs a model that returns its loss, one scalar "
+            "tensor: each micro-batch's backward starts from it on the last stage. Wrap the model "
+            "so that forward returns the loss.")
+    loss = outputs[0]
+    if loss not in stage:
+        raise ShardcError("shardc.compile: the model's loss does not depend on any computation; "
+                          "there is nothing to pipeline.")
+    # every value a stage makes that another stage (or the output) reads
+    sends: list[list[fx.Node]] = [[] for _ in range(n_stages)]
+    readers: dict[fx.Node, list[int]] = {}
+    for n in nodes:
+        if n not in stage:
+            continue
+        for a in n.all_input_nodes:
+            if a in stage and stage[a] != stage[n]:
+                if a not in readers:
+                    readers[a] = []
+                    sends[stage[a]].append(a)
+                if stage[n] not in readers[a]:
+                    readers[a].append(stage[n])
+    if loss not in readers:
+        readers[loss] = []
+        sends[stage[loss]].append(loss)
+    readers[loss].append(-1)
+    if stage[loss] != n_stages - 1:
+        raise ShardcError("shardc.compile: the model's loss is computed before its last repeated "
+                          "block; a pipeline needs the loss at the end of the model.")
+
+    out: list[Stage] = []
+    for s in range(n_stages):
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        inputs: list[tuple[int, int]] = []
+        input_vals: list[Any] = []
+        used_params: list[str] = []
+
+        def load(a: fx.Node, s: int = s, g: fx.Graph = g, env: dict = env, inputs: list = inputs,
+                 input_vals: list = input_vals, used_params: list = used_params) -> fx.Node:
+            if a in env:
+                return env[a]
+            if a.op == "get_attr":
+                new = g.get_attr(str(a.target))
+                new.meta = dict(a.meta)
+                if str(a.target) in params:
+                    used_params.append(str(a.target))
+            else:
+                if a.op == "placeholder":
+                    inputs.append((-1, placeholders.index(a)))
+                else:
+                    inputs.append((stage[a], sends[stage[a]].index(a)))
+                new = g.placeholder(f"in{len(inputs) - 1}_{a.name}")
+                new.meta = dict(a.meta)
+                input_vals.append(_grad_val(_val(a), a in grads))
+            env[a] = new
+            return new
+
+        mine = [n for n in nodes if stage.get(n) == s]
+        for n in mine:
+            for a in n.all_input_nodes:
+                if stage.get(a) != s:
+                    load(a)
+            env[n] = g.node_copy(n, lambda a: env[a])
+        g.output(tuple(env[v] for v in sends[s]))
+        module = fx.GraphModule(gm, g)
+        first = starts[s]
+        last = starts[s + 1] if s + 1 < n_stages else len(blocks)
+        st = Stage(index=s, module=module, inputs=inputs, input_vals=input_vals,
+                   consumers=[readers[v] for v in sends[s]],
+                   output_vals=[_grad_val(_val(v), v in grads) for v in sends[s]],
+                   blocks=blocks[first:last], flops=sum(unit_flops[first:last]),
+                   param_bytes=sum(unit_bytes[first:last]), params=sorted(set(used_params)))
+        out.append(st)
+    return out

@@ -1,0 +1,612 @@
+"""``shardc.compile`` on a mesh with ``pipe > 1``: the model cut into stages
+(``passes/stages.py``), this rank's stage compiled by the ordinary compiler over the
+stage's x, y, z and data axes, and a ``PipelineModule`` that runs a step's micro-batches
+through the stages in the schedule's order (``runtime/pipeline.py``).
+
+The training loop does not change: ``loss = sm(*local_inputs)`` runs the whole schedule
+(forwards and, when gradients are enabled, backwards: 1F1B interleaves them) and returns
+the single-device loss of the global batch on every rank; ``loss.backward()`` then sets
+every ``.grad`` of this rank's stage to its shard of the single-device gradient (scaled by
+the gradient ``backward`` is given, as one device would).
+
+How the micro-batches' losses add up to the global batch's loss is read from the traced
+loss: a mean cross-entropy (or NLL) weighs each micro-batch by the targets it counts (the
+ones not ``ignore_index``, counted from the inputs before the step: exact with padding),
+a summed one adds them; any other loss is taken as a mean over equal micro-batches.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from dataclasses import replace
+from fractions import Fraction
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+
+from shardc.core.errors import OptionError, ShardcError, ShardcWarning
+from shardc.core.mesh import PIPE, Mesh
+from shardc.core.options import Options
+from shardc.core.placement import Layout, local_slice
+from shardc.passes.stages import Stage, cut_stages, unlifted_graph
+from shardc.program import validate
+from shardc.program.build import build, check_batch
+from shardc.program.module import ShardedModule
+from shardc.program.report import CommReport, CommRow, comm_report
+from shardc.runtime.groups import axis_groups, pipe_group
+from shardc.runtime.pipeline import P2P, actions, bubble_fraction
+from shardc.runtime.volume import as_number
+
+_aten = torch.ops.aten
+_LOSSES = {_aten.cross_entropy_loss.default: (2, 3, 4), _aten.nll_loss.default: (2, 3, 4),
+           _aten.nll_loss_nd.default: (2, 3, 4)}  # arg positions: weight, reduction, ignore_index
+# ops that draw random numbers in the pre-dispatch graph
+_RANDOM = {_aten.dropout.default, _aten.native_dropout.default, _aten.bernoulli.p, _aten.bernoulli.default,
+           _aten.rand.default, _aten.randn.default, _aten.rand_like.default, _aten.randn_like.default,
+           _aten.randint.low, _aten.randint.default, _aten.feature_dropout.default,
+           _aten.alpha_dropout.default}
+_CARRIERS = {_aten.alias.default, _aten.clone.default, _aten.view.default, _aten.reshape.default,
+             _aten._to_copy.default, _aten.to.dtype, _aten.contiguous.default, _aten.squeeze.default}
+# options the pipeline does not run yet, with what the stage program would have to do
+_NOT_YET = {
+    "shard_optimizer": False, "reshard_after_forward": False, "activation_checkpoint": "none",
+    "backend": "eager", "expert_axes": None}
+
+
+def _refuse_options(options: Options, input_layouts: Any) -> None:
+    for name, default in _NOT_YET.items():
+        if getattr(options, name) != default:
+            raise OptionError(
+                f"shardc.compile: {name}={getattr(options, name)!r} with pipe > 1 is not supported yet "
+                "(docs/pipeline.md lists what a pipeline runs); leave it at its default.")
+    if options.precision.compute != torch.float32 or options.precision.reduce != torch.float32:
+        raise OptionError("shardc.compile: precision other than fp32 with pipe > 1 is not supported "
+                          "yet (docs/pipeline.md).")
+    if input_layouts:
+        raise OptionError("shardc.compile: input_layouts with pipe > 1 is not supported yet: a "
+                          "pipeline's inputs arrive as shard_batch cuts them (dim 0 over data and z).")
+
+
+def _microbatch(x: Any, m: int, k: int) -> Any:
+    if isinstance(x, torch.Tensor) and x.dim() > 0:
+        step = x.shape[0] // m
+        return x[k * step:(k + 1) * step]
+    return x
+
+
+def _loss_rule(gm: fx.GraphModule) -> tuple[str, Callable[..., torch.Tensor] | None]:
+    """How micro-batch losses add up: ("count", counter) for a mean cross-entropy whose
+    targets come from the inputs alone (counter(*inputs) -> the rows it counts), ("sum",
+    None) for a summed one, else ("mean", None)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    node = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
+    while isinstance(node, fx.Node) and node.target in _CARRIERS:
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or node.target not in _LOSSES:
+        return "mean", None
+    iw, ir, ii = _LOSSES[node.target]
+    args = list(node.args) + [None] * 6
+    weight = node.kwargs.get("weight", args[iw])
+    reduction = node.kwargs.get("reduction", args[ir] if args[ir] is not None else 1)
+    ignore = node.kwargs.get("ignore_index", args[ii] if args[ii] is not None else -100)
+    if reduction == 2:
+        return "sum", None
+    if reduction != 1 or weight is not None:
+        return "mean", None
+    target = node.args[1]
+    if not isinstance(target, fx.Node):
+        return "mean", None
+    # the target's own computation, from the inputs only (no parameter, no buffer)
+    need: list[fx.Node] = []
+    todo: list[fx.Node] = [target]
+    seen: set[fx.Node] = set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr" or n.op == "call_module":
+            return "mean", None
+        need.append(n)
+        todo += n.all_input_nodes
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            env[n] = g.placeholder(n.name)
+        elif n in seen:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    counted = g.call_function(_aten.ne.Scalar, (env[target], ignore))
+    g.output(g.call_function(_aten.sum.default, (counted,)))
+    return "count", fx.GraphModule(gm, g)
+
+
+class _StepLoss(torch.autograd.Function):
+    """The loss ``sm(...)`` returns during training. The schedule has already run every
+    backward (1F1B must); this ``backward`` hands the gradients computed for a seed of 1
+    to ``.grad``, scaled by the seed ``loss.backward()`` gives, as one device would."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, value: torch.Tensor, owner: "PipelineModule") -> torch.Tensor:
+        del anchor
+        ctx.owner = owner
+        ctx.grads = owner._step_grads
+        return value.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, seed: torch.Tensor) -> tuple[None, None, None]:
+        ctx.owner._apply_grads(ctx.grads, seed)
+        return None, None, None
+
+
+class PipelineModule(nn.Module):
+    """This rank's stage of a pipeline, run over a step's micro-batches.
+
+    ``named_parameters()`` are the stage's parameters, with the model's names and each one
+    the shard of its stage's layout; an optimizer over them steps this rank's part.
+    ``stage`` is this rank's ``Stage`` (``stage.blocks``: its repeated blocks) and
+    ``stages`` all of them."""
+
+    stages: list[Stage]
+    stage: Stage
+    program: ShardedModule
+
+    def __init__(self, program: ShardedModule, stages: list[Stage], mesh: Mesh, rank: int,
+                 options: Options, microbatches: int, loss_rule: tuple[str, Any],
+                 model: nn.Module) -> None:
+        super().__init__()
+        # the model's names: its parameters in order, each state-dict key's tensor (a tied
+        # parameter's second name reads the first's) and what no stage holds
+        canonical = {id(p): name for name, p in model.named_parameters()}
+        self._param_order = list(canonical.values())
+        self._state_names = {k: canonical.get(id(v), k) for k, v in model.state_dict(keep_vars=True).items()}
+        held = {n for st in stages for n in st.params} | {
+            str(node.target) for st in stages for node in st.module.graph.nodes if node.op == "get_attr"}
+        self._unheld = {k: v.detach().clone() for k, v in model.state_dict().items()
+                        if self._state_names[k] not in held}
+        self.program = program
+        object.__setattr__(self, "stages", stages)
+        self.mesh = mesh
+        self.rank = rank
+        self.index = mesh.coords(rank)[PIPE]
+        object.__setattr__(self, "stage", stages[self.index])
+        self.options = options
+        self.microbatches = microbatches
+        self.schedule = options.schedule
+        self._loss_rule = loss_rule
+        self.p2p = P2P(mesh, rank)
+        self._step_grads: dict[str, torch.Tensor | None] = {}
+        # parameters read by several stages (a tied embedding and head): which stages
+        holders: dict[str, list[int]] = {}
+        for st in stages:
+            for name in st.params:
+                holders.setdefault(name, []).append(st.index)
+        self.shared = {n: h for n, h in holders.items() if len(h) > 1 and self.index in h}
+        self.last_timeline: list[tuple[str, int, float, float]] = []
+
+    # ------------------------------------------------------------------ module API
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.program.named_parameters(prefix, recurse, remove_duplicate)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.program.zero_grad(set_to_none)
+
+    @property
+    def ctx(self) -> Any:
+        return self.program.ctx
+
+    def extra_repr(self) -> str:
+        return (f"mesh={self.mesh}, stage={self.index} of {self.mesh.pipe} ({', '.join(self.stage.blocks)}), "
+                f"microbatches={self.microbatches}, schedule={self.schedule!r}")
+
+    # ------------------------------------------------------------------ the step
+    def forward(self, *inputs: Any) -> torch.Tensor:
+        m = self.microbatches
+        for i, x in enumerate(inputs):
+            if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] % m:
+                raise ShardcError(
+                    f"shardc pipeline: input {i} has {x.shape[0]} rows on this rank, which "
+                    f"{m} micro-batches do not divide; pass a batch of a multiple of {m} rows a rank.")
+        chunks = [[_microbatch(x, m, k) for x in inputs] for k in range(m)]
+        params = [p for p in self.parameters()]
+        training = torch.is_grad_enabled() and any(p.requires_grad for p in params)
+        weights = self._weights(chunks) if self.index == self.mesh.pipe - 1 else None
+        if not training:
+            with torch.no_grad():
+                losses: list[Any] = [self._forward(k, chunks[k], keep=False)[2] for k in range(m)]
+            self.p2p.finish()
+            return self._share_loss(losses, weights)
+        old = {n: p.grad for n, p in self.named_parameters()}
+        for p in params:
+            p.grad = None
+        saved: dict[int, Any] = {}
+        losses = [None] * m
+        order = actions(self.schedule, self.mesh.pipe, self.index, m)
+        last_b = max(i for i, (kind, _) in enumerate(order) if kind == "B")
+        timeline = []
+        t0 = _now()
+        try:
+            for i, (kind, k) in enumerate(order):
+                start = _now() - t0
+                if kind == "F":
+                    saved[k] = self._forward(k, chunks[k], keep=True)
+                    losses[k] = saved[k][2]
+                else:
+                    self._backward(k, saved.pop(k), weights, sync=(i == last_b))
+                timeline.append((kind, k, start, _now() - t0))
+            self.p2p.finish()
+            self._sum_shared()
+        finally:
+            new = {n: p.grad for n, p in self.named_parameters()}
+            for n, p in self.named_parameters():
+                p.grad = old[n]
+        self.last_timeline = timeline
+        value = self._share_loss(losses, weights)
+        self._step_grads = new
+        anchor = torch.zeros((), requires_grad=True)
+        return _StepLoss.apply(anchor, value, self)
+
+    def _local_shape(self, val: torch.Tensor) -> tuple[int, ...]:
+        n = self.mesh.size("data") * self.mesh.size("z")
+        shape = tuple(val.shape)
+        return (shape[0] // n,) + shape[1:] if _cut(val, n) else shape
+
+    def _forward(self, k: int, inputs: list[Any], keep: bool) -> Any:
+        st = self.stage
+        dev = _device_of(self.program)
+        args: list[Any] = [None] * len(st.inputs)
+        # receive in (stage, output index) order: the producer's send order
+        for i in sorted(range(len(st.inputs)), key=lambda i: st.inputs[i]):
+            src, j = st.inputs[i]
+            val = st.input_vals[i]
+            if src < 0:
+                args[i] = inputs[j]
+                continue
+            a = self.p2p.recv(self._local_shape(val), val.dtype, dev, src, "forward")
+            if keep and _carries_grad(val):
+                a.requires_grad_(True)
+            args[i] = a
+        with self.program.no_sync():
+            outs = self.program(*args)
+        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        loss = None
+        n = self.mesh.size("data") * self.mesh.size("z")
+        for o, cons, val in zip(outs, st.consumers, st.output_vals):
+            for c in sorted(cons):
+                if c < 0:
+                    loss = o
+                    continue
+                self.p2p.send(self._as_cut(o, val, n), c, "forward")
+        return args, outs, loss
+
+    def _as_cut(self, o: torch.Tensor, val: torch.Tensor, n: int) -> torch.Tensor:
+        """A boundary value whose dim 0 data x z divides travels as this rank's rows of
+        it; a stage that returned it whole (it does not depend on the batch) is cut here."""
+        if _cut(val, n) and o.shape[0] == val.shape[0]:
+            c = self.mesh.coords(self.rank)
+            i = c["data"] * self.mesh.size("z") + c["z"]
+            step = o.shape[0] // n
+            return o[i * step:(i + 1) * step]
+        return o
+
+    def _backward(self, k: int, saved: Any, weights: Any, sync: bool) -> None:
+        st = self.stage
+        args, outs, loss = saved
+        dev = _device_of(self.program)
+        n = self.mesh.size("data") * self.mesh.size("z")
+        roots, seeds = [], []
+        for o, cons, val in zip(outs, st.consumers, st.output_vals):
+            if loss is o and -1 in cons:
+                roots.append(o)
+                seeds.append(weights[k].to(o.dtype))
+            if not _carries_grad(val):
+                continue
+            g = None
+            for c in sorted(c for c in cons if c >= 0):
+                r = self.p2p.recv(self._local_shape(val), val.dtype, dev, c, "backward")
+                g = r if g is None else g + r
+            if g is None:
+                continue
+            if _cut(val, n) and o.shape[0] == val.shape[0]:
+                g = self._gather_rows(g)
+            if o.requires_grad:
+                roots.append(o)
+                seeds.append(g)
+        ctx = contextlib.nullcontext() if sync else self.program.no_sync()
+        with ctx:
+            if roots:
+                torch.autograd.backward(roots, seeds)
+        for i in sorted(range(len(st.inputs)), key=lambda i: st.inputs[i]):
+            src, _ = st.inputs[i]
+            if src < 0 or not _carries_grad(st.input_vals[i]):
+                continue
+            a = args[i]
+            self.p2p.send(a.grad if a.grad is not None else torch.zeros_like(a), src, "backward")
+
+    def _gather_rows(self, g: torch.Tensor) -> torch.Tensor:
+        """The whole gradient of a value the stage returned whole, from every batch shard's
+        rows (z inner, data outer: ``shard_batch``'s order)."""
+        groups = axis_groups(self.mesh)
+        for axis in ("z", "data"):
+            size = self.mesh.size(axis)
+            if size == 1:
+                continue
+            parts = [torch.empty_like(g) for _ in range(size)]
+            dist.all_gather(parts, g.contiguous(), group=groups[axis])
+            g = torch.cat(parts)
+        return g
+
+    def _weights(self, chunks: list[list[Any]]) -> list[torch.Tensor]:
+        m = self.microbatches
+        kind, counter = self._loss_rule
+        if kind == "sum":
+            return [torch.ones((), dtype=torch.float64)] * m
+        if kind == "mean" or counter is None:
+            return [torch.full((), 1.0 / m, dtype=torch.float64)] * m
+        counts = torch.stack([counter(*c).to(torch.float64) for c in chunks])
+        groups = axis_groups(self.mesh)
+        for axis in ("z", "data"):  # the counts of the whole micro-batch, not this shard's
+            if self.mesh.size(axis) > 1:
+                dist.all_reduce(counts, group=groups[axis])
+        total = counts.sum()
+        if total == 0:  # every target ignored: the loss is nan on one device too
+            return [torch.full((), float("nan"), dtype=torch.float64)] * m
+        return list(counts / total)
+
+    def _share_loss(self, losses: list[Any], weights: Any) -> torch.Tensor:
+        """The global batch's loss, on every rank: the last stage combines the micro-batch
+        losses and sends the value to the other stages."""
+        last = self.mesh.pipe - 1
+        if self.index == last:
+            value = sum((w.to(torch.float64) * _read(x).detach().to(torch.float64) for w, x in zip(weights, losses)),
+                        torch.zeros((), dtype=torch.float64))
+            value = value.to(_read(losses[0]).dtype)
+            for s in range(last):
+                self.p2p.send(value.to(_device_of(self.program)), s, "forward")
+            self.p2p.finish()
+            return value
+        dtype = self.stages[last].output_vals[-1].dtype
+        return self.p2p.recv((), dtype, _device_of(self.program), last, "forward")
+
+    def _sum_shared(self) -> None:
+        """A parameter two stages read (a tied embedding and head): each stage computed its
+        part of the gradient; both get the sum, added in stage order so they agree bitwise."""
+        for name, holders in sorted(self.shared.items()):
+            p = self.program.get_parameter(name)
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            full = self.program._gather_full(name, g)
+            parts: dict[int, torch.Tensor] = {self.index: full}
+            for s in holders:
+                if s != self.index:
+                    self.p2p.send(full, s, "backward")
+            for s in holders:
+                if s != self.index:
+                    parts[s] = self.p2p.recv(tuple(full.shape), full.dtype, full.device, s, "backward")
+            total = parts[holders[0]].clone()
+            for s in holders[1:]:
+                total += parts[s]
+            layout = self.program.param_layouts[name]
+            p.grad = local_slice(total, layout, self.mesh.coords(self.rank), self.mesh).clone()
+        self.p2p.finish()
+
+    def _apply_grads(self, grads: dict[str, torch.Tensor | None], seed: torch.Tensor) -> None:
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                g = grads.get(name)
+                if g is None:
+                    continue
+                g = g if bool(seed == 1) else g * seed.to(g.dtype)
+                p.grad = g if p.grad is None else p.grad + g
+
+    # ------------------------------------------------------------------ readouts
+    @property
+    def fallbacks(self) -> list[Any]:
+        return self.program.fallbacks
+
+    def _from_every_stage(self, mine: dict[str, Any]) -> dict[str, Any]:
+        """Merge a per-stage dict over the stages (collective over ``pipe``)."""
+        got: list[Any] = [None] * self.mesh.pipe
+        cpu = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in mine.items()}
+        dist.all_gather_object(got, cpu, group=pipe_group(self.mesh))
+        out: dict[str, Any] = {}
+        for part in got:
+            for k, v in part.items():
+                if out.get(k) is None:
+                    out[k] = v
+        return out
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """Every parameter of the model (every stage's) -> its full gradient, by the
+        model's names (collective: every rank)."""
+        merged = self._from_every_stage(self.program.full_grads())
+        return {n: merged.get(n) for n in self._param_order}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict, full tensors, the model's keys (collective)."""
+        merged = self._from_every_stage(self.program.full_state_dict())
+        return {k: self._unheld[k] if k in self._unheld else merged[name]
+                for k, name in self._state_names.items()}
+
+    def measured_comm(self) -> dict[tuple[str, str, str], int | float]:
+        """Bytes this rank handed to torch.distributed since the last reset: the stage
+        program's collectives (ring model) and the pipeline's sends (``pipe`` rows)."""
+        out = dict(self.program.measured_comm())
+        for k, v in self.p2p.sent.items():
+            out[k] = out.get(k, 0) + v
+        return out
+
+    def reset_measured_comm(self) -> None:
+        self.program.reset_measured_comm()
+        self.p2p.reset()
+
+    def _pipe_rows(self) -> list[CommRow]:
+        """The bytes this rank sends to other stages in one training step, from the
+        stages' boundary values: what ``measured_comm``'s ``pipe`` rows must equal."""
+        n = self.mesh.size("data") * self.mesh.size("z")
+        m = self.microbatches
+        st = self.stage
+        rows: list[CommRow] = []
+
+        def row(what: str, phase: str, val: Any, times: int, batched: bool = True) -> CommRow:
+            whole = _nbytes(tuple(val.shape), val.dtype) * times
+            cut = batched and _cut(val, n)
+            local = whole // n if cut else whole
+            return CommRow(f"stage{st.index}", what, ", ".join(st.blocks), None, "send", PIPE, phase, local,
+                           whole, ("data", "z") if cut else ())
+
+        for j, (cons, val) in enumerate(zip(st.consumers, st.output_vals)):
+            for c in sorted(c for c in cons if c >= 0):
+                rows.append(row(f"output {j} to stage {c}", "forward", val, m))
+        for i, ((src, j), val) in enumerate(zip(st.inputs, st.input_vals)):
+            if src >= 0 and _carries_grad(val):
+                rows.append(row(f"gradient of input {i} (stage {src}'s output {j})", "backward", val, m))
+        for name, holders in sorted(self.shared.items()):
+            p = self.program.get_parameter(name)
+            full = torch.empty(self.program._global_shapes[name], dtype=p.dtype, device="meta")
+            rows.append(row(f"gradient of {name} (shared by stages {holders})", "backward", full,
+                            len(holders) - 1, batched=False))
+        if self.index == self.mesh.pipe - 1:
+            loss = torch.empty((), dtype=st.output_vals[-1].dtype, device="meta")
+            rows.append(row("the loss, to every other stage", "forward", loss, self.mesh.pipe - 1, batched=False))
+        return rows
+
+    def pipeline_report(self) -> CommReport:
+        """``shardc.comm_report`` of a pipeline rank: its stage program's collectives for
+        one step (a forward and a backward row once a micro-batch, a gradient reduction
+        once a step) and its sends to other stages."""
+        base = comm_report(self.program)
+        m = self.microbatches
+        rows = [replace(r, bytes=as_number(Fraction(r.bytes) * m), numerator=r.numerator * m)
+                if _per_microbatch(r) else r for r in base.rows]
+        return CommReport(rows + self._pipe_rows(), self.mesh,
+                          title=f"stage {self.index} of {self.mesh.pipe}, {m} micro-batches")
+
+    def explain(self) -> str:
+        """The stages, this rank's schedule and its last step's timeline."""
+        lines = [f"shardc pipeline on {self.mesh}: {self.mesh.pipe} stages, {self.microbatches} "
+                 f"micro-batches, schedule {self.schedule!r} (bubble (p-1)/(m+p-1) = "
+                 f"{bubble_fraction(self.schedule, self.mesh.pipe, self.microbatches):.1%})"]
+        for st in self.stages:
+            here = "  <- this rank" if st.index == self.index else ""
+            lines.append(f"  stage {st.index}: {len(st.blocks)} blocks ({st.blocks[0]} .. {st.blocks[-1]}), "
+                         f"{st.flops / 1e6:.1f} MFLOP forward, {st.param_bytes / 2**20:.2f} MiB of "
+                         f"parameters, {len(st.inputs)} inputs{here}")
+        order = actions(self.schedule, self.mesh.pipe, self.index, self.microbatches)
+        lines.append("  this rank runs: " + " ".join(f"{kind}{k}" for kind, k in order))
+        for r in self._pipe_rows():
+            lines.append(f"  sends {r.op} ({r.phase}): {r.bytes} bytes a step")
+        if self.last_timeline:
+            busy = sum(e - s for _, _, s, e in self.last_timeline)
+            span = self.last_timeline[-1][3]
+            lines.append(f"  last step: {span * 1e3:.1f} ms, idle {1 - busy / span:.1%} of it "
+                         "(waiting on other stages)")
+        return "\n".join(lines)
+
+
+def _per_microbatch(r: CommRow) -> bool:
+    """Does the stage program issue this collective once a micro-batch? Forward and
+    backward activation collectives, yes; a weight gradient's reduction (a step row, or
+    the reduce-scatter behind a weight's all-gather) is deferred by ``no_sync`` and issued
+    once, on the step's last backward."""
+    if r.phase == "forward":
+        return True
+    return r.phase == "backward" and not (r.param is not None and r.collective == "reduce_scatter")
+
+
+def _draws(n: fx.Node) -> bool:
+    """Does ``n`` draw random numbers? (A dropout of probability 0 draws none.)"""
+    if n.op != "call_function" or n.target not in _RANDOM:
+        return False
+    return not ("dropout" in str(n.target) and len(n.args) > 1 and n.args[1] == 0)
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def _cut(val: Any, n: int) -> bool:
+    return isinstance(val, torch.Tensor) and val.dim() > 0 and n > 1 and val.shape[0] % n == 0
+
+
+def _carries_grad(val: Any) -> bool:
+    return isinstance(val, torch.Tensor) and val.requires_grad and val.dtype.is_floating_point
+
+
+def _read(t: Any) -> torch.Tensor:
+    return t.value() if hasattr(t, "value") and not isinstance(t, torch.Tensor) else t
+
+
+def _device_of(sm: ShardedModule) -> torch.device:
+    for p in sm.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
+                     input_layouts: Any) -> PipelineModule:
+    """Cut, compile this rank's stage, and settle with the other ranks (collective)."""
+    _refuse_options(options, input_layouts)
+    m = options.microbatches or mesh.pipe
+    n = mesh.size("data") * mesh.size("z")
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] % (m * n):
+            raise ShardcError(
+                f"shardc.compile: example input {i} has batch size {x.shape[0]}, which {m} micro-batches "
+                f"of data x z = {n} shards each do not divide; use a multiple of {m * n}.")
+    rank = dist.get_rank()
+    failure: Exception | None = None
+    module: PipelineModule | None = None
+    try:
+        micro = tuple(_microbatch(x, m, 0) for x in example_inputs)
+        gm = unlifted_graph(model, micro)
+        stages = cut_stages(model, gm, mesh.pipe)
+        st = stages[mesh.coords(rank)[PIPE]]
+        stage_inputs: list[Any] = []
+        layouts: dict[int, Layout] = {}
+        for i, ((src, j), val) in enumerate(zip(st.inputs, st.input_vals)):
+            if src < 0:
+                stage_inputs.append(micro[j])
+                continue
+            x = torch.zeros(tuple(val.shape), dtype=val.dtype)
+            if _carries_grad(val):
+                x.requires_grad_(True)
+            stage_inputs.append(x)
+            if x.dim() > 0 and not _cut(val, n) and n > 1:
+                layouts[i] = Layout.replicate(x.dim())
+        check_batch(tuple(stage_inputs), mesh, layouts)
+        st.module.train(model.training)  # the stage was traced in the model's mode
+        program = build(st.module, mesh, tuple(stage_inputs), options, rank, layouts or None)
+        validate.after_compile(program, st.module, tuple(stage_inputs))
+        if model.training and any(_draws(n) for n in gm.graph.nodes):
+            warnings.warn(
+                "shardc.compile: with pipe > 1 each stage draws its random numbers (dropout masks) "
+                "micro-batch by micro-batch, so they are not the numbers one device draws for the "
+                "whole batch: the same distribution, not the same values (docs/pipeline.md).",
+                ShardcWarning, stacklevel=3)
+        module = PipelineModule(program, stages, mesh, rank, options, m, _loss_rule(gm), model)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it below, then it is raised
+        failure = e
+    # a rank whose stage failed to compile must not leave the others waiting in a send
+    got: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(got, None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    bad = [(r, msg) for r, msg in enumerate(got) if msg is not None]
+    if bad:
+        r, msg = bad[0]
+        raise ShardcError(f"shardc.compile: rank {r} failed to compile its pipeline stage: {msg}")
+    assert module is not None
+    return module
+
