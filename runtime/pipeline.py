@@ -14,6 +14,7 @@ gets the same order.
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any
 
@@ -65,6 +66,7 @@ class P2P:
         self.sent: Counter[tuple[str, str, str]] = Counter()
         self.calls: Counter[tuple[str, str, str]] = Counter()
         self._works: list[tuple[Any, torch.Tensor]] = []
+        self.waited = 0.0  # seconds blocked in receives since the last reset_wait()
 
     def peer(self, stage: int) -> int:
         return self.mesh.rank({**self.coords, PIPE: stage})
@@ -81,8 +83,10 @@ class P2P:
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, stage: int,
              phase: str) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=device)
+        t0 = time.perf_counter()
         with guarded(None, "recv", None, f"pipeline {phase} from stage {stage}"):
             dist.recv(buf, self.peer(stage))
+        self.waited += time.perf_counter() - t0
         return buf
 
     def finish(self) -> None:

@@ -54,7 +54,7 @@ _CARRIERS = {_aten.alias.default, _aten.clone.default, _aten.view.default, _aten
 # options the pipeline does not run yet, with what the stage program would have to do
 _NOT_YET = {
     "shard_optimizer": False, "reshard_after_forward": False, "activation_checkpoint": "none",
-    "backend": "eager", "expert_axes": None}
+    "gemm_modes": "default", "expert_axes": None}
 
 
 def _refuse_options(options: Options, input_layouts: Any) -> None:
@@ -186,7 +186,9 @@ class PipelineModule(nn.Module):
             for name in st.params:
                 holders.setdefault(name, []).append(st.index)
         self.shared = {n: h for n, h in holders.items() if len(h) > 1 and self.index in h}
-        self.last_timeline: list[tuple[str, int, float, float]] = []
+        # the last training step's actions: (kind, micro-batch, start, end, seconds of it
+        # spent waiting for another stage), from the step's start
+        self.last_timeline: list[tuple[str, int, float, float, float]] = []
 
     # ------------------------------------------------------------------ module API
     def named_parameters(self, prefix: str = "", recurse: bool = True,
@@ -233,12 +235,13 @@ class PipelineModule(nn.Module):
         try:
             for i, (kind, k) in enumerate(order):
                 start = _now() - t0
+                self.p2p.waited = 0.0
                 if kind == "F":
                     saved[k] = self._forward(k, chunks[k], keep=True)
                     losses[k] = saved[k][2]
                 else:
                     self._backward(k, saved.pop(k), weights, sync=(i == last_b))
-                timeline.append((kind, k, start, _now() - t0))
+                timeline.append((kind, k, start, _now() - t0, self.p2p.waited))
             self.p2p.finish()
             self._sum_shared()
         finally:
@@ -486,6 +489,14 @@ class PipelineModule(nn.Module):
         return CommReport(rows + self._pipe_rows(), self.mesh,
                           title=f"stage {self.index} of {self.mesh.pipe}, {m} micro-batches")
 
+    def idle_fraction(self) -> float:
+        """The share of the last training step this rank spent waiting for other stages
+        (blocked in a receive), the bubble as it happened."""
+        if not self.last_timeline:
+            return 0.0
+        span = self.last_timeline[-1][3]
+        return sum(w for *_, w in self.last_timeline) / span if span > 0 else 0.0
+
     def explain(self) -> str:
         """The stages, this rank's schedule and its last step's timeline."""
         lines = [f"shardc pipeline on {self.mesh}: {self.mesh.pipe} stages, {self.microbatches} "
@@ -501,10 +512,10 @@ class PipelineModule(nn.Module):
         for r in self._pipe_rows():
             lines.append(f"  sends {r.op} ({r.phase}): {r.bytes} bytes a step")
         if self.last_timeline:
-            busy = sum(e - s for _, _, s, e in self.last_timeline)
-            span = self.last_timeline[-1][3]
-            lines.append(f"  last step: {span * 1e3:.1f} ms, idle {1 - busy / span:.1%} of it "
-                         "(waiting on other stages)")
+            lines.append(f"  last step: {self.last_timeline[-1][3] * 1e3:.1f} ms, idle {self.idle_fraction():.1%} "
+                         "of it (waiting for other stages)")
+            lines.append("  timeline (ms: start-end, waited): " + ", ".join(
+                f"{kind}{k} {s * 1e3:.1f}-{e * 1e3:.1f} ({w * 1e3:.1f})" for kind, k, s, e, w in self.last_timeline))
         return "\n".join(lines)
 
 

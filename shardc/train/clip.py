@@ -12,6 +12,7 @@ all-reduce of the local maxima.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ def _counted_here(sm: ShardedModule, name: str, coords: dict[str, int]) -> bool:
     return all(coords[a] == 0 for a in AXES if mesh.size(a) > 1 and layout.is_replicated(a))
 
 
-def clip_grad_norm_(sm: ShardedModule, max_norm: float, norm_type: float = 2.0,
+def clip_grad_norm_(sm: Any, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip the gradients of a ``ShardedModule`` by their global norm, in place, and return
     that norm (collective: call it on every rank, after a synced backward).
@@ -39,8 +40,14 @@ def clip_grad_norm_(sm: ShardedModule, max_norm: float, norm_type: float = 2.0,
     coefficient ``min(1, max_norm / (norm + 1e-6))`` applied to every shard. ``norm_type``
     is a positive float or ``inf``. Local sums are taken in float64, so the norm is exact
     to the rounding of the returned fp32 value. The one all-reduce (8 bytes) is outside
-    the compiled program: it is not in the comm report nor ``sm.measured_comm()``.
+    the compiled program: it is not in the comm report nor ``sm.measured_comm()``. On a
+    pipeline (``pipe > 1``) the norm is over every stage's gradients, as one device's.
     """
+    shared_elsewhere: set[str] = set()
+    if hasattr(sm, "stages"):  # a pipeline rank (shardc/program/pipeline.py): its stage's program
+        # a parameter two stages hold (a tied embedding and head) is counted by the first
+        shared_elsewhere = {n for n, holders in sm.shared.items() if holders[0] != sm.index}
+        sm = sm.program
     if not isinstance(sm, ShardedModule):
         raise TypeError(f"shardc.clip_grad_norm_: expects the ShardedModule shardc.compile returned, "
                         f"got {type(sm).__name__}. For a plain module use "
@@ -61,7 +68,7 @@ def clip_grad_norm_(sm: ShardedModule, max_norm: float, norm_type: float = 2.0,
         if p.grad is None:
             continue
         grads.append(p.grad)
-        if _counted_here(sm, name, coords):
+        if _counted_here(sm, name, coords) and name not in shared_elsewhere:
             counted.append(p.grad)
     if not grads:
         return torch.tensor(0.0)

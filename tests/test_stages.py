@@ -1,0 +1,149 @@
+"""The pipeline's pieces that need no process group: the stage cut (``passes/stages.py``),
+the schedules' action lists (``runtime/pipeline.py``), how micro-batch losses add up, and
+the options. The gloo runs are ``test_pipeline_gloo.py``."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from models import GPT, llama
+
+import shardc
+from shardc.passes.stages import balance, cut_stages, unlifted_graph
+from shardc.program.pipeline import _loss_rule
+from shardc.runtime.pipeline import actions, bubble_fraction
+
+pytestmark: list = []
+
+
+def _batch(b: int = 4, t: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 64, (b, t), generator=g), torch.randint(0, 64, (b, t), generator=g)
+
+
+def _run_chain(stages: list, inputs: tuple) -> torch.Tensor:
+    outs: list[tuple] = []
+    for st in stages:
+        args = [inputs[j] if src < 0 else outs[src][j] for src, j in st.inputs]
+        outs.append(st.module(*args))
+    return outs[-1][0]
+
+
+def test_gpt_cut_in_two_runs_as_the_model() -> None:
+    torch.manual_seed(0)
+    model = GPT(layers=4)
+    batch = _batch()
+    stages = cut_stages(model, unlifted_graph(model, batch), 2)
+    assert [st.blocks for st in stages] == [["blocks.0", "blocks.1"], ["blocks.2", "blocks.3"]]
+    # stage 0 reads the tokens; stage 1 its hidden state and the targets, and makes the loss
+    assert stages[0].inputs == [(-1, 0)] and stages[1].inputs == [(0, 0), (-1, 1)]
+    assert stages[0].consumers == [[1]] and stages[1].consumers == [[-1]]
+    assert stages[1].input_vals[0].requires_grad and not stages[1].input_vals[1].requires_grad
+    # the tied embedding and head: both stages hold it, by the model's first name
+    assert "tok.weight" in stages[0].params and "tok.weight" in stages[1].params
+    assert "head.weight" not in stages[0].params + stages[1].params
+    torch.testing.assert_close(_run_chain(stages, batch), model(*batch), rtol=0, atol=0)
+
+
+def test_llama_cut_sends_rotary_tables_to_every_later_stage() -> None:
+    torch.manual_seed(0)
+    model = llama(layers=4)
+    batch = _batch()
+    stages = cut_stages(model, unlifted_graph(model, batch), 3)
+    assert sum(len(st.blocks) for st in stages) == 4 and all(st.blocks for st in stages)
+    # the last stage reads values the first made without passing through the middle one
+    assert any(src == 0 for src, _ in stages[2].inputs)
+    # only the hidden state carries a gradient back; the rotary tables are made under
+    # no_grad and the mask is boolean
+    carried = [v.requires_grad for v in stages[2].input_vals if v is not None]
+    assert carried.count(True) == 1, carried
+    torch.testing.assert_close(_run_chain(stages, batch), model(*batch), rtol=0, atol=0)
+
+
+def test_too_many_stages_and_a_model_without_a_loss_are_refused() -> None:
+    model = GPT(layers=2)
+    batch = _batch()
+    with pytest.raises(shardc.ShardcError, match="it has 2 .*at most 2 stages"):
+        cut_stages(model, unlifted_graph(model, batch), 3)
+
+    class Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    x = torch.randn(4, 8)
+    with pytest.raises(shardc.ShardcError, match="returns its loss, one scalar"):
+        cut_stages(Logits(), unlifted_graph(Logits(), (x,)), 2)
+
+
+def test_balance_minimises_the_most_expensive_stage() -> None:
+    assert balance([1, 1, 1, 1], [0] * 4, 2) == [0, 2]
+    assert balance([4, 1, 1, 1, 1], [0] * 5, 2) == [0, 1]
+    assert balance([1, 1, 1, 1, 1, 1], [0] * 6, 3) == [0, 2, 4]
+    # equal FLOPs: the bytes decide
+    assert balance([1, 1, 1], [10, 1, 1], 2) == [0, 1]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (4, 4), (4, 8), (3, 2)])
+def test_schedules_run_each_micro_batch_once_forward_then_backward(schedule: str, p: int, m: int) -> None:
+    for s in range(p):
+        acts = actions(schedule, p, s, m)
+        assert sorted(acts) == sorted([("F", k) for k in range(m)] + [("B", k) for k in range(m)])
+        assert all(acts.index(("F", k)) < acts.index(("B", k)) for k in range(m))
+        live = peak = 0
+        for kind, _ in acts:
+            live += 1 if kind == "F" else -1
+            peak = max(peak, live)
+        # 1F1B keeps at most p - s micro-batches' activations; GPipe all of them
+        assert peak == (min(p - s, m) if schedule == "1f1b" else m)
+
+
+def test_bubble_formula() -> None:
+    assert bubble_fraction("1f1b", 4, 4) == pytest.approx(3 / 7)
+    assert bubble_fraction("gpipe", 2, 8) == pytest.approx(1 / 9)
+
+
+class _Summed(GPT):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.tok(idx))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+class _Squares(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return ((x - y) ** 2).mean()
+
+
+def test_loss_rule_is_read_from_the_traced_loss() -> None:
+    batch = _batch()
+    kind, counter = _loss_rule(unlifted_graph(GPT(layers=2), batch))
+    assert kind == "count" and counter is not None
+    targets = batch[1].clone()
+    targets[0, :5] = -100
+    assert int(counter(batch[0], targets)) == targets.numel() - 5
+    assert _loss_rule(unlifted_graph(_Summed(layers=2), batch))[0] == "sum"
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    assert _loss_rule(unlifted_graph(_Squares(), (x, y)))[0] == "mean"
+
+
+def test_pipeline_options_are_checked() -> None:
+    with pytest.raises(shardc.OptionError, match="microbatches must be >= 1"):
+        shardc.Options(microbatches=0)
+    with pytest.raises(TypeError, match="microbatches=2.0 must be an int"):
+        shardc.Options(microbatches=2.0)
+    with pytest.raises(shardc.OptionError, match="schedule='pipedream' is not one of"):
+        shardc.Options(schedule="pipedream")
+    assert shardc.Options(schedule="gpipe", microbatches=4).microbatches == 4
