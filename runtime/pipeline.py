@@ -14,12 +14,14 @@ gets the same order.
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from shardc.core.mesh import PIPE, Mesh
 from shardc.core.options import SCHEDULES
@@ -45,14 +47,88 @@ def actions(schedule: str, stages: int, stage: int, microbatches: int) -> list[A
             out += [("F", warm + k), ("B", k)]
         out += [("B", k) for k in range(m - warm, m)]
         return out
+    if schedule == "zero_bubble":
+        return _zero_bubble(stages, microbatches)[stage]
     raise ValueError(f"unknown schedule {schedule!r}; shardc runs {SCHEDULES}")
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_bubble(stages: int, microbatches: int) -> list[list[Action]]:
+    """ZB-H1 (arXiv 2401.10241): each backward split into B (the input gradient, which
+    the previous stage waits for) and W (the weight gradients, which nobody waits for),
+    and the W passes moved into what would be 1F1B's bubbles.
+
+    The order comes from simulating every stage at once with unit costs (F = B = W = 1):
+    at each tick a free stage runs a ready B first (it unblocks the stage before), else a
+    ready F, else its oldest pending W. Stage s starts at most ``stages - s`` forwards
+    ahead of its B passes (1F1B's bound) and holds at most ``stages`` micro-batches'
+    activations (F done, W not), the most 1F1B's first stage holds: ZB-H1's memory. With
+    equal stages the bubble falls from 1F1B's 3(p-1) units to about (p-1) + a few."""
+    p, m = stages, microbatches
+    done: dict[tuple[str, int, int], int] = {}
+    orders: list[list[Action]] = [[] for _ in range(p)]
+    nf, nb, nw, busy = [0] * p, [0] * p, [0] * p, [0] * p
+    t = 0
+    never = 1 << 60
+    while sum(len(o) for o in orders) < 3 * p * m:
+        for s in range(p):
+            if busy[s] > t:
+                continue
+            pick: Action | None = None
+            k = nb[s]
+            if k < nf[s] and done.get(("F", s, k), never) <= t and (
+                    s == p - 1 or done.get(("B", s + 1, k), never) <= t):
+                pick = ("B", k)
+            elif nf[s] < m and nf[s] - nb[s] < p - s and nf[s] - nw[s] < p and (
+                    s == 0 or done.get(("F", s - 1, nf[s]), never) <= t):
+                pick = ("F", nf[s])
+            elif nw[s] < nb[s]:
+                pick = ("W", nw[s])
+            if pick is None:
+                continue
+            done[(pick[0], s, pick[1])] = busy[s] = t + 1
+            orders[s].append(pick)
+            if pick[0] == "F":
+                nf[s] += 1
+            elif pick[0] == "B":
+                nb[s] += 1
+            else:
+                nw[s] += 1
+        t += 1
+    return orders
 
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int) -> float:
     """The schedule's idle share of a step with equal stages and a backward twice a
-    forward: (p-1)/(m+p-1) for GPipe and 1F1B (1F1B saves memory, not time)."""
-    del schedule
+    forward: (p-1)/(m+p-1) for GPipe and 1F1B (1F1B saves memory, not time); for the
+    zero-bubble order, its simulated share with F = B = W."""
+    if schedule == "zero_bubble":
+        orders = _zero_bubble(stages, microbatches)
+        span = _span(orders, stages, microbatches)
+        return 1 - 3 * microbatches / span
     return (stages - 1) / (microbatches + stages - 1)
+
+
+def _span(orders: list[list[Action]], p: int, m: int) -> int:
+    """The ticks the orders take with unit costs, each stage waiting for its inputs."""
+    done: dict[tuple[str, int, int], int] = {}
+    pos, free = [0] * p, [0] * p
+    while any(pos[s] < len(orders[s]) for s in range(p)):
+        for s in range(p):
+            if pos[s] >= len(orders[s]):
+                continue
+            kind, k = orders[s][pos[s]]
+            deps = [("F", s - 1, k)] if kind == "F" and s > 0 else \
+                [("B", s + 1, k)] if kind == "B" and s < p - 1 else []
+            if kind == "B":
+                deps.append(("F", s, k))
+            if kind == "W":
+                deps.append(("B", s, k))
+            if all(d in done for d in deps):
+                start = max([free[s]] + [done[d] for d in deps])
+                done[(kind, s, k)] = free[s] = start + 1
+                pos[s] += 1
+    return max(done.values())
 
 
 class P2P:
@@ -98,3 +174,126 @@ class P2P:
     def reset(self) -> None:
         self.sent.clear()
         self.calls.clear()
+
+
+class SplitBackward:
+    """A micro-batch's backward in two parts, for the zero-bubble schedule: ``inputs()``
+    now (the gradients the previous stage waits for), ``weights()`` later (the parameter
+    gradients nobody waits for), without computing anything twice.
+
+    Autograd runs the first part as a gradient with respect to the stage's inputs only:
+    its engine skips every branch that leads to parameters alone. Where such a branch
+    leaves the input path (a GEMM's node, whose input gradient is on the path and whose
+    weight gradient is not), a pre-hook keeps the gradient arriving at that node. The
+    second part starts from those nodes with those gradients, asking for the parameters
+    only, so each node computes just its weight branch; it accumulates into ``.grad`` as
+    any backward does (gradient hooks, reductions). Parameters whose branches leave the
+    input path at the same nodes go in one call."""
+
+    def __init__(self, roots: list[torch.Tensor], seeds: list[torch.Tensor], inputs: list[torch.Tensor],
+                 params: list[torch.Tensor]) -> None:
+        self.roots, self.seeds, self.inputs, self.params = roots, seeds, inputs, params
+        root_nodes = [get_gradient_edge(r).node for r in roots]
+        input_nodes = {get_gradient_edge(x).node for x in inputs}
+        # every node under the roots, and which of them lead to an input
+        children: dict[Any, list[Any]] = {}
+        order: list[Any] = []
+        todo = list(root_nodes)
+        while todo:
+            n = todo.pop()
+            if n is None or n in children:
+                continue
+            children[n] = [c for c, _ in n.next_functions if c is not None]
+            order.append(n)
+            todo += children[n]
+        on_path: set[Any] = set(n for n in input_nodes if n in children)
+        changed = True
+        while changed:  # a fixpoint: small graphs, a few passes
+            changed = False
+            for n in order:
+                if n not in on_path and any(c in on_path for c in children[n]):
+                    on_path.add(n)
+                    changed = True
+        parents: dict[Any, list[Any]] = {}
+        for n, cs in children.items():
+            for c in cs:
+                parents.setdefault(c, []).append(n)
+        # each parameter: the nodes where its branch leaves the input path (or the roots
+        # off it), found by walking up from its accumulator through nodes off the path
+        groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        self.starts: dict[int, Any] = {}
+        for p in params:
+            acc = get_gradient_edge(p).node
+            if acc not in children:
+                continue  # no gradient reaches it in this micro-batch
+            seen, todo, starts = {acc}, [acc], set()
+            while todo:
+                n = todo.pop()
+                if n in on_path or n in root_nodes:
+                    starts.add(n)
+                    if n in on_path:
+                        continue
+                for q in parents.get(n, []):
+                    if q not in seen:
+                        seen.add(q)
+                        todo.append(q)
+            key = tuple(sorted(id(s) for s in starts))
+            for s in starts:
+                self.starts[id(s)] = s
+            groups.setdefault(key, []).append(p)
+        self.groups = groups
+        self.kept: dict[int, tuple] = {}
+        self._root_nodes = root_nodes
+        self._on_path = on_path
+
+    def inputs_grad(self) -> list[torch.Tensor | None]:
+        """The gradients of the stage's inputs (the first part); keeps what the second
+        part starts from."""
+        handles = []
+        for key, node in self.starts.items():
+            if node in self._on_path:
+                def keep(grads: tuple, key: int = key) -> None:
+                    self.kept[key] = grads
+                handles.append(node.register_prehook(keep))
+        try:
+            if not self.inputs:
+                return []
+            grads = torch.autograd.grad(self.roots, self.inputs, self.seeds, retain_graph=True,
+                                        allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+        return list(grads)
+
+    def weights_grad(self) -> None:
+        """Accumulate every parameter's gradient (the second part)."""
+        seeds_of = {id(get_node(r)): s for r, s in zip(self.roots, self.seeds)}
+        for key, params in self.groups.items():
+            edges, grads = [], []
+            handles = []
+            for nid in key:
+                node = self.starts[nid]
+                if nid in self.kept:
+                    kept = self.kept[nid]
+                    for i, g in enumerate(kept):
+                        if g is not None:
+                            edges.append(GradientEdge(node, i))
+                            grads.append(g)
+                    # a start below another start of the group gets exactly what it had
+                    # in the first part, not that again plus what flows from above
+                    handles.append(node.register_prehook(lambda _g, kept=kept: kept))
+                elif nid in seeds_of:  # a root off the input path: its seed
+                    edges.append(GradientEdge(node, 0))
+                    grads.append(seeds_of[nid])
+            try:
+                if edges:
+                    torch.autograd.backward(edges, grads, retain_graph=True, inputs=params)
+            finally:
+                for h in handles:
+                    h.remove()
+        self.kept.clear()
+        self.starts.clear()
+
+
+def get_node(t: torch.Tensor) -> Any:
+    return get_gradient_edge(t).node

@@ -1,6 +1,6 @@
 """Pipeline parallelism (``Mesh(pipe=p, ...)``) on real gloo processes: the model cut into
 stages between its repeated blocks, each stage compiled over its own x, y, z and data
-ranks, micro-batches run by the GPipe or 1F1B schedule with point-to-point sends.
+ranks, micro-batches run by the GPipe, 1F1B or zero-bubble (ZB-H1) schedule with point-to-point sends.
 
 Each case trains three AdamW steps beside one device exactly as ``test_train_gloo``
 judges every mesh (``harness.train_side_by_side``, same tolerances, explained there): every
@@ -8,7 +8,7 @@ parameter's gradient of every stage against float64 (``full_grads`` gathers all 
 the losses, the weights after the steps, and the bytes this rank handed to
 torch.distributed equal to the comm report's (the stage program's rows once a micro-batch
 or once a step, and the sends to other stages), byte for byte. The cases cover p = 2 and
-4, alone and with data, z and x, both schedules, m = p and m = 2p, and the GPT,
+4, alone and with data, z and x, every schedule, m = p and m = 2p, and the GPT,
 transformers' Llama and GPT-2.
 
 Then what a training loop leans on: a loss with ignored targets whose count differs
@@ -91,11 +91,13 @@ def _train_failures(name: str, spec: str, schedule: str, m: int, make=None, batc
 
 CASES = {
     2: [("gpt", "p2", "gpipe", 2), ("gpt", "p2", "1f1b", 2), ("gpt", "p2", "1f1b", 4),
-        ("gpt", "p2", "gpipe", 4), ("llama", "p2", "1f1b", 4), ("gpt2", "p2", "gpipe", 2)],
+        ("gpt", "p2", "gpipe", 4), ("llama", "p2", "1f1b", 4), ("gpt2", "p2", "gpipe", 2),
+        ("gpt", "p2", "zero_bubble", 2), ("llama", "p2", "zero_bubble", 4)],
     4: [("gpt", "p4", "1f1b", 4), ("gpt", "p4", "1f1b", 8), ("llama", "p4", "gpipe", 4),
         ("gpt", "p2d2", "1f1b", 2), ("gpt", "p2d2", "1f1b", 4), ("llama", "p2d2", "gpipe", 4),
         ("gpt", "p2x2", "gpipe", 2), ("llama", "p2x2", "1f1b", 4), ("gpt2", "p2z2", "1f1b", 2),
-        ("gpt", "p2z2", "gpipe", 4)],
+        ("gpt", "p2z2", "gpipe", 4), ("gpt", "p4", "zero_bubble", 8), ("gpt2", "p2z2", "zero_bubble", 4),
+        ("llama", "p2x2", "zero_bubble", 2), ("gpt", "p2d2", "zero_bubble", 4)],
 }
 
 
@@ -204,7 +206,9 @@ def _refusals(rank: int, world: int) -> None:
     with pytest.raises(shardc.OptionError, match="pipe=1"):
         shardc.compile(GPT(layers=4), "d4", example_inputs=batch, microbatches=2)
     with pytest.raises(shardc.OptionError, match="not implemented yet"):
-        shardc.compile(GPT(layers=4), "p2d2", example_inputs=batch, schedule="zero_bubble")
+        shardc.compile(GPT(layers=4), "p2d2", example_inputs=batch, schedule="interleaved")
+    with pytest.raises(shardc.OptionError, match="bucket_mb=4 with schedule='zero_bubble'"):
+        shardc.compile(GPT(layers=4), "p2d2", example_inputs=batch, schedule="zero_bubble", bucket_mb=4)
     # and a good compile after them: nobody was left waiting in a collective
     sm = shardc.compile(GPT(layers=4), "p4", example_inputs=batch)
     assert math.isfinite(sm(*batch).item())

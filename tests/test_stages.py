@@ -90,19 +90,36 @@ def test_balance_minimises_the_most_expensive_stage() -> None:
     assert balance([1, 1, 1], [10, 1, 1], 2) == [0, 1]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (4, 4), (4, 8), (3, 2)])
-def test_schedules_run_each_micro_batch_once_forward_then_backward(schedule: str, p: int, m: int) -> None:
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (4, 4), (4, 8), (3, 2), (4, 16)])
+def test_schedules_run_each_micro_batch_once_in_order(schedule: str, p: int, m: int) -> None:
+    split = schedule == "zero_bubble"
     for s in range(p):
         acts = actions(schedule, p, s, m)
-        assert sorted(acts) == sorted([("F", k) for k in range(m)] + [("B", k) for k in range(m)])
-        assert all(acts.index(("F", k)) < acts.index(("B", k)) for k in range(m))
-        live = peak = 0
+        kinds = ("F", "B", "W") if split else ("F", "B")
+        assert sorted(acts) == sorted((kind, k) for kind in kinds for k in range(m))
+        for k in range(m):
+            assert acts.index(("F", k)) < acts.index(("B", k))
+            if split:
+                assert acts.index(("B", k)) < acts.index(("W", k))
+        # activations held (F done, backward not finished): 1F1B at most p - s, GPipe
+        # all, zero bubble at most p (1F1B's first stage's, ZB-H1's memory)
+        live = peak = ahead = most_ahead = 0
         for kind, _ in acts:
-            live += 1 if kind == "F" else -1
-            peak = max(peak, live)
-        # 1F1B keeps at most p - s micro-batches' activations; GPipe all of them
-        assert peak == (min(p - s, m) if schedule == "1f1b" else m)
+            live += 1 if kind == "F" else -1 if kind == ("W" if split else "B") else 0
+            ahead += 1 if kind == "F" else -1 if kind == "B" else 0
+            peak, most_ahead = max(peak, live), max(most_ahead, ahead)
+        want = {"1f1b": min(p - s, m), "gpipe": m, "zero_bubble": min(p, m)}[schedule]
+        assert peak <= want and (split or peak == want)
+        if split:
+            assert most_ahead <= p - s
+
+
+def test_zero_bubble_has_less_bubble_than_1f1b() -> None:
+    for p, m in [(2, 4), (4, 4), (4, 8), (4, 16)]:
+        zb, ofob = bubble_fraction("zero_bubble", p, m), bubble_fraction("1f1b", p, m)
+        # ZB-H1: about a third of 1F1B's bubble when F = B = W (the simulated order)
+        assert zb < 0.75 * ofob, (p, m, zb, ofob)
 
 
 def test_bubble_formula() -> None:

@@ -15,9 +15,9 @@ from shardc.core.precision import as_precision
 GEMM_MODES = ("auto", "default", "NN", "NT", "TN")
 CHECKPOINT_POLICIES = ("none", "blocks")
 BACKENDS = ("eager", "inductor")
-SCHEDULES = ("gpipe", "1f1b")  # runtime/pipeline.py runs these
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble")  # runtime/pipeline.py runs these
 # the API names these; refused until built
-PLANNED_SCHEDULES = ("interleaved", "zero_bubble")  # how the rank's program runs (shardc/program/backend.py)
+PLANNED_SCHEDULES = ("interleaved",)  # how the rank's program runs (shardc/program/backend.py)
 
 
 # torch DDP's defaults: bucket_cap_mb, and the first bucket when that is left unset

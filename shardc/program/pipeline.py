@@ -38,7 +38,7 @@ from shardc.program.build import build, check_batch
 from shardc.program.module import ShardedModule
 from shardc.program.report import CommReport, CommRow, comm_report
 from shardc.runtime.groups import axis_groups, pipe_group
-from shardc.runtime.pipeline import P2P, actions, bubble_fraction
+from shardc.runtime.pipeline import P2P, SplitBackward, actions, bubble_fraction
 from shardc.runtime.volume import as_number
 
 _aten = torch.ops.aten
@@ -177,6 +177,7 @@ class PipelineModule(nn.Module):
         self.options = options
         self.microbatches = microbatches
         self.schedule = options.schedule
+        self._split = options.schedule == "zero_bubble"  # backward as B then W
         self._loss_rule = loss_rule
         self.p2p = P2P(mesh, rank)
         self._step_grads: dict[str, torch.Tensor | None] = {}
@@ -229,7 +230,9 @@ class PipelineModule(nn.Module):
         saved: dict[int, Any] = {}
         losses = [None] * m
         order = actions(self.schedule, self.mesh.pipe, self.index, m)
-        last_b = max(i for i, (kind, _) in enumerate(order) if kind == "B")
+        # the action that makes the step's last parameter gradients reduces them all
+        last_b = max(i for i, (kind, _) in enumerate(order) if kind == ("W" if self._split else "B"))
+        pending_w: dict[int, SplitBackward] = {}
         timeline = []
         t0 = _now()
         try:
@@ -239,8 +242,13 @@ class PipelineModule(nn.Module):
                 if kind == "F":
                     saved[k] = self._forward(k, chunks[k], keep=True)
                     losses[k] = saved[k][2]
+                elif kind == "B":
+                    split = self._backward(k, saved.pop(k), weights, sync=(i == last_b))
+                    if split is not None:
+                        pending_w[k] = split
                 else:
-                    self._backward(k, saved.pop(k), weights, sync=(i == last_b))
+                    with contextlib.nullcontext() if i == last_b else self.program.no_sync():
+                        pending_w.pop(k).weights_grad()
                 timeline.append((kind, k, start, _now() - t0, self.p2p.waited))
             self.p2p.finish()
             self._sum_shared()
@@ -297,7 +305,7 @@ class PipelineModule(nn.Module):
             return o[i * step:(i + 1) * step]
         return o
 
-    def _backward(self, k: int, saved: Any, weights: Any, sync: bool) -> None:
+    def _backward(self, k: int, saved: Any, weights: Any, sync: bool) -> SplitBackward | None:
         st = self.stage
         args, outs, loss = saved
         dev = _device_of(self.program)
@@ -320,16 +328,27 @@ class PipelineModule(nn.Module):
             if o.requires_grad:
                 roots.append(o)
                 seeds.append(g)
-        ctx = contextlib.nullcontext() if sync else self.program.no_sync()
-        with ctx:
-            if roots:
-                torch.autograd.backward(roots, seeds)
-        for i in sorted(range(len(st.inputs)), key=lambda i: st.inputs[i]):
-            src, _ = st.inputs[i]
-            if src < 0 or not _carries_grad(st.input_vals[i]):
-                continue
+        sent = [i for i in sorted(range(len(st.inputs)), key=lambda i: st.inputs[i])
+                if st.inputs[i][0] >= 0 and _carries_grad(st.input_vals[i])]
+        split = None
+        if self._split:
+            # B: the inputs' gradients only; W (a later action) the parameters'
+            params = [p for p in self.program.parameters() if p.requires_grad]
+            grad_in = [i for i in sent if args[i].requires_grad]
+            split = SplitBackward(roots, seeds, [args[i] for i in grad_in], params)
+            with self.program.no_sync():
+                got = split.inputs_grad() if roots else [None] * len(grad_in)
+            for i, g in zip(grad_in, got):
+                args[i].grad = g
+        else:
+            ctx = contextlib.nullcontext() if sync else self.program.no_sync()
+            with ctx:
+                if roots:
+                    torch.autograd.backward(roots, seeds)
+        for i in sent:
             a = args[i]
-            self.p2p.send(a.grad if a.grad is not None else torch.zeros_like(a), src, "backward")
+            self.p2p.send(a.grad if a.grad is not None else torch.zeros_like(a), st.inputs[i][0], "backward")
+        return split
 
     def _gather_rows(self, g: torch.Tensor) -> torch.Tensor:
         """The whole gradient of a value the stage returned whole, from every batch shard's
@@ -569,6 +588,14 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, option
                      input_layouts: Any) -> PipelineModule:
     """Cut, compile this rank's stage, and settle with the other ranks (collective)."""
     _refuse_options(options, input_layouts)
+    if options.schedule == "zero_bubble":
+        # W passes run parameter group by parameter group (runtime.pipeline.SplitBackward):
+        # a gradient bucket would be flushed, mostly empty, by each of them
+        if options.bucket_mb:
+            raise OptionError(f"shardc.compile: bucket_mb={options.bucket_mb} with schedule='zero_bubble': "
+                              "its weight-gradient passes run a few parameters at a time, which buckets "
+                              "do not fit; leave bucket_mb unset (each gradient reduced on its own).")
+        options = replace(options, bucket_mb=0)
     m = options.microbatches or mesh.pipe
     n = mesh.size("data") * mesh.size("z")
     for i, x in enumerate(example_inputs):
