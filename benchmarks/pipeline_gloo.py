@@ -1,9 +1,10 @@
 """CPU ranks on gloo: shardc's pipeline against torch.distributed.pipelining, side by side.
 
-    python benchmarks/pipeline_gloo.py --ranks 2 --mesh p2 --microbatches 4 --schedule 1f1b
-    python benchmarks/pipeline_gloo.py --ranks 8 --mesh p4d2 --microbatches 8 --schedule gpipe
+    python benchmarks/pipeline_gloo.py --ranks 2 --mesh p2x1y1z1d1 --microbatches 4 --schedules 1f1b,zero_bubble
+    python benchmarks/pipeline_gloo.py --ranks 8 --mesh p4x1y1z1d2 --microbatches 8 --schedules gpipe
 
-Both run the same GPT (``GPT.peer()``'s shape with ``--layers`` blocks, untied head) from
+shardc runs each schedule given (each its own compiled copy of the model); torch runs the
+first one (1F1B where that is zero bubble). Both run the same GPT (``GPT.peer()``'s shape with ``--layers`` blocks, untied head) from
 the same weights, cut into the same stages (the blocks shardc's cut gave each stage), with
 the same schedule (torch's ``ScheduleGPipe`` / ``Schedule1F1B``), micro-batches and AdamW;
 with a data axis torch's stages are DDP modules over the data group (its pipeline stage
@@ -80,10 +81,12 @@ def _measure(rank: int, args: argparse.Namespace) -> None:
     model = GPT(vocab=512, dim=256, layers=args.layers, heads=4, seq=64, fused_qkv=False, bias=False, tie=False)
     peer_model = copy.deepcopy(model)
     batch = lm_batch(args.batch, 64, 512)
-    sm = shardc.compile(model, mesh, example_inputs=batch, microbatches=args.microbatches,
-                        schedule=args.schedule, backend=args.backend)
+    schedules = args.schedules.split(",")
+    sms = [shardc.compile(copy.deepcopy(model), mesh, example_inputs=batch, microbatches=args.microbatches,
+                          schedule=sch, backend=args.backend) for sch in schedules]
+    sm = sms[0]
     local = [shardc.shard_batch(t, mesh) for t in batch]
-    opt = torch.optim.AdamW(sm.parameters(), lr=1e-4)
+    opts = [torch.optim.AdamW(x.parameters(), lr=1e-4) for x in sms]
 
     # torch's pipeline over the same stages: the blocks shardc gave this rank's stage
     first = int(sm.stage.blocks[0].split(".")[-1])
@@ -93,15 +96,15 @@ def _measure(rank: int, args: argparse.Namespace) -> None:
     if mesh.data > 1:
         mod = DistributedDataParallel(mod, process_group=axis_groups(mesh)["data"])
     stage = PipelineStage(mod, s, p, torch.device("cpu"), group=pipe_group(mesh))
-    kind = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
+    kind = ScheduleGPipe if schedules[0] == "gpipe" else Schedule1F1B
     sched = kind(stage, n_microbatches=args.microbatches, loss_fn=_loss)
     peer_opt = torch.optim.AdamW(mod.parameters(), lr=1e-4)
 
-    def shardc_step() -> float:
-        loss = sm(*local)
+    def shardc_step(i: int) -> float:
+        loss = sms[i](*local)
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        opts[i].step()
+        opts[i].zero_grad(set_to_none=True)
         return loss.item()
 
     def torch_step() -> float | None:
@@ -123,41 +126,50 @@ def _measure(rank: int, args: argparse.Namespace) -> None:
         dist.barrier()
         return time.perf_counter() - t, out
 
-    first_losses = (timed(shardc_step)[1], timed(torch_step)[1])
+    first_losses = [timed(lambda i=i: shardc_step(i))[1] for i in range(len(sms))] + [timed(torch_step)[1]]
     for _ in range(args.warmup - 1):
-        timed(shardc_step)
+        for i in range(len(sms)):
+            timed(lambda i=i: shardc_step(i))
         timed(torch_step)
-    ours, theirs, idle = [], [], []
+    times: list[list[float]] = [[] for _ in range(len(sms) + 1)]
+    idle: list[list[float]] = [[] for _ in sms]
     for _ in range(args.rounds):
-        ours.append(timed(shardc_step)[0])
-        theirs.append(timed(torch_step)[0])
-        idle.append(sm.idle_fraction())
+        for i in range(len(sms)):
+            times[i].append(timed(lambda i=i: shardc_step(i))[0])
+            idle[i].append(sms[i].idle_fraction())
+        times[-1].append(timed(torch_step)[0])
     idles: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(idles, statistics.median(idle))
+    dist.all_gather_object(idles, [statistics.median(x) for x in idle])
     if rank == dist.get_world_size() - 1:
-        a, b = statistics.median(ours), statistics.median(theirs)
-        paired = statistics.median(x / y for x, y in zip(ours, theirs))
-        print(f"shardc backend {args.backend}; mesh {mesh.spec()}, {args.layers} blocks, batch {args.batch}, {args.microbatches} micro-batches, "
-              f"schedule {args.schedule}, {args.rounds} rounds")
-        print(f"stages: {[st.blocks for st in sm.stages]}")
-        print(f"first step's loss: shardc {first_losses[0]:.6f}, torch.distributed.pipelining "
-              f"{first_losses[1]:.6f}")
-        print(f"median step: shardc {a * 1e3:.1f} ms, torch.distributed.pipelining {b * 1e3:.1f} ms, "
-              f"ratio {a / b:.3f} (per round, paired: {paired:.3f})")
         from shardc.runtime.pipeline import bubble_fraction
 
-        print(f"shardc idle share per rank (median): {[round(x, 3) for x in idles]}; the schedule's "
-              f"bubble (p-1)/(m+p-1) = {bubble_fraction(args.schedule, p, args.microbatches):.3f}")
+        print(f"shardc backend {args.backend}; mesh {mesh.spec()}, {args.layers} blocks, batch {args.batch}, "
+              f"{args.microbatches} micro-batches, {args.rounds} rounds")
+        print(f"stages: {[st.blocks for st in sm.stages]}")
+        names = [f"shardc {x}" for x in schedules] + [f"torch.distributed.pipelining {kind.__name__}"]
+        print("first step's loss: " + ", ".join(f"{n} {v:.6f}" for n, v in zip(names, first_losses)))
+        peer = statistics.median(times[-1])
+        for i, n in enumerate(names[:-1]):
+            med = statistics.median(times[i])
+            paired = statistics.median(x / y for x, y in zip(times[i], times[-1]))
+            line = (f"{n}: median step {med * 1e3:.1f} ms, {med / peer:.3f}x torch's (paired {paired:.3f}); "
+                    f"idle share per rank {[round(r[i], 3) for r in idles]}, the schedule's bubble "
+                    f"{bubble_fraction(schedules[i], p, args.microbatches):.3f}")
+            if i > 0:
+                own = statistics.median(x / y for x, y in zip(times[i], times[0]))
+                line += f"; {med / statistics.median(times[0]):.3f}x shardc {schedules[0]} (paired {own:.3f})"
+            print(line)
+        print(f"{names[-1]}: median step {peer * 1e3:.1f} ms")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--mesh", default="p2")
+    ap.add_argument("--mesh", default="p2x1y1z1d1")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+    ap.add_argument("--schedules", default="1f1b", help="comma-separated: gpipe, 1f1b, zero_bubble")
     ap.add_argument("--backend", default="eager", choices=["eager", "inductor"])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)

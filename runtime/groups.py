@@ -41,7 +41,26 @@ def axis_groups(mesh: Mesh) -> dict[str, dist.ProcessGroup | None]:
                 groups[axis], _ = dist.new_subgroups_by_enumeration(mesh.groups(axis),
                                                                     timeout=world_timeout())
         _CACHE[key] = groups
+        if mesh.pipe > 1:
+            # every rank makes the pipeline's groups here too, whatever it calls first: a
+            # stage that never gathers a tied weight must still join the stage groups that
+            # the stages holding one create (a new group is collective over the world)
+            _make_pipeline_groups(mesh)
     return _CACHE[key]
+
+
+def _make_pipeline_groups(mesh: Mesh) -> None:
+    key = (mesh.spec(), id(dist.group.WORLD))
+    if key in _STAGES:
+        return
+    stages = [[r for r in range(mesh.world_size) if mesh.coords(r)[PIPE] == s] for s in range(mesh.pipe)]
+    _STAGES[key], _ = dist.new_subgroups_by_enumeration(stages, timeout=world_timeout())
+    if mesh.pipe == mesh.world_size:
+        assert dist.group.WORLD is not None
+        _STAGES[(key[0] + "/pipe", key[1])] = dist.group.WORLD
+    else:
+        _STAGES[(key[0] + "/pipe", key[1])], _ = dist.new_subgroups_by_enumeration(
+            mesh.groups(PIPE), timeout=world_timeout())
 
 
 def stage_group(mesh: Mesh) -> dist.ProcessGroup:
@@ -50,24 +69,15 @@ def stage_group(mesh: Mesh) -> dist.ProcessGroup:
     if mesh.pipe == 1:
         assert dist.group.WORLD is not None
         return dist.group.WORLD
-    key = (mesh.spec(), id(dist.group.WORLD))
-    if key not in _STAGES:
-        stages = [[r for r in range(mesh.world_size) if mesh.coords(r)[PIPE] == s] for s in range(mesh.pipe)]
-        _STAGES[key], _ = dist.new_subgroups_by_enumeration(stages, timeout=world_timeout())
-    return _STAGES[key]
+    axis_groups(mesh)
+    return _STAGES[(mesh.spec(), id(dist.group.WORLD))]
 
 
 def pipe_group(mesh: Mesh) -> dist.ProcessGroup:
     """This rank's group along ``pipe``: the ranks of every stage that share its x, y, z
     and data coordinates (made by every rank, for every such group, in one order)."""
-    key = (mesh.spec() + "/pipe", id(dist.group.WORLD))
-    if key not in _STAGES:
-        if mesh.pipe == mesh.world_size:
-            assert dist.group.WORLD is not None
-            _STAGES[key] = dist.group.WORLD
-        else:
-            _STAGES[key], _ = dist.new_subgroups_by_enumeration(mesh.groups(PIPE), timeout=world_timeout())
-    return _STAGES[key]
+    axis_groups(mesh)
+    return _STAGES[(mesh.spec() + "/pipe", id(dist.group.WORLD))]
 
 
 def stage_ranks(mesh: Mesh, rank: int) -> list[int]:

@@ -197,23 +197,22 @@ class SplitBackward:
         input_nodes = {get_gradient_edge(x).node for x in inputs}
         # every node under the roots, and which of them lead to an input
         children: dict[Any, list[Any]] = {}
-        order: list[Any] = []
-        todo = list(root_nodes)
-        while todo:
-            n = todo.pop()
-            if n is None or n in children:
+        post: list[Any] = []  # children before their parents
+        stack: list[tuple[Any, bool]] = [(n, False) for n in root_nodes]
+        while stack:
+            n, expanded = stack.pop()
+            if expanded:
+                post.append(n)
+                continue
+            if n in children:
                 continue
             children[n] = [c for c, _ in n.next_functions if c is not None]
-            order.append(n)
-            todo += children[n]
-        on_path: set[Any] = set(n for n in input_nodes if n in children)
-        changed = True
-        while changed:  # a fixpoint: small graphs, a few passes
-            changed = False
-            for n in order:
-                if n not in on_path and any(c in on_path for c in children[n]):
-                    on_path.add(n)
-                    changed = True
+            stack.append((n, True))
+            stack += [(c, False) for c in children[n] if c not in children]
+        on_path: set[Any] = {n for n in input_nodes if n in children}
+        for n in post:
+            if n not in on_path and any(c in on_path for c in children[n]):
+                on_path.add(n)
         parents: dict[Any, list[Any]] = {}
         for n, cs in children.items():
             for c in cs:

@@ -338,7 +338,13 @@ def _model_items(sm: Any) -> list[tuple[str, str | None]]:
     return out
 
 
-def _save_state(sm: Any, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _stage_of(sm: Any) -> tuple[Any, Any]:
+    """(the compiled program, the pipeline or None): a pipeline rank saves and loads its
+    stage's program, whose keys are the model's it holds (shardc/program/pipeline.py)."""
+    return (sm.program, sm) if hasattr(sm, "stages") else (sm, None)
+
+
+def _save_state(sm: Any, pipeline: Any, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     plan = _writer_plan(sm)
     counter = itertools.count()
 
@@ -387,6 +393,8 @@ def _save_state(sm: Any, optimizer: torch.optim.Optimizer | None) -> dict[str, A
     for g in optimizer.param_groups:
         h = {k: v for k, v in g.items() if k != "params"}
         h["params"] = [names[id(p)] for p in g["params"]]
+        if pipeline is not None:  # the group over every stage: what one device's holds
+            h["params"] = pipeline.group_names(h["params"])
         groups.append(h)
     state["optimizer"] = {"state": opt_state, "param_groups": groups}
     return state
@@ -536,7 +544,7 @@ def save(sm: Any, optimizer: torch.optim.Optimizer | None, path: str | os.PathLi
     name = _step_dir(step)
     tmp = os.path.join(root, _TMP_PREFIX + name)
     rank, world = _world()
-    state = _save_state(sm, optimizer)
+    state = _save_state(*_stage_of(sm), optimizer)
 
     err = ""
     if rank == 0:
@@ -663,13 +671,15 @@ def _describe(keys: list[str], n: int = 6) -> str:
     return ", ".join(repr(k) for k in keys[:n]) + (f" ... ({len(keys)} in all)" if len(keys) > n else "")
 
 
-def _check_model(sm: Any, md: Metadata, paths: dict[tuple[Any, ...], str], where: str) -> None:
-    """Every model tensor is in the checkpoint with the model's shape, fully covered."""
+def _check_model(sm: Any, md: Metadata, paths: dict[tuple[Any, ...], str], where: str,
+                 partial: bool = False) -> None:
+    """Every model tensor is in the checkpoint with the model's shape, fully covered;
+    nothing else is (``partial``: a pipeline stage, which holds some of the model)."""
     want = {key: (list(sm._global_shapes[name]) if name else list(sm._buffers_full[key].shape))
             for key, name in _model_items(sm)}
     have = {p[1]: k for p, k in paths.items() if len(p) == 2 and p[0] == "model"}
     missing = [k for k in want if k not in have]
-    unexpected = [k for k in have if k not in want]
+    unexpected = [] if partial else [k for k in have if k not in want]
     wrong = []
     for key, shape in want.items():
         if key in have:
@@ -731,7 +741,7 @@ def _model_dest(sm: Any, paths: dict[tuple[Any, ...], str]) -> dict[str, Any]:
 
 
 def _optimizer_dest(sm: Any, optimizer: torch.optim.Optimizer, md: Metadata,
-                    paths: dict[tuple[Any, ...], str], where: str
+                    paths: dict[tuple[Any, ...], str], where: str, partial: bool = False
                     ) -> tuple[dict[str, Any], dict[tuple[str, str], str], dict[tuple[int, str], str]]:
     coords = sm.mesh.coords(sm.ctx.rank)
     saved_groups = sorted({p[2] for p in paths if len(p) == 4 and p[:2] == ("optimizer", "param_groups")})
@@ -750,6 +760,8 @@ def _optimizer_dest(sm: Any, optimizer: torch.optim.Optimizer, md: Metadata,
     for p_, fqn in paths.items():
         if len(p_) == 4 and p_[:2] == ("optimizer", "state"):
             name, k = p_[2], p_[3]
+            if name not in sm.param_layouts and partial:
+                continue  # another pipeline stage's parameter
             if name not in sm.param_layouts:
                 raise ShardcError(
                     f"shardc.checkpoint.load: checkpoint {where} has optimizer state for "
@@ -808,16 +820,18 @@ def load(sm: Any, optimizer: torch.optim.Optimizer | None, path: str | os.PathLi
     md = read_metadata(ckpt)
     where = f"{ckpt} (step {man.get('step', '?')}, saved on {man.get('mesh', 'an unknown mesh')})"
     paths = _paths(md)
-    _check_model(sm, md, paths, where)
+    sm, pipeline = _stage_of(sm)
+    _check_model(sm, md, paths, where, partial=pipeline is not None)
     dest = _model_dest(sm, paths)
     if optimizer is None:
         _read(dest, ckpt, where)
         return int(man.get("step", 0))
-    opt_dest, state_keys, group_keys = _optimizer_dest(sm, optimizer, md, paths, where)
+    opt_dest, state_keys, group_keys = _optimizer_dest(sm, optimizer, md, paths, where,
+                                                       partial=pipeline is not None)
     # the groups' parameter lists first (a few strings): a mismatch is refused before
     # any parameter is overwritten
     lists = {group_keys[(i, "params")]: None for i in range(len(optimizer.param_groups))}
-    _check_groups(sm, optimizer, _read(lists, ckpt, where), group_keys, where)
+    _check_groups(sm, optimizer, _read(lists, ckpt, where), group_keys, where, partial=pipeline is not None)
     dest.update({k: v for k, v in opt_dest.items() if k not in lists})
     values = _read(dest, ckpt, where)
     _apply_optimizer(sm, optimizer, dest, values, state_keys, group_keys)
@@ -840,11 +854,14 @@ def _read(dest: dict[str, Any], ckpt: str, where: str) -> dict[str, Any]:
 
 
 def _check_groups(sm: Any, optimizer: torch.optim.Optimizer, values: dict[str, Any],
-                  group_keys: dict[tuple[int, str], str], where: str) -> None:
+                  group_keys: dict[tuple[int, str], str], where: str, partial: bool = False) -> None:
     names = _names(sm)
     for i, g in enumerate(optimizer.param_groups):
         live = [names[id(p)] for p in g["params"]]
         saved = values[group_keys[(i, "params")]]
+        if partial:  # a pipeline stage: its part of each group
+            held = set(names.values())
+            saved = [n for n in saved if n in held]
         if list(saved) != live:
             raise ShardcError(
                 f"shardc.checkpoint.load: optimizer param group {i} holds {_describe(live, 3)} "

@@ -19,6 +19,7 @@ from shardc.program import validate
 from shardc.program.agreement import align, describe, settle
 from shardc.program.build import build, check_batch
 from shardc.program.module import ShardedModule
+from shardc.program.pipeline import compile_pipeline
 from shardc.runtime.collectives import guarded
 
 
@@ -98,8 +99,6 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
 def _compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Any, options: Options | None,
                       option_keywords: dict[str, Any], input_layouts: Any) -> Any:
     """A mesh with pipeline stages: shardc/program/pipeline.py."""
-    from shardc.program.pipeline import compile_pipeline  # noqa: PLC0415 - only pipeline meshes need it
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"shardc.compile: model must be a torch.nn.Module, got {type(model).__name__}.")
     check_device(model)

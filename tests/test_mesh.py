@@ -45,6 +45,11 @@ def test_bad_meshes() -> None:
         shardc.Mesh.parse("x2w2")
     with pytest.raises(ValueError, match="context axis"):
         shardc.Mesh.parse("x2c2")
+    # A dropped 4D letter is a typo, not a size of 1: 'x2y1z2' once meant nothing, and must
+    # not start meaning Mesh(x=2, z=2) on a world of 4.
+    for typo in ("x2y1z2", "p2d2", "p2x2y1z1"):
+        with pytest.raises(ValueError, match=f"'{typo}' is not a mesh spec; write the four sizes"):
+            shardc.Mesh.parse(typo)
     with pytest.raises(ValueError, match="axis 'pipe' must have a positive integer size"):
         shardc.Mesh(pipe=0)
     with pytest.raises(ValueError, match="axis 'z' must have a positive integer size"):
@@ -56,9 +61,9 @@ def test_bad_meshes() -> None:
 
 
 def test_pipe_axis_is_outermost() -> None:
-    """The API's contract: letters in any order, a left-out axis is 1, and a stage's ranks
-    are contiguous (pipe outermost), so x, y and z groups stay inside a stage."""
-    m = shardc.Mesh.parse("d2p2x2")
+    """The API's contract: letters in any order, pipe left out when it is 1, and a stage's
+    ranks are contiguous (pipe outermost), so x, y and z groups stay inside a stage."""
+    m = shardc.Mesh.parse("d2p2x2y1z1")
     assert m == shardc.Mesh(pipe=2, data=2, x=2) == shardc.Mesh.parse("p2x2y1z1d2")
     assert m.spec() == "p2x2y1z1d2" and shardc.Mesh.parse(m.spec()) == m
     assert str(m) == "Mesh(pipe=2, x=2, y=1, z=1, data=2)"

@@ -90,14 +90,14 @@ def _train_failures(name: str, spec: str, schedule: str, m: int, make=None, batc
 
 
 CASES = {
-    2: [("gpt", "p2", "gpipe", 2), ("gpt", "p2", "1f1b", 2), ("gpt", "p2", "1f1b", 4),
-        ("gpt", "p2", "gpipe", 4), ("llama", "p2", "1f1b", 4), ("gpt2", "p2", "gpipe", 2),
-        ("gpt", "p2", "zero_bubble", 2), ("llama", "p2", "zero_bubble", 4)],
-    4: [("gpt", "p4", "1f1b", 4), ("gpt", "p4", "1f1b", 8), ("llama", "p4", "gpipe", 4),
-        ("gpt", "p2d2", "1f1b", 2), ("gpt", "p2d2", "1f1b", 4), ("llama", "p2d2", "gpipe", 4),
-        ("gpt", "p2x2", "gpipe", 2), ("llama", "p2x2", "1f1b", 4), ("gpt2", "p2z2", "1f1b", 2),
-        ("gpt", "p2z2", "gpipe", 4), ("gpt", "p4", "zero_bubble", 8), ("gpt2", "p2z2", "zero_bubble", 4),
-        ("llama", "p2x2", "zero_bubble", 2), ("gpt", "p2d2", "zero_bubble", 4)],
+    2: [("gpt", "p2x1y1z1d1", "gpipe", 2), ("gpt", "p2x1y1z1d1", "1f1b", 2), ("gpt", "p2x1y1z1d1", "1f1b", 4),
+        ("gpt", "p2x1y1z1d1", "gpipe", 4), ("llama", "p2x1y1z1d1", "1f1b", 4), ("gpt2", "p2x1y1z1d1", "gpipe", 2),
+        ("gpt", "p2x1y1z1d1", "zero_bubble", 2), ("llama", "p2x1y1z1d1", "zero_bubble", 4)],
+    4: [("gpt", "p4x1y1z1d1", "1f1b", 4), ("gpt", "p4x1y1z1d1", "1f1b", 8), ("llama", "p4x1y1z1d1", "gpipe", 4),
+        ("gpt", "p2x1y1z1d2", "1f1b", 2), ("gpt", "p2x1y1z1d2", "1f1b", 4), ("llama", "p2x1y1z1d2", "gpipe", 4),
+        ("gpt", "p2x2y1z1d1", "gpipe", 2), ("llama", "p2x2y1z1d1", "1f1b", 4), ("gpt2", "p2x1y1z2d1", "1f1b", 2),
+        ("gpt", "p2x1y1z2d1", "gpipe", 4), ("gpt", "p4x1y1z1d1", "zero_bubble", 8), ("gpt2", "p2x1y1z2d1", "zero_bubble", 4),
+        ("llama", "p2x2y1z1d1", "zero_bubble", 2), ("gpt", "p2x1y1z1d2", "zero_bubble", 4)],
 }
 
 
@@ -147,8 +147,8 @@ def _padded_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _loss_kinds(rank: int, world: int) -> None:
     failures = []
-    for name, make, spec in [("padded", lambda: PaddedGPT(layers=4), "p2d2"),
-                             ("summed", lambda: SummedGPT(layers=4), "p2x2")]:
+    for name, make, spec in [("padded", lambda: PaddedGPT(layers=4), "p2x1y1z1d2"),
+                             ("summed", lambda: SummedGPT(layers=4), "p2x2y1z1d1")]:
         torch.manual_seed(0)
         model = make()
         failures += _train_failures(name, spec, "1f1b", 4, make=lambda model=model: model,
@@ -161,17 +161,19 @@ def test_micro_batch_losses_add_up_to_the_batch_loss(ranks: Any) -> None:
 
 
 def _loop_semantics(rank: int, world: int) -> None:
-    """A scaled backward scales every gradient; two steps without zero_grad add; a forward
-    under no_grad returns the same loss and leaves the gradients alone."""
-    mesh = shardc.Mesh.parse("p2d2")
+    """A scaled backward scales every gradient; two steps without zero_grad add (the first
+    inside ``no_sync``, as an accumulation loop writes it); a forward under no_grad
+    returns the same loss and leaves the gradients alone."""
+    mesh = shardc.Mesh.parse("p2x1y1z1d2")
     torch.manual_seed(0)
     model = GPT(layers=4)
     ref64 = copy.deepcopy(model).double()
     (a, b), (c, d) = _lm_batches(2)
     sm = shardc.compile(model, mesh, example_inputs=(a, b))
     local = [shardc.shard_batch(t, mesh) for t in (a, b)]
-    loss = sm(*local)
-    (2.5 * loss).backward()
+    with sm.no_sync():
+        loss = sm(*local)
+        (2.5 * loss).backward()
     with torch.no_grad():
         again = sm(*local)
     assert again.item() == loss.item(), (again.item(), loss.item())
@@ -198,19 +200,19 @@ def test_scaled_backward_accumulation_and_eval(ranks: Any) -> None:
 def _refusals(rank: int, world: int) -> None:
     batch = _lm_batches(1)[0]
     with pytest.raises(shardc.OptionError, match="shard_optimizer=True with pipe > 1"):
-        shardc.compile(GPT(layers=4), "p2d2", example_inputs=batch, shard_optimizer=True)
+        shardc.compile(GPT(layers=4), "p2x1y1z1d2", example_inputs=batch, shard_optimizer=True)
     with pytest.raises(shardc.ShardcError, match="it has 2 .*at most 2 stages"):
-        shardc.compile(GPT(layers=2), "p4", example_inputs=batch)
+        shardc.compile(GPT(layers=2), "p4x1y1z1d1", example_inputs=batch)
     with pytest.raises(shardc.ShardcError, match="which 8 micro-batches of data x z = 2"):
-        shardc.compile(GPT(layers=4), "p2d2", example_inputs=batch, microbatches=8)
+        shardc.compile(GPT(layers=4), "p2x1y1z1d2", example_inputs=batch, microbatches=8)
     with pytest.raises(shardc.OptionError, match="pipe=1"):
-        shardc.compile(GPT(layers=4), "d4", example_inputs=batch, microbatches=2)
+        shardc.compile(GPT(layers=4), "x1y1z1d4", example_inputs=batch, microbatches=2)
     with pytest.raises(shardc.OptionError, match="not implemented yet"):
-        shardc.compile(GPT(layers=4), "p2d2", example_inputs=batch, schedule="interleaved")
+        shardc.compile(GPT(layers=4), "p2x1y1z1d2", example_inputs=batch, schedule="interleaved")
     with pytest.raises(shardc.OptionError, match="bucket_mb=4 with schedule='zero_bubble'"):
-        shardc.compile(GPT(layers=4), "p2d2", example_inputs=batch, schedule="zero_bubble", bucket_mb=4)
+        shardc.compile(GPT(layers=4), "p2x1y1z1d2", example_inputs=batch, schedule="zero_bubble", bucket_mb=4)
     # and a good compile after them: nobody was left waiting in a collective
-    sm = shardc.compile(GPT(layers=4), "p4", example_inputs=batch)
+    sm = shardc.compile(GPT(layers=4), "p4x1y1z1d1", example_inputs=batch)
     assert math.isfinite(sm(*batch).item())
 
 
@@ -221,7 +223,7 @@ def test_refusals_leave_every_rank_ready(ranks: Any) -> None:
 def _clip(rank: int, world: int) -> None:
     """``shardc.clip_grad_norm_`` over every stage's gradients equals torch's on one
     float64 device: the tied embedding and head counted once, though two stages hold it."""
-    mesh = shardc.Mesh.parse("p2d2")
+    mesh = shardc.Mesh.parse("p2x1y1z1d2")
     torch.manual_seed(0)
     model = GPT(layers=4)  # tied: stages 0 and 1 both hold tok.weight
     ref64 = copy.deepcopy(model).double()
@@ -243,3 +245,104 @@ def _clip(rank: int, world: int) -> None:
 
 def test_clip_grad_norm_over_every_stage(ranks: Any) -> None:
     ranks.run(_clip, 4)
+
+
+def _train(sm: Any, opt: Any, mesh: shardc.Mesh, batches: list) -> list[float]:
+    out = []
+    for batch in batches:
+        loss = sm(*[shardc.shard_batch(t, mesh) for t in batch])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def _checkpoints(rank: int, world: int, root: str) -> None:
+    """A pipeline saves each stage's shards under the model's names, and the checkpoint
+    loads into another stage count and into a mesh without stages (and back), the
+    optimizer included: training resumes with the losses of a run never interrupted."""
+    import shardc.checkpoint as ckpt
+
+    batches = _lm_batches(4)
+
+    def fresh(spec: str, **kw: Any) -> tuple[Any, Any, shardc.Mesh]:
+        torch.manual_seed(0)
+        mesh = shardc.Mesh.parse(spec)
+        sm = shardc.compile(GPT(layers=4), mesh, example_inputs=batches[0], **kw)
+        return sm, torch.optim.AdamW(sm.parameters(), lr=1e-3), mesh
+
+    sm, opt, mesh = fresh("p2x1y1z1d2", microbatches=2)
+    _train(sm, opt, mesh, batches[:2])
+    ckpt.save(sm, opt, root, step=2)
+    straight = _train(sm, opt, mesh, batches[2:])  # the uninterrupted run
+    full = sm.full_state_dict()
+    # resumed on 4 stages, on a mesh with no stages, and (saved from there) on p2x2
+    for spec, kw in [("p4x1y1z1d1", {"microbatches": 4, "schedule": "gpipe"}), ("x2y1z1d2", {})]:
+        other, o_opt, o_mesh = fresh(spec, **kw)
+        assert ckpt.load(other, o_opt, root) == 2
+        resumed = _train(other, o_opt, o_mesh, batches[2:])
+        # other meshes sum in other orders: fp32 rounding of a loss of ~4 over two AdamW
+        # steps (lr 1e-3) stays far below 1e-5 relative; a weight or moment loaded wrong
+        # moves it by ~lr
+        assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(resumed, straight)), (spec, resumed, straight)
+        if spec == "x2y1z1d2":
+            got = other.full_state_dict()
+            assert list(got) == list(full)
+            for k in full:
+                torch.testing.assert_close(got[k], full[k], rtol=1e-5, atol=1e-6)
+            ckpt.save(other, o_opt, root, step=4)
+    back, b_opt, b_mesh = fresh("p2x2y1z1d1", microbatches=2)
+    assert ckpt.load(back, b_opt, root) == 4
+    state = back.full_state_dict()
+    for k in full:
+        torch.testing.assert_close(state[k], full[k], rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoints_across_stage_counts(ranks: Any, tmp_path: Any) -> None:
+    ranks.run(_checkpoints, 4, str(tmp_path / "ckpt"))
+
+
+def _guard_and_explain(rank: int, world: int) -> None:
+    """``StepGuard`` over a pipeline: the norm it checks is one device's over every stage
+    (the tied weight, held by stages 0 and 3 of 4, counted once), and a NaN gradient on one
+    stage's rank skips the step on every rank, naming the parameter. Then ``explain``: the
+    stages, this rank's order of actions and the timeline of the step it ran."""
+    mesh = shardc.Mesh.parse("p4x1y1z1d1")
+    torch.manual_seed(0)
+    model = GPT(layers=4)
+    ref64 = copy.deepcopy(model).double()
+    batch = _lm_batches(1)[0]
+    sm = shardc.compile(model, mesh, example_inputs=batch, microbatches=4)
+    opt = torch.optim.AdamW(sm.parameters(), lr=1e-3)
+    guard = shardc.StepGuard(sm, opt)
+    loss = sm(*batch)
+    loss.backward()
+    ref64(*batch).backward()
+    norm64 = math.sqrt(sum(p.grad.pow(2).sum().item() for p in ref64.parameters()))
+    ok, norm, offender = guard.check(loss)
+    # as in _clip: fp32 gradients within ~1e-7 relative of float64's; the tied weight
+    # counted twice would be ~10% off, a stage's gradients left out far more
+    assert ok and offender is None and abs(norm - norm64) <= 1e-5 * norm64, (norm, norm64)
+    before = {n: p.detach().clone() for n, p in sm.named_parameters()}
+    first = next(iter(sm.named_parameters()))
+    if sm.index == 2:
+        first[1].grad.view(-1)[0] = float("nan")
+    assert not guard.step(loss)  # on every rank, stage 2's or not
+    assert guard.last_offender in sm.stages[2].params, guard.last_offender
+    if sm.index == 2:
+        assert guard.last_offender == first[0], (guard.last_offender, first[0])
+    assert all(torch.equal(p, before[n]) for n, p in sm.named_parameters())  # no rank stepped
+    text = shardc.explain(sm)
+    assert "4 stages, 4 micro-batches, schedule '1f1b'" in text, text
+    assert "this rank runs: " + " ".join(f"{k}{i}" for k, i in
+                                         shardc.runtime.pipeline.actions("1f1b", 4, sm.index, 4)) in text
+    assert "<- this rank" in text and "timeline (ms" in text and "idle" in text
+    assert [(kind, k) for kind, k, *_ in sm.last_timeline] == shardc.runtime.pipeline.actions("1f1b", 4, sm.index, 4)
+    assert 0.0 <= sm.idle_fraction() < 1.0
+    if sm.index > 0:  # every later stage waits at least for the first forward to arrive
+        assert sm.last_timeline[0][4] > 0
+
+
+def test_step_guard_and_explain(ranks: Any) -> None:
+    ranks.run(_guard_and_explain, 4)

@@ -21,6 +21,7 @@ PIPE = "pipe"
 ALL_AXES: tuple[str, ...] = AXES + (PIPE,)  # innermost first
 _LETTERS = {"x": "x", "y": "y", "z": "z", "d": "data", "p": PIPE}
 _PART = re.compile(r"([a-z])(\d+)")
+_CORE = ("x", "y", "z", "d")
 
 
 @dataclass(frozen=True)
@@ -111,14 +112,16 @@ class Mesh:
 
     @classmethod
     def parse(cls, text: str) -> "Mesh":
-        """Letters and sizes in any order, each letter once: x, y, z, d (data), p (pipe);
-        a letter left out is size 1 (``'p2d2'`` is ``Mesh(pipe=2, data=2)``)."""
+        """Letters and sizes in any order, each letter once. The four sizes x, y, z and d
+        (data) are always written, so a 4D spec keeps its old meaning and a dropped letter is
+        a typo, not a size of 1; p (pipe) may be left out when it is 1 (``'p2x2y1z1d2'``)."""
         body = text.strip()
         parts = _PART.findall(body)
+        not_a_spec = ValueError(
+            f"Mesh.parse: {text!r} is not a mesh spec; write the four sizes x, y, z and d (data), "
+            "in any order, and p (pipe) when there are stages, e.g. 'x2y1z2d2' or 'p2x2y1z1d2'.")
         if not parts or "".join(f"{k}{v}" for k, v in parts) != body:
-            raise ValueError(
-                f"Mesh.parse: {text!r} is not a mesh spec; write each axis as a letter and its "
-                "size, e.g. 'x2y1z2d2' or 'p2x2d2' (x, y, z, d = data, p = pipe).")
+            raise not_a_spec
         sizes: dict[str, int] = {}
         for letter, size in parts:
             if letter == "c":
@@ -130,6 +133,8 @@ class Mesh:
             if _LETTERS[letter] in sizes:
                 raise ValueError(f"Mesh.parse: {text!r} gives axis {letter!r} twice.")
             sizes[_LETTERS[letter]] = int(size)
+        if not {_LETTERS[c] for c in _CORE} <= set(sizes):
+            raise not_a_spec
         return cls(**sizes)
 
     @classmethod

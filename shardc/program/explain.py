@@ -90,6 +90,8 @@ def explain(sm: Any) -> str:
     """The transformed program: each node's placement, every collective's axis and
     bytes forward and backward, the choices the compiler made, and every op that had no
     sharding rule (run replicated)."""
+    if hasattr(sm, "stages"):  # a pipeline rank: the pipeline, then its stage's program
+        return sm.explain() + "\n\n" + explain(sm.program)
     gm: fx.GraphModule = sm.graph_module
     mesh = sm.mesh
     rep = comm_report(sm)

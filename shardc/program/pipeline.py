@@ -168,6 +168,12 @@ class PipelineModule(nn.Module):
             str(node.target) for st in stages for node in st.module.graph.nodes if node.op == "get_attr"}
         self._unheld = {k: v.detach().clone() for k, v in model.state_dict().items()
                         if self._state_names[k] not in held}
+        # the stage program answers for the model's keys it holds, a tied parameter's
+        # second name included, so its state dict and checkpoints use the model's keys
+        mine = set(program.param_layouts) | set(program._buffers_full)
+        program._state_keys = [k for k, name in self._state_names.items() if name in mine]
+        program._canonical = {k: name for k, name in self._state_names.items()
+                              if name in program.param_layouts}
         self.program = program
         object.__setattr__(self, "stages", stages)
         self.mesh = mesh
@@ -194,7 +200,22 @@ class PipelineModule(nn.Module):
     # ------------------------------------------------------------------ module API
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        return self.program.named_parameters(prefix, recurse, remove_duplicate)
+        # in the model's order (a stage program lists a tied weight where a later
+        # stage first reads it), so an optimizer's groups list them as one device's do
+        rank = {n: i for i, n in enumerate(self._param_order)}
+        items = list(self.program.named_parameters("", recurse, remove_duplicate))
+        items.sort(key=lambda item: rank.get(item[0], len(rank)))
+        for name, p in items:
+            yield (f"{prefix}.{name}" if prefix else name), p
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation over calls, as ``ShardedModule.no_sync`` takes it: the
+        gradients of steps run inside add up to one device's, exactly. A pipeline reduces
+        each step's gradients at its end (its last backward), so this defers nothing and
+        saves no communication: to accumulate cheaply, raise ``microbatches`` instead (a
+        step's micro-batches are reduced once)."""
+        yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.program.zero_grad(set_to_none)
@@ -451,8 +472,15 @@ class PipelineModule(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict, full tensors, the model's keys (collective)."""
         merged = self._from_every_stage(self.program.full_state_dict())
-        return {k: self._unheld[k] if k in self._unheld else merged[name]
-                for k, name in self._state_names.items()}
+        return {k: self._unheld[k] if k in self._unheld else merged[k] for k in self._state_names}
+
+    def group_names(self, names: list[str]) -> list[str]:
+        """An optimizer group's parameter names over every stage (each stage's optimizer
+        holds its own), in the model's order (collective over ``pipe``)."""
+        got: list[Any] = [None] * self.mesh.pipe
+        dist.all_gather_object(got, names, group=pipe_group(self.mesh))
+        every = {n for part in got for n in part}
+        return [n for n in self._param_order if n in every]
 
     def measured_comm(self) -> dict[tuple[str, str, str], int | float]:
         """Bytes this rank handed to torch.distributed since the last reset: the stage
@@ -518,8 +546,9 @@ class PipelineModule(nn.Module):
 
     def explain(self) -> str:
         """The stages, this rank's schedule and its last step's timeline."""
+        how = "simulated with F = B = W" if self._split else "(p-1)/(m+p-1)"
         lines = [f"shardc pipeline on {self.mesh}: {self.mesh.pipe} stages, {self.microbatches} "
-                 f"micro-batches, schedule {self.schedule!r} (bubble (p-1)/(m+p-1) = "
+                 f"micro-batches, schedule {self.schedule!r} (bubble with equal stages, {how}: "
                  f"{bubble_fraction(self.schedule, self.mesh.pipe, self.microbatches):.1%})"]
         for st in self.stages:
             here = "  <- this rank" if st.index == self.index else ""

@@ -63,20 +63,28 @@ class StepGuard:
         self.last_offender: str | None = None
         self._skipped_steps: list[int] = []
         coords = sm.mesh.coords(sm.ctx.rank)
-        self._params: list[tuple[str, torch.Tensor, bool]] = []
-        for name, p in sm.named_parameters():
-            layout = sm.param_layouts.get(name)
+        program, names, counted_elsewhere = sm, None, set()
+        if hasattr(sm, "stages"):  # a pipeline rank (shardc/program/pipeline.py)
+            # one slot per parameter of the whole model, in its order, on every stage (the
+            # all-reduce needs one length everywhere; a stage leaves others' slots at 0);
+            # a tied parameter two stages hold is counted by the first
+            program, names = sm.program, sm._param_order
+            counted_elsewhere = {n for n, holders in sm.shared.items() if holders[0] != sm.index}
+        held = dict(program.named_parameters())
+        self._params: list[tuple[str, torch.Tensor | None, bool]] = []
+        for name in names if names is not None else list(held):
+            layout = program.param_layouts.get(name)
             sharded = set(layout.sharded_axes()) if layout is not None else set()
             # the copy at coordinate 0 of every axis the layout replicates counts the block
             owner = all(coords[a] == 0 for a in AXES if a not in sharded and sm.mesh.size(a) > 1)
-            self._params.append((name, p, owner))
+            self._params.append((name, held.get(name), owner and name not in counted_elsewhere))
 
     def check(self, loss: torch.Tensor | float | None = None) -> tuple[bool, float, str | None]:
         """(finite everywhere, global gradient norm, first offender) — collective, no step."""
-        dev = self._params[0][1].device if self._params else torch.device("cpu")
+        dev = next((p.device for _, p, _ in self._params if p is not None), torch.device("cpu"))
         sq = torch.zeros(len(self._params) + 1, dtype=torch.float64, device=dev)
         for i, (_, p, owner) in enumerate(self._params):
-            if p.grad is not None:
+            if p is not None and p.grad is not None:
                 s = p.grad.detach().double().pow(2).sum()
                 sq[i] = s if owner else s * 0.0
         if loss is not None:
