@@ -19,7 +19,7 @@ from shardc.program import validate
 from shardc.program.agreement import align, describe, settle
 from shardc.program.build import build, check_batch
 from shardc.program.module import ShardedModule
-from shardc.program.pipeline import compile_pipeline
+from shardc.program.pipeline import compile_pipeline, refuse_with_stages
 from shardc.runtime.collectives import guarded
 
 
@@ -129,11 +129,20 @@ def _prepare(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | 
             raise ShardcError("shardc.compile: mesh='auto' needs machine=shardc.Machine(...) or a preset "
                               "(machine=shardc.Machine.preset('perlmutter')), or pass a mesh.")
         fixed = {k: v for k, v in option_keywords.items() if k == "expert_axes"}
+        try:  # stages are a candidate only where the options given run with them
+            refuse_with_stages(options_from(options, option_keywords), input_layouts)
+            stages: bool | None = None
+        except OptionError:
+            stages = False
         cands = plan(model, world_size=dist.get_world_size(), machine=machine,
-                     example_inputs=tuple(example_inputs), **fixed)
-        mesh = cands[0].mesh
+                     example_inputs=tuple(example_inputs), pipeline=stages, **fixed)
+        best = cands[0]
         if not fixed and (options is None or options.expert_axes is None):
-            option_keywords = {**option_keywords, **cands[0].options}  # experts cut, if planned
+            option_keywords = {**option_keywords, **best.options}  # experts cut, if planned
+        if best.mesh.pipe > 1:  # the planner's stages, with its micro-batches
+            return _compile_pipeline(model, _check_mesh(best.mesh, dist.get_world_size()), example_inputs,
+                                     options, {**option_keywords, **best.options}, input_layouts)
+        mesh = best.mesh
     mesh = _check_mesh(mesh, dist.get_world_size())
     example_inputs = tuple(example_inputs)
     check_batch(example_inputs, mesh, input_layouts or {})

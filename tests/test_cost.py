@@ -174,3 +174,14 @@ def test_shardc_bench_measures_and_ranks_on_gloo(tmp_path, capsys) -> None:
     assert "Spearman rho" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--rounds must be at least 1"):
         cli_main(["bench", "--ranks", "2", "--rounds", "0"])
+
+
+def test_a_model_on_the_meta_device_plans_its_whole_step() -> None:
+    """Planning a model too large to allocate (built under torch.device("meta")) on a
+    machine that models the whole step: the step program is traced on the example's
+    device (its inputs were once made on the CPU beside meta weights, and the trace failed)."""
+    with torch.device("meta"):
+        model = GPT(vocab=512, dim=64, layers=2, heads=4, seq=32)
+    tokens = torch.zeros(8, 32, dtype=torch.long, device="meta")
+    plan = shardc.plan(model, 4, STEPPED, (tokens, tokens), exact_top=1, verify=False)
+    assert plan and all(c.compute_s > 0 for c in plan[:1])

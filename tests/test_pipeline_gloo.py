@@ -132,6 +132,16 @@ class SummedGPT(GPT):
         return F.cross_entropy(self.head(self.ln_f(x)).flatten(0, 1), targets.flatten(), reduction="sum")
 
 
+class LogitsGPT(GPT):
+    """Returns the logits, the loss left to the caller."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
+
+
 def _padded_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first rows padded far more than the last: micro-batches count different
     numbers of targets, so the mean of their means is not the batch's mean."""
@@ -211,6 +221,9 @@ def _refusals(rank: int, world: int) -> None:
         shardc.compile(GPT(layers=4), "p2x1y1z1d2", example_inputs=batch, schedule="interleaved")
     with pytest.raises(shardc.OptionError, match="bucket_mb=4 with schedule='zero_bubble'"):
         shardc.compile(GPT(layers=4), "p2x1y1z1d2", example_inputs=batch, schedule="zero_bubble", bucket_mb=4)
+    with pytest.raises(shardc.ShardcError, match=r"must return its loss, one floating-point scalar .* "
+                                                 r"it returns a tensor of shape \(4, 16, 64\)"):
+        shardc.compile(LogitsGPT(layers=4), "p2x1y1z1d2", example_inputs=batch[:1])
     # and a good compile after them: nobody was left waiting in a collective
     sm = shardc.compile(GPT(layers=4), "p4x1y1z1d1", example_inputs=batch)
     assert math.isfinite(sm(*batch).item())

@@ -147,3 +147,65 @@ def test_planning_again_reuses_each_pattern_s_compile(monkeypatch) -> None:
     n = len(calls)
     shardc.plan(model, 8, "perlmutter", x, verify=False, precision="bf16")
     assert len(calls) > n, "another option compiled nothing"
+
+
+# two nodes of four ranks that state their compute: the planner ranks stages there
+_NODES = Machine(gpus_per_node=4, memory_bytes=3e9, inter_node_bandwidth=3e8,
+                 intra_node_bandwidth={(i, s): 4e8 for i in (1, 2) for s in (2, 4) if i * s <= 4},
+                 gemm_flops=2e10, memory_bandwidth=3e9, op_overhead=1e-5, bandwidth_overlap=0.2,
+                 name="two-nodes")
+
+
+@pytest.mark.slow  # compiles every pattern of 8, 4, 2 and 1 ranks: a minute and more
+def test_pipeline_candidates_price_the_bubble_and_the_sends() -> None:
+    """A mesh with stages is its stage mesh's 4D prediction scaled by the heaviest stage's
+    share, plus the bubble ((p - 1) / m of the stage's per-micro-batch work) and the sends
+    between stages (each boundary value forward and its gradient back, this rank's data x
+    z share, over the link between nodes here: a stage of four ranks fills a node)."""
+    from models import GPT
+
+    from shardc.planning.stages import p2p_bandwidth, stage_shares
+
+    torch.manual_seed(0)
+    model = GPT(layers=4)  # dim 32: the boundary value is the (16, 16, 32) residual stream
+    batch = (torch.randint(0, 64, (16, 16)), torch.randint(0, 64, (16, 16)))
+    plan = shardc.plan(model, 8, _NODES, batch, exact_top=10 ** 6, verify=False)
+    staged = {c.mesh.spec(): c for c in plan if c.mesh.pipe > 1}
+    assert "p2x1y1z1d4" in staged and "p4x1y1z1d2" in staged, sorted(staged)
+    assert any("stages: pipe=8" in d.reason and "at most 4 stages" in d.reason for d in plan.dropped)
+    inner = {c.mesh.spec(): c for c in shardc.plan(model, 4, _NODES, batch, exact_top=10 ** 6, verify=False,
+                                                    pipeline=False)}
+    shares = stage_shares(model, batch, [2])[2]
+    c, c4 = staged["p2x1y1z1d4"], inner["x1y1z1d4"]
+    assert c.options == {"microbatches": 2} and c.microbatches == 2
+    assert c.compute_s == pytest.approx(c4.compute_s * shares.flops)
+    assert c.param_bytes_per_rank == pytest.approx(c4.param_bytes_per_rank * shares.params)
+    # 1F1B with m = p keeps p micro-batches of the stage's layers: the stage's share of all
+    assert c.activation_bytes_per_rank == pytest.approx(c4.activation_bytes_per_rank * shares.flops)
+    assert c.per_axis_s["data"] == pytest.approx(c4.per_axis_s["data"] * shares.params)
+    sends = 2 * 16 * 16 * 32 * 4 / 4  # forward and back, a quarter of the rows a rank
+    assert c.bytes_per_axis["pipe"] == sends
+    assert p2p_bandwidth(_NODES, c.mesh) == _NODES.inter_node_bandwidth / 4  # four pairs share the link
+    assert c.per_axis_s["pipe"] == pytest.approx(sends / (_NODES.inter_node_bandwidth / 4))
+    work = c.compute_s - c.hidden_s + sum(c.per_axis_s[a] for a in ("x", "y", "z"))
+    assert c.bubble_s == pytest.approx(work * (2 - 1) / 2) and c.bubble_s > 0
+    assert c.predicted_step_s == pytest.approx(c.compute_s - c.hidden_s + c.predicted_comm_s + c.bubble_s)
+    # more micro-batches shrink the bubble; GPipe keeps every micro-batch's activations
+    more = {x.mesh.spec(): x for x in shardc.plan(model, 8, _NODES, batch, exact_top=10 ** 6, verify=False,
+                                                   microbatches=4, schedule="gpipe") if x.mesh.pipe > 1}
+    assert more["p2x1y1z1d4"].bubble_s < c.bubble_s and more["p2x1y1z1d4"].options == {"microbatches": 4}
+    assert more["p2x1y1z1d4"].activation_bytes_per_rank == pytest.approx(
+        c4.activation_bytes_per_rank * shares.flops)
+
+
+def test_pipeline_planning_needs_a_machine_that_prices_compute() -> None:
+    batch = (torch.randn(16, 16), torch.randn(16, 16))
+    model = MLPChain(layers=4)
+    with pytest.raises(shardc.ShardcError, match="pipeline=True needs a machine that states its compute"):
+        shardc.plan(model, 4, "perlmutter", batch, pipeline=True, verify=False, exact_top=1)
+    # by default a machine of bandwidth alone, or one node, plans 4D meshes only
+    assert all(c.mesh.pipe == 1 for c in shardc.plan(model, 4, "perlmutter", batch, verify=False, exact_top=1))
+    assert all(c.mesh.pipe == 1 for c in shardc.plan(model, 4, _NODES, batch, verify=False, exact_top=1))
+    # an option a pipeline does not run keeps the planner from proposing stages
+    with pytest.raises(shardc.OptionError, match="shard_optimizer=True with pipe > 1"):
+        shardc.plan(model, 4, _NODES, batch, verify=False, pipeline=True, shard_optimizer=True, exact_top=1)

@@ -85,6 +85,8 @@ class StepTime:
     bandwidth: dict[str, float]
     latency: dict[str, float]
     hidden: float
+    # a pipeline's idle time (shardc/planning/stages.py); 0 without stages
+    bubble: float = 0.0
 
     @property
     def comm(self) -> float:
@@ -92,7 +94,7 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return self.compute + self.comm - self.hidden
+        return self.compute + self.comm - self.hidden + self.bubble
 
 
 def work(gm: fx.GraphModule, recompute: bool

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 import weakref
 from collections import defaultdict
@@ -35,15 +36,17 @@ from rich.console import Console
 from rich.table import Table
 
 from shardc.core.context import GLOBAL_VAL, KIND, PLACEMENT, SOURCE
-from shardc.core.errors import ShardcError
+from shardc.core.errors import OptionError, ShardcError
 from shardc.core.machine import Machine
 from shardc.core.mesh import AXES, Mesh
-from shardc.core.options import EXPERT_AXES
+from shardc.core.options import EXPERT_AXES, Options
 from shardc.passes.rules.routing import find_regions
 from shardc.passes.trace import signature, trace
 from shardc.planning.cost import StepShape, StepTime, per_rank, predict, step_shape
 from shardc.planning.memory import estimate
+from shardc.planning.stages import StageShares, pipeline_terms, stage_shares
 from shardc.program.offline import compile_offline
+from shardc.program.pipeline import refuse_with_stages
 from shardc.program.report import comm_report
 from shardc.runtime.volume import ring_factor
 
@@ -80,11 +83,21 @@ class Candidate:
     # the experts of a mixture of experts cut over these axes (compile's expert_axes);
     # None: kept as any weight
     expert_axes: tuple[str, ...] | None = None
+    # a mesh with pipeline stages: the micro-batches a step is planned with
+    microbatches: int | None = None
 
     @property
     def options(self) -> dict[str, Any]:
         """The compile options this candidate was planned with, beyond the caller's."""
-        return {"expert_axes": self.expert_axes} if self.expert_axes else {}
+        out: dict[str, Any] = {"expert_axes": self.expert_axes} if self.expert_axes else {}
+        if self.microbatches is not None:
+            out["microbatches"] = self.microbatches
+        return out
+
+    @property
+    def bubble_s(self) -> float:
+        """A pipeline's predicted idle time a step (0 without stages)."""
+        return self.step.bubble if self.step is not None else 0.0
 
     @property
     def predicted_step_s(self) -> float:
@@ -100,6 +113,7 @@ class Candidate:
 
     def __repr__(self) -> str:
         experts = f", expert_axes={self.expert_axes}" if self.expert_axes else ""
+        experts += f", microbatches={self.microbatches}" if self.microbatches else ""
         return (f"Candidate({self.mesh.spec()}{experts}, {self.predicted_step_s:.4g} s, "
                 f"{self.memory_bytes_per_rank / 2**30:.2f} GiB/rank)")
 
@@ -300,7 +314,7 @@ def _weight_gemms(ep: torch.export.ExportedProgram) -> list[_Gemm]:
 def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
          example_inputs: tuple, *, checkpointing: bool = False, exact_top: int = 10,
          verify: bool = True, memory: str = "formula", optimizer: str | int = "adamw",
-         **compile_kw: Any) -> Plan:
+         pipeline: bool | None = None, **compile_kw: Any) -> Plan:
     """Every mesh of ``world_size`` ranks, ranked by predicted step time (communication
     time on a machine of bandwidth alone: ``Candidate`` has the terms); the
     ones the model or batch does not divide, or that do not fit in device memory, are in
@@ -321,6 +335,16 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
     (``activation_checkpoint``, ``precision``, ``shard_optimizer``): what the program
     will hold, within ~10% of the measured peak on the GPT of ``benchmarks/memory.py``.
     A candidate that then does not fit is dropped.
+
+    Pipeline stages (``pipeline``): ``True`` ranks the meshes with ``pipe > 1`` beside
+    the 4D ones, each predicted from its stage mesh's 4D prediction and the compiler's
+    stage cut, with the bubble and the sends between stages as terms of their own
+    (``shardc.planning.stages``); ``None`` (the default) ranks them too where the world
+    spans nodes on a machine that states its compute (the bubble is idle compute: a
+    machine of bandwidth alone cannot price it, and ``True`` there is an error), or when
+    no 4D mesh fits in memory; ``False`` never. A pipeline candidate's ``options`` carry its
+    ``microbatches`` (``compile``'s, else ``pipe``); its memory is the formula's even
+    with ``memory="traced"``, and ``verify`` checks 4D winners only.
     """
     if memory not in ("formula", "traced"):
         raise ValueError(f"shardc.plan: memory must be 'formula' or 'traced', got {memory!r}.")
@@ -350,14 +374,16 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
                                       f"weights and optimizer state > {machine.memory_bytes / 2**30:.1f} GiB"))
             continue
         meshes.append(m)
-    if not meshes:
+    if not meshes and pipeline is not None and not pipeline:
         _nothing_fits(world_size, machine, dropped)
 
 
     cache = _ANALYSES.setdefault(model, {})
 
-    def rank(kw: dict[str, Any], members: list[Mesh]) -> tuple[list[Candidate], list[Dropped]]:
-        """Every mesh of ``members`` under the compile options ``kw``."""
+    def rank(kw: dict[str, Any], members: list[Mesh], fits: bool = True) -> tuple[list[Candidate], list[Dropped]]:
+        """Every mesh of ``members`` under the compile options ``kw`` (``fits=False``: none
+        dropped for memory, for a stage mesh whose stages hold a part of the model)."""
+        on = machine if fits else replace(machine, memory_bytes=sys.float_info.max)
         stem = (signature(inputs), model.training, world_size, checkpointing, machine.models_step(),
                 repr(sorted(kw.items())))
         experts = kw.get("expert_axes")
@@ -392,7 +418,7 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
 
         def evaluate(pattern: tuple[bool, ...], a: _Pattern | str, exact: bool) -> None:
             for m in by_pattern[pattern]:
-                evaluated[m] = (_evaluate(m, a, machine, exact, experts) if isinstance(a, _Pattern)
+                evaluated[m] = (_evaluate(m, a, on, exact, experts) if isinstance(a, _Pattern)
                                 else Dropped(m, f"divisibility: {a}"))
 
         if isinstance(first, _Pattern):
@@ -421,15 +447,97 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
                           [m for m in meshes if all(m.size(a) > 1 for a in axes)])
         cands += more
         dropped += [replace(d, reason=f"expert_axes={axes}: {d.reason}") for d in lost]
+    spans_nodes = world_size > machine.gpus_per_node and bool(machine.gemm_flops)
+    if pipeline or (pipeline is None and (not cands or spans_nodes)):
+        more, lost = _staged_candidates(model, inputs, world_size, machine, batch, weight_elements,
+                                        compile_kw, rank, explicit=bool(pipeline))
+        cands += more
+        dropped += lost
     cands.sort(key=_key)
     if memory == "traced":
         cands = _traced_memory(model, inputs, cands, exact_top, machine, dropped, optimizer,
                                compile_kw)
     if not cands:
         _nothing_fits(world_size, machine, dropped)
-    if verify:
+    if verify and cands[0].mesh.pipe == 1:
         _verify(model, inputs, cands[0], compile_kw)
     return Plan(cands, dropped, world_size, machine)
+
+
+def _staged_candidates(model: torch.nn.Module, inputs: tuple, world_size: int, machine: Machine,
+                       batch: int, weight_elements: int, compile_kw: dict, rank: Any,
+                       explicit: bool) -> tuple[list[Candidate], list[Dropped]]:
+    """Every mesh with ``pipe > 1`` stages of ``world_size`` ranks, from its stage mesh's
+    4D candidate (``rank`` over the meshes of ``world_size / pipe`` ranks)."""
+    try:
+        refuse_with_stages(Options(**{k: v for k, v in compile_kw.items()
+                                      if k not in ("microbatches", "schedule")}), None)
+    except OptionError:
+        if explicit:
+            raise
+        return [], []
+    if not machine.gemm_flops:
+        # the bubble is idle compute: a machine of bandwidth alone would price a pipeline's
+        # stages at their sends only and rank the deepest first
+        if explicit:
+            raise ShardcError(
+                f"shardc.plan: pipeline=True needs a machine that states its compute "
+                f"(gemm_flops), and {machine.name!r} states bandwidth alone: a pipeline's bubble "
+                "is idle compute it cannot price. Measure one (shardc profile-machine) or give "
+                "Machine(..., gemm_flops=...).")
+        return [], []
+    schedule = compile_kw.get("schedule", "1f1b")
+    kw = {k: v for k, v in compile_kw.items() if k not in ("microbatches", "schedule")}
+    ps = [p for p in range(2, world_size + 1) if world_size % p == 0]
+    shares = stage_shares(model, inputs, ps)
+    out: list[Candidate] = []
+    dropped: list[Dropped] = []
+    for p in ps:
+        s = shares[p]
+        m = compile_kw.get("microbatches") or p
+        if isinstance(s, str):
+            dropped.append(Dropped(Mesh(pipe=p, data=world_size // p), f"stages: {s}"))
+            continue
+        inner: list[Mesh] = []
+        for im in Mesh.all(world_size // p):
+            whole = _with_stages(im, p)
+            if batch % (m * im.data * im.z):
+                dropped.append(Dropped(whole, f"batch: {batch} sequences do not split into {m} "
+                                              f"micro-batches over data x z = {im.data * im.z}"))
+            elif BYTES_PER_PARAMETER * weight_elements * s.params / (im.x * im.y * im.z) > machine.memory_bytes:
+                dropped.append(Dropped(whole, "memory: the largest stage's weights and optimizer state "
+                                              "alone exceed a rank's memory"))
+            else:
+                inner.append(im)
+        got, lost = rank(kw, inner, fits=False)
+        dropped += [Dropped(_with_stages(d.mesh, p), d.reason) for d in lost]
+        for c in got:
+            staged = _staged(c, p, m, schedule, s, machine)
+            if staged.memory_bytes_per_rank > machine.memory_bytes:
+                dropped.append(Dropped(staged.mesh, f"memory: {staged.memory_bytes_per_rank / 2**30:.1f} GiB "
+                                                    f"per rank > {machine.memory_bytes / 2**30:.1f} GiB"))
+            else:
+                out.append(staged)
+    return out, dropped
+
+
+def _with_stages(m: Mesh, p: int) -> Mesh:
+    return Mesh(pipe=p, data=m.data, z=m.z, y=m.y, x=m.x)
+
+
+def _staged(c: Candidate, p: int, m: int, schedule: str, shares: StageShares, machine: Machine) -> Candidate:
+    mesh = _with_stages(c.mesh, p)
+    st = c.step
+    zeros = {a: 0.0 for a in AXES}
+    t = pipeline_terms(shares, m, schedule, mesh, machine,
+                       st.bandwidth if st is not None else c.per_axis_s,
+                       st.latency if st is not None else zeros,
+                       st.compute if st is not None else 0.0, st.hidden if st is not None else 0.0,
+                       c.bytes_per_axis, c.param_bytes_per_rank, c.activation_bytes_per_rank)
+    step = StepTime(t.compute, t.bandwidth, t.latency, min(t.hidden, t.compute), t.bubble)
+    per_axis = {a: t.bandwidth[a] + t.latency[a] for a in t.bandwidth}
+    return Candidate(mesh, step.comm, per_axis, t.param_bytes + t.activation_bytes, t.param_bytes,
+                     t.activation_bytes, t.bytes_per_axis, c.exact, step, c.expert_axes, m)
 
 
 def _key(c: Candidate) -> tuple:
@@ -494,7 +602,7 @@ def _traced_memory(model: torch.nn.Module, inputs: tuple, cands: list[Candidate]
 
     out: list[Candidate] = []
     for i, c in enumerate(cands):
-        if i < top:
+        if i < top and c.mesh.pipe == 1:  # a pipeline's stages keep the formula's figure
             est = estimate(compile_offline(model, inputs, c.mesh, refuse_indivisible=True,
                                            **compile_kw, **c.options), optimizer)
             c.memory_bytes_per_rank = float(est.total)
@@ -520,23 +628,28 @@ def _verify(model: torch.nn.Module, inputs: tuple, best: Candidate, compile_kw: 
 
 
 def print_plan(model: torch.nn.Module, inputs: tuple, world_size: int, machine: str, top: int = 10,
-               checkpointing: bool = False) -> Plan:
+               checkpointing: bool = False, pipeline: bool | None = None) -> Plan:
 
 
     t0 = time.perf_counter()
-    p = plan(model, world_size, machine, inputs, checkpointing=checkpointing, exact_top=max(top, 1))
+    p = plan(model, world_size, machine, inputs, checkpointing=checkpointing, exact_top=max(top, 1),
+             pipeline=pipeline)
     took = time.perf_counter() - t0
     t = Table(title=f"top {min(top, len(p))} of {len(p)} meshes for {world_size} ranks on "
                     f"{p.machine.name} (planned in {took:.1f} s)")
     step = p.machine.models_step()
-    cols = ["rank", "mesh", "t_x (s)", "t_y (s)", "t_z (s)", "t_data (s)", "comm (s)"]
-    cols += ["compute (s)", "hidden (s)", "step (s)"] if step else []
+    staged = any(c.mesh.pipe > 1 for c in p[:top])
+    axes = list(AXES) + (["pipe"] if staged else [])
+    cols = ["rank", "mesh"] + [f"t_{a} (s)" for a in axes] + ["comm (s)"]
+    cols += ["compute (s)", "hidden (s)"] + (["bubble (s)"] if staged else []) + ["step (s)"] if step else []
     for col in cols + ["memory/rank"]:
         t.add_column(col, justify="right" if col not in ("mesh",) else "left")
     for i, c in enumerate(p[:top]):
-        extra = [f"{c.compute_s:.4g}", f"{c.hidden_s:.4g}", f"{c.predicted_step_s:.4g}"] if step else []
-        spec = c.mesh.spec() + (f" experts/{','.join(c.expert_axes)}" if c.expert_axes else "")
-        t.add_row(str(i + 1), spec, *(f"{c.per_axis_s[a]:.4g}" for a in AXES),
+        extra = [f"{c.compute_s:.4g}", f"{c.hidden_s:.4g}"] + ([f"{c.bubble_s:.4g}"] if staged else []) \
+            + [f"{c.predicted_step_s:.4g}"] if step else []
+        spec = c.mesh.spec() + (f" experts/{','.join(c.expert_axes)}" if c.expert_axes else "") \
+            + (f" m={c.microbatches}" if c.microbatches else "")
+        t.add_row(str(i + 1), spec, *(f"{c.per_axis_s.get(a, 0.0):.4g}" for a in axes),
                   f"{c.predicted_comm_s:.4g}", *extra, f"{c.memory_bytes_per_rank / 2**30:.2f} GiB")
     console = Console(width=max(Console().width, 110))
     console.print(t)

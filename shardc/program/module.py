@@ -514,7 +514,8 @@ class ShardedModule(nn.Module):
                 if isinstance(gval, torch.Tensor):
                     shape = lay.local_shape(gval.shape, self.mesh) if isinstance(lay, Layout) else \
                         ([gval.shape[0] // batch] + list(gval.shape[1:]) if gval.dim() else [])
-                    args.append(torch.zeros(shape, dtype=gval.dtype))
+                    # on the example's device: a model planned on meta tensors stays there
+                    args.append(torch.zeros(shape, dtype=gval.dtype, device=gval.device))
                     needs.append(target in self.ctx.grad_inputs)
                 else:
                     args.append(gval)

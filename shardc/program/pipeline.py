@@ -57,7 +57,9 @@ _NOT_YET = {
     "gemm_modes": "default", "expert_axes": None}
 
 
-def _refuse_options(options: Options, input_layouts: Any) -> None:
+def refuse_with_stages(options: Options, input_layouts: Any) -> None:
+    """Raise ``OptionError`` for an option a pipeline does not run yet (also what the
+    planner asks before it proposes stages)."""
     for name, default in _NOT_YET.items():
         if getattr(options, name) != default:
             raise OptionError(
@@ -69,6 +71,22 @@ def _refuse_options(options: Options, input_layouts: Any) -> None:
     if input_layouts:
         raise OptionError("shardc.compile: input_layouts with pipe > 1 is not supported yet: a "
                           "pipeline's inputs arrive as shard_batch cuts them (dim 0 over data and z).")
+
+
+def _check_returns_a_loss(gm: fx.GraphModule) -> None:
+    """A pipeline runs every backward inside the step, from the loss, and returns the
+    batch's loss built from the micro-batches': the model must return that one scalar."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    vals = [n.meta.get("val") if isinstance(n, fx.Node) else n for n in flat]
+    if len(vals) != 1 or not isinstance(vals[0], torch.Tensor) or vals[0].dim() != 0 \
+            or not vals[0].dtype.is_floating_point:
+        what = ", ".join(f"a tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+                         for v in vals)
+        raise ShardcError(
+            f"shardc.compile: with pipe > 1 the model must return its loss, one floating-point "
+            f"scalar (the schedule runs every backward from it inside the step); it returns {what}. "
+            "Compute the loss inside forward, or use a mesh without stages.")
 
 
 def _microbatch(x: Any, m: int, k: int) -> Any:
@@ -616,7 +634,7 @@ def _device_of(sm: ShardedModule) -> torch.device:
 def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
                      input_layouts: Any) -> PipelineModule:
     """Cut, compile this rank's stage, and settle with the other ranks (collective)."""
-    _refuse_options(options, input_layouts)
+    refuse_with_stages(options, input_layouts)
     if options.schedule == "zero_bubble":
         # W passes run parameter group by parameter group (runtime.pipeline.SplitBackward):
         # a gradient bucket would be flushed, mostly empty, by each of them
@@ -638,6 +656,7 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, option
     try:
         micro = tuple(_microbatch(x, m, 0) for x in example_inputs)
         gm = unlifted_graph(model, micro)
+        _check_returns_a_loss(gm)
         stages = cut_stages(model, gm, mesh.pipe)
         st = stages[mesh.coords(rank)[PIPE]]
         stage_inputs: list[Any] = []

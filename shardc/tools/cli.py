@@ -67,7 +67,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     model, inputs = load_spec(args.spec)
     print_plan(model, inputs, world_size=args.world_size, machine=args.machine, top=args.top,
-               checkpointing=args.checkpointing)
+               checkpointing=args.checkpointing, pipeline=args.pipeline)
     return 0
 
 
@@ -147,6 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--checkpointing", action="store_true",
                     help="estimate activation memory as with per-block activation checkpointing "
                          "(the paper's setting); default: every intermediate kept")
+    pl.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
+                    help="rank meshes with pipeline stages too (needs a machine that states its "
+                         "compute); default: where the world spans nodes on such a machine, or "
+                         "when no 4D mesh fits")
     pl.set_defaults(fn=cmd_plan)
 
     pm = sub.add_parser("profile-machine", help="measure the intra-node bandwidth table")
