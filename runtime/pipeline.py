@@ -160,7 +160,9 @@ class P2P:
              phase: str) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=device)
         t0 = time.perf_counter()
-        with guarded(None, "recv", None, f"pipeline {phase} from stage {stage}"):
+        # a profiler range (shardc trace): the time this rank waited on another stage
+        with torch.profiler.record_function(f"shardc.pipe wait {phase} from stage {stage}"), \
+                guarded(None, "recv", None, f"pipeline {phase} from stage {stage}"):
             dist.recv(buf, self.peer(stage))
         self.waited += time.perf_counter() - t0
         return buf

@@ -316,11 +316,12 @@ def test_checkpoints_across_stage_counts(ranks: Any, tmp_path: Any) -> None:
     ranks.run(_checkpoints, 4, str(tmp_path / "ckpt"))
 
 
-def _guard_and_explain(rank: int, world: int) -> None:
+def _guard_and_explain(rank: int, world: int, out: str) -> None:
     """``StepGuard`` over a pipeline: the norm it checks is one device's over every stage
     (the tied weight, held by stages 0 and 3 of 4, counted once), and a NaN gradient on one
     stage's rank skips the step on every rank, naming the parameter. Then ``explain``: the
-    stages, this rank's order of actions and the timeline of the step it ran."""
+    stages, this rank's order of actions and the timeline of the step it ran; and
+    ``shardc trace``'s record of a pipeline step."""
     mesh = shardc.Mesh.parse("p4x1y1z1d1")
     torch.manual_seed(0)
     model = GPT(layers=4)
@@ -355,7 +356,26 @@ def _guard_and_explain(rank: int, world: int) -> None:
     assert 0.0 <= sm.idle_fraction() < 1.0
     if sm.index > 0:  # every later stage waits at least for the first forward to arrive
         assert sm.last_timeline[0][4] > 0
+    # shardc trace: the schedule's actions as profiler ranges, the waits on other stages,
+    # and the stage's idle share beside the formula
+    import json
+
+    from shardc.tools.timeline import pipeline_lines, trace_step
+
+    path = trace_step(sm, batch, out)
+    with open(path) as f:
+        trace = json.load(f)
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    order = shardc.runtime.pipeline.actions("1f1b", 4, sm.index, 4)
+    assert all(f"shardc.pipe {kind}{k}" in names for kind, k in order), sorted(n for n in names if "pipe" in n)
+    if sm.index > 0:
+        assert "shardc.pipe wait forward from stage %d" % (sm.index - 1) in names
+    pipe = trace["shardcPipeline"]
+    assert [a["action"] for a in pipe["timeline"]] == [f"{kind}{k}" for kind, k in order]
+    assert pipe["stage"] == sm.index and pipe["bubble_formula"] == pytest.approx(3 / 7)
+    line = pipeline_lines([path])[0]
+    assert line.startswith(f"rank {rank}, stage {sm.index} of 4 (1f1b, 4 micro-batches): idle "), line
 
 
-def test_step_guard_and_explain(ranks: Any) -> None:
-    ranks.run(_guard_and_explain, 4)
+def test_step_guard_explain_and_trace(ranks: Any, tmp_path: Any) -> None:
+    ranks.run(_guard_and_explain, 4, str(tmp_path / "trace"))

@@ -278,16 +278,18 @@ class PipelineModule(nn.Module):
             for i, (kind, k) in enumerate(order):
                 start = _now() - t0
                 self.p2p.waited = 0.0
-                if kind == "F":
-                    saved[k] = self._forward(k, chunks[k], keep=True)
-                    losses[k] = saved[k][2]
-                elif kind == "B":
-                    split = self._backward(k, saved.pop(k), weights, sync=(i == last_b))
-                    if split is not None:
-                        pending_w[k] = split
-                else:
-                    with contextlib.nullcontext() if i == last_b else self.program.no_sync():
-                        pending_w.pop(k).weights_grad()
+                # a profiler range per action: shardc trace draws the schedule as it ran
+                with torch.profiler.record_function(f"shardc.pipe {kind}{k}"):
+                    if kind == "F":
+                        saved[k] = self._forward(k, chunks[k], keep=True)
+                        losses[k] = saved[k][2]
+                    elif kind == "B":
+                        split = self._backward(k, saved.pop(k), weights, sync=(i == last_b))
+                        if split is not None:
+                            pending_w[k] = split
+                    else:
+                        with contextlib.nullcontext() if i == last_b else self.program.no_sync():
+                            pending_w.pop(k).weights_grad()
                 timeline.append((kind, k, start, _now() - t0, self.p2p.waited))
             self.p2p.finish()
             self._sum_shared()

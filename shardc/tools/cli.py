@@ -19,7 +19,7 @@ from shardc.tools.bench import run_bench
 from shardc.tools.demo import run_demo
 from shardc.tools.gate import check_against_baseline
 from shardc.tools.specs import SpecError, load_spec
-from shardc.tools.timeline import expert_load_lines, run_trace
+from shardc.tools.timeline import expert_load_lines, pipeline_lines, run_trace
 
 
 # ---------------------------------------------------------------------- commands
@@ -100,10 +100,14 @@ def cmd_trace(args: argparse.Namespace) -> int:
         opts["bucket_mb"] = args.bucket_mb
     if args.expert_axes:
         opts["expert_axes"] = tuple(args.expert_axes.split(","))
+    if args.microbatches is not None:
+        opts["microbatches"] = args.microbatches
+    if args.schedule is not None:
+        opts["schedule"] = args.schedule
     files = run_trace(args.spec, args.mesh, args.out, png=args.png, **opts)
     for path in files:
         print(f"wrote {path}")
-    for line in expert_load_lines(files):
+    for line in expert_load_lines(files) + pipeline_lines(files):
         print(line)
     return 0
 
@@ -181,6 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("--bucket-mb", type=float, default=None)
     t.add_argument("--expert-axes", default="", help="compile with expert_axes (e.g. data or z,data); "
                    "prints the rows each rank's experts computed")
+    t.add_argument("--microbatches", type=int, default=None,
+                   help="a mesh with pipeline stages: micro-batches a step (default: pipe); prints "
+                        "each rank's schedule as it ran and its idle share")
+    t.add_argument("--schedule", default=None, help="a mesh with pipeline stages: gpipe, 1f1b or zero_bubble")
     t.set_defaults(fn=cmd_trace)
 
     args = p.parse_args(argv)

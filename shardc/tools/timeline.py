@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import shardc
+from shardc.runtime.pipeline import bubble_fraction
 from shardc.tools.specs import load_spec
 
 _ISSUE = re.compile(r"shardc\.issue#(\d+) (\w+)@(\w+) (\w+) (\d+)B")
@@ -70,6 +71,16 @@ def trace_step(sm: Any, inputs: tuple, out_dir: str, warmup: int = 1) -> str:
     load = sm.expert_load() if hasattr(sm, "expert_load") else {}
     if load:
         trace["shardcExpertLoad"] = {m: dataclasses.asdict(v) for m, v in load.items()}
+    # a pipeline rank: its stage, the schedule's actions as they ran (also profiler ranges
+    # "shardc.pipe F0", ..., and "shardc.pipe wait ..." where it waited on another stage),
+    # the idle share measured and the schedule's formula
+    if hasattr(sm, "last_timeline"):
+        trace["shardcPipeline"] = {
+            "stage": sm.index, "stages": sm.mesh.pipe, "schedule": sm.schedule,
+            "microbatches": sm.microbatches, "idle_fraction": sm.idle_fraction(),
+            "bubble_formula": bubble_fraction(sm.schedule, sm.mesh.pipe, sm.microbatches),
+            "timeline": [{"action": f"{kind}{k}", "start_s": a, "end_s": b, "waited_s": w}
+                         for kind, k, a, b, w in sm.last_timeline]}
     with open(path, "w") as f:
         json.dump(trace, f)
     return path
@@ -93,6 +104,26 @@ def expert_load_lines(files: list[str]) -> list[str]:
         for rank, rows in sorted(ranks):
             out.append(f"{module}: rank {rank} computed {sum(rows)} rows ({sum(rows) / mean:.2f}x the "
                        f"mean), by local expert {rows}")
+    return out
+
+
+def pipeline_lines(files: list[str]) -> list[str]:
+    """One line per pipeline rank of the traces ``files``: its stage, the share of the
+    step it waited on other stages beside the schedule's bubble with equal stages, and
+    its actions with their times (ms from the step's start)."""
+    out = []
+    for f in files:
+        if not f.endswith(".json"):
+            continue
+        rank = int(os.path.basename(f)[len("rank"):-len(".json")])
+        with open(f) as fh:
+            pipe = json.load(fh).get("shardcPipeline")
+        if not pipe:
+            continue
+        acts = " ".join(f"{a['action']} {a['start_s'] * 1e3:.1f}-{a['end_s'] * 1e3:.1f}" for a in pipe["timeline"])
+        out.append(f"rank {rank}, stage {pipe['stage']} of {pipe['stages']} ({pipe['schedule']}, "
+                   f"{pipe['microbatches']} micro-batches): idle {pipe['idle_fraction']:.1%} of the step "
+                   f"(bubble with equal stages {pipe['bubble_formula']:.1%}); {acts}")
     return out
 
 
