@@ -220,12 +220,16 @@ def cut_stages(model: nn.Module, gm: fx.GraphModule, n_stages: int) -> list[Stag
     stage: dict[fx.Node, int] = {n: stage_of_unit[u] for n, u in unit.items()}
 
     outputs = list(out_node.args[0]) if isinstance(out_node.args[0], (tuple, list)) else [out_node.args[0]]
-    if len(outputs) != 1 or not isinstance(outputs[0], fx.Node) or not (
-            isinstance(_val(outputs[0]), torch.Tensor) and _val(outputs[0]).dim() == 0):
+    vals = [_val(o) for o in outputs]
+    if len(vals) != 1 or not isinstance(vals[0], torch.Tensor) or vals[0].dim() != 0 \
+            or not vals[0].dtype.is_floating_point:
+        what = ", ".join(f"a tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor)
+                         else type(v).__name__ for v in vals)
         raise ShardcError(
-            "shardc.compile: a pipeline (pipe > 1) needs a model that returns its loss, one scalar "
-            "tensor: each micro-batch's backward starts from it on the last stage. Wrap the model "
-            "so that forward returns the loss.")
+            "shardc.compile: a pipeline (pipe > 1) needs a model that returns its loss, one "
+            "floating-point scalar: each micro-batch's backward starts from it on the last stage; "
+            f"it returns {what}. Wrap the model so that forward returns the loss, or use a mesh "
+            "without stages.")
     loss = outputs[0]
     if loss not in stage:
         raise ShardcError("shardc.compile: the model's loss does not depend on any computation; "

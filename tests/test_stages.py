@@ -78,7 +78,7 @@ def test_too_many_stages_and_a_model_without_a_loss_are_refused() -> None:
             return x
 
     x = torch.randn(4, 8)
-    with pytest.raises(shardc.ShardcError, match="returns its loss, one scalar"):
+    with pytest.raises(shardc.ShardcError, match="returns its loss, one floating-point scalar"):
         cut_stages(Logits(), unlifted_graph(Logits(), (x,)), 2)
 
 

@@ -73,22 +73,6 @@ def refuse_with_stages(options: Options, input_layouts: Any) -> None:
                           "pipeline's inputs arrive as shard_batch cuts them (dim 0 over data and z).")
 
 
-def _check_returns_a_loss(gm: fx.GraphModule) -> None:
-    """A pipeline runs every backward inside the step, from the loss, and returns the
-    batch's loss built from the micro-batches': the model must return that one scalar."""
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
-    vals = [n.meta.get("val") if isinstance(n, fx.Node) else n for n in flat]
-    if len(vals) != 1 or not isinstance(vals[0], torch.Tensor) or vals[0].dim() != 0 \
-            or not vals[0].dtype.is_floating_point:
-        what = ", ".join(f"a tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
-                         for v in vals)
-        raise ShardcError(
-            f"shardc.compile: with pipe > 1 the model must return its loss, one floating-point "
-            f"scalar (the schedule runs every backward from it inside the step); it returns {what}. "
-            "Compute the loss inside forward, or use a mesh without stages.")
-
-
 def _microbatch(x: Any, m: int, k: int) -> Any:
     if isinstance(x, torch.Tensor) and x.dim() > 0:
         step = x.shape[0] // m
@@ -658,7 +642,6 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, option
     try:
         micro = tuple(_microbatch(x, m, 0) for x in example_inputs)
         gm = unlifted_graph(model, micro)
-        _check_returns_a_loss(gm)
         stages = cut_stages(model, gm, mesh.pipe)
         st = stages[mesh.coords(rank)[PIPE]]
         stage_inputs: list[Any] = []
