@@ -127,6 +127,11 @@ def _measure(rank: int, args: argparse.Namespace) -> None:
         return time.perf_counter() - t, out
 
     first_losses = [timed(lambda i=i: shardc_step(i))[1] for i in range(len(sms))] + [timed(torch_step)[1]]
+    # torch's loss is its last stage's, over that rank's data shard: the batch's is the mean
+    # over the last stage's data ranks (equal shards), as shardc returns on every rank
+    shards: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, first_losses[-1])
+    first_losses[-1] = statistics.mean(x for x in shards if x is not None)
     for _ in range(args.warmup - 1):
         for i in range(len(sms)):
             timed(lambda i=i: shardc_step(i))
