@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from harness import train_side_by_side
 from models import GPT, gpt2, llama
-from test_train_gloo import EPS, LR, RTOL, _steps_grad_failures
+from test_train_gloo import EPS, LR, _run_failures
 
 import shardc
 
@@ -67,24 +67,8 @@ def _train_failures(name: str, spec: str, schedule: str, m: int, make=None, batc
                                  microbatches=m)
     except Exception:  # noqa: BLE001 - a compile or runtime error is this case's failure
         return [f"{where}: raised\n{traceback.format_exc()}"]
-    out = _steps_grad_failures(where, run)
-    for step, (a, b) in enumerate(zip(run.ref_losses, run.losses)):
-        if not math.isclose(a, b, rel_tol=RTOL):
-            out.append(f"{where}: step {step} loss {b!r} vs one device {a!r}")
-    if list(run.state) != list(run.ref_state):
-        out.append(f"{where}: state names {list(run.state)} != {list(run.ref_state)}")
-    for k, ref in run.ref_state.items():
-        got = run.state.get(k)
-        # the same bound as test_train_gloo's: one device's AdamW driven by these gradients
-        if got is None or got.shape != ref.shape or not torch.allclose(got, ref, rtol=RTOL, atol=RTOL):
-            out.append(f"{where}: after 3 steps {k} differs from one device's")
-    sm = run.sm
-    sm.reset_measured_comm()
-    sm(*[shardc.shard_batch(t, mesh) for t in batches[0]]).backward()
-    measured, reported = sm.measured_comm(), shardc.comm_report(sm).by_key()
-    if measured != reported:
-        out.append(f"{where}: measured comm {measured} != reported {reported}")
-    if ("send", "pipe", "forward") not in measured:
+    out = _run_failures(where, run, mesh, batches)
+    if ("send", "pipe", "forward") not in run.sm.measured_comm():
         out.append(f"{where}: no activation crossed a stage boundary")
     return out
 

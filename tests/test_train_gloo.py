@@ -178,6 +178,15 @@ def _case_failures(name: str, mesh: shardc.Mesh, allowed=_attention_masks, devic
         run = train_side_by_side(make, batches, mesh, lr=LR, eps=EPS, **compile_kw)
     except Exception:  # noqa: BLE001 (a compile or runtime error is this case's failure)
         return [f"{where}: raised\n{traceback.format_exc()}"]
+    out = _run_failures(where, run, mesh, batches)
+    if not all(allowed(f) for f in run.sm.fallbacks):
+        out.append(f"{where}: unexpected fallbacks {run.sm.fallbacks}")
+    return out
+
+
+def _run_failures(where: str, run: Any, mesh: shardc.Mesh, batches: list) -> list[str]:
+    """A side-by-side run's checks: each step's gradients, the losses, the state after the
+    steps against one device, and one more step's measured bytes == the comm report's."""
     out = _steps_grad_failures(where, run)
     for step, (a, b) in enumerate(zip(run.ref_losses, run.losses)):
         if not math.isclose(a, b, rel_tol=RTOL):
@@ -209,8 +218,6 @@ def _case_failures(name: str, mesh: shardc.Mesh, allowed=_attention_masks, devic
     measured, reported = sm.measured_comm(), shardc.comm_report(sm).by_key()
     if measured != reported:
         out.append(f"{where}: measured comm {measured} != reported {reported}")
-    if not all(allowed(f) for f in sm.fallbacks):
-        out.append(f"{where}: unexpected fallbacks {sm.fallbacks}")
     return out
 
 
