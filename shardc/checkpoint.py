@@ -672,14 +672,15 @@ def _describe(keys: list[str], n: int = 6) -> str:
 
 
 def _check_model(sm: Any, md: Metadata, paths: dict[tuple[Any, ...], str], where: str,
-                 partial: bool = False) -> None:
+                 whole: set[str] | None = None) -> None:
     """Every model tensor is in the checkpoint with the model's shape, fully covered;
-    nothing else is (``partial``: a pipeline stage, which holds some of the model)."""
+    nothing else is (``whole``: a pipeline stage, which holds some of the model: the
+    checkpoint may hold the rest of ``whole``, the whole model's keys, and nothing else)."""
     want = {key: (list(sm._global_shapes[name]) if name else list(sm._buffers_full[key].shape))
             for key, name in _model_items(sm)}
     have = {p[1]: k for p, k in paths.items() if len(p) == 2 and p[0] == "model"}
     missing = [k for k in want if k not in have]
-    unexpected = [] if partial else [k for k in have if k not in want]
+    unexpected = [k for k in have if k not in (want if whole is None else whole)]
     wrong = []
     for key, shape in want.items():
         if key in have:
@@ -821,7 +822,7 @@ def load(sm: Any, optimizer: torch.optim.Optimizer | None, path: str | os.PathLi
     where = f"{ckpt} (step {man.get('step', '?')}, saved on {man.get('mesh', 'an unknown mesh')})"
     paths = _paths(md)
     sm, pipeline = _stage_of(sm)
-    _check_model(sm, md, paths, where, partial=pipeline is not None)
+    _check_model(sm, md, paths, where, whole=None if pipeline is None else set(pipeline.state_keys()))
     dest = _model_dest(sm, paths)
     if optimizer is None:
         _read(dest, ckpt, where)

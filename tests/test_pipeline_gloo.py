@@ -294,6 +294,12 @@ def _checkpoints(rank: int, world: int, root: str) -> None:
     state = back.full_state_dict()
     for k in full:
         torch.testing.assert_close(state[k], full[k], rtol=1e-5, atol=1e-6)
+    # a stage holds part of the model, but the checkpoint must still be of this model: one
+    # of a deeper model is refused, naming the blocks this one does not have
+    torch.manual_seed(0)
+    small = shardc.compile(GPT(layers=2), b_mesh, example_inputs=batches[0], microbatches=2)
+    with pytest.raises(shardc.ShardcError, match="in the checkpoint but not in this model: 'blocks.2"):
+        ckpt.load(small, None, root)
 
 
 def test_checkpoints_across_stage_counts(ranks: Any, tmp_path: Any) -> None:

@@ -478,6 +478,10 @@ class PipelineModule(nn.Module):
         merged = self._from_every_stage(self.program.full_state_dict())
         return {k: self._unheld[k] if k in self._unheld else merged[k] for k in self._state_names}
 
+    def state_keys(self) -> list[str]:
+        """The whole model's state-dict keys (every stage's), as ``full_state_dict`` has them."""
+        return list(self._state_names)
+
     def group_names(self, names: list[str]) -> list[str]:
         """An optimizer group's parameter names over every stage (each stage's optimizer
         holds its own), in the model's order (collective over ``pipe``)."""
