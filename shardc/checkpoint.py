@@ -742,7 +742,7 @@ def _model_dest(sm: Any, paths: dict[tuple[Any, ...], str]) -> dict[str, Any]:
 
 
 def _optimizer_dest(sm: Any, optimizer: torch.optim.Optimizer, md: Metadata,
-                    paths: dict[tuple[Any, ...], str], where: str, partial: bool = False
+                    paths: dict[tuple[Any, ...], str], where: str, whole: set[str] | None = None
                     ) -> tuple[dict[str, Any], dict[tuple[str, str], str], dict[tuple[int, str], str]]:
     coords = sm.mesh.coords(sm.ctx.rank)
     saved_groups = sorted({p[2] for p in paths if len(p) == 4 and p[:2] == ("optimizer", "param_groups")})
@@ -761,7 +761,7 @@ def _optimizer_dest(sm: Any, optimizer: torch.optim.Optimizer, md: Metadata,
     for p_, fqn in paths.items():
         if len(p_) == 4 and p_[:2] == ("optimizer", "state"):
             name, k = p_[2], p_[3]
-            if name not in sm.param_layouts and partial:
+            if name not in sm.param_layouts and whole is not None and name in whole:
                 continue  # another pipeline stage's parameter
             if name not in sm.param_layouts:
                 raise ShardcError(
@@ -822,13 +822,14 @@ def load(sm: Any, optimizer: torch.optim.Optimizer | None, path: str | os.PathLi
     where = f"{ckpt} (step {man.get('step', '?')}, saved on {man.get('mesh', 'an unknown mesh')})"
     paths = _paths(md)
     sm, pipeline = _stage_of(sm)
-    _check_model(sm, md, paths, where, whole=None if pipeline is None else set(pipeline.state_keys()))
+    whole = None if pipeline is None else set(pipeline.state_keys())
+    _check_model(sm, md, paths, where, whole=whole)
     dest = _model_dest(sm, paths)
     if optimizer is None:
         _read(dest, ckpt, where)
         return int(man.get("step", 0))
     opt_dest, state_keys, group_keys = _optimizer_dest(sm, optimizer, md, paths, where,
-                                                       partial=pipeline is not None)
+                                                       whole=whole)
     # the groups' parameter lists first (a few strings): a mismatch is refused before
     # any parameter is overwritten
     lists = {group_keys[(i, "params")]: None for i in range(len(optimizer.param_groups))}
