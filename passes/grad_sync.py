@@ -31,7 +31,7 @@ from shardc.core.context import (
     REQUIRES_GRAD,
     CompileContext,
 )
-from shardc.core.mesh import AXES
+from shardc.core.mesh import CUT_AXES
 from shardc.core.placement import Layout, Replicate
 from shardc.runtime import collectives as C
 from shardc.runtime import ops as R
@@ -83,7 +83,7 @@ def _is_replicated(n: fx.Node, axis: str) -> bool:
 def grad_sync_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     requires_grad(gm, set(ctx.trainable), ctx.grad_inputs)
     reduce_params: dict[str, list[str]] = {}
-    for axis in AXES:
+    for axis in CUT_AXES:
         if ctx.mesh.size(axis) == 1:
             continue
         kind: dict[fx.Node, str] = {}

@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shardc.core.mesh import AXES, PIPE, Mesh
+from shardc.core.mesh import CUT_AXES, PIPE, Mesh
 
 _CACHE: dict[tuple[str, int], dict[str, dist.ProcessGroup | None]] = {}
 _STAGES: dict[tuple[str, int], dist.ProcessGroup] = {}
@@ -32,7 +32,7 @@ def axis_groups(mesh: Mesh) -> dict[str, dist.ProcessGroup | None]:
     key = (mesh.spec(), id(dist.group.WORLD))
     if key not in _CACHE:
         groups: dict[str, dist.ProcessGroup | None] = {}
-        for axis in AXES:
+        for axis in CUT_AXES:
             if mesh.size(axis) == 1:
                 groups[axis] = None
             elif mesh.size(axis) == mesh.world_size:

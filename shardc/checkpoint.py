@@ -89,7 +89,7 @@ from torch.distributed.checkpoint.planner_helpers import (
 )
 
 from shardc.core.errors import ShardcError
-from shardc.core.mesh import AXES, Mesh
+from shardc.core.mesh import CUT_AXES, Mesh
 from shardc.core.placement import Layout, shard_offsets
 from shardc.runtime.groups import default_device
 
@@ -129,7 +129,7 @@ def _replica_index(layout: Layout, coords: dict[str, int], mesh: Mesh) -> tuple[
     """(this rank's index among the ranks holding the same blocks, how many hold them)."""
     sharded = set(layout.sharded_axes())
     idx, n = 0, 1
-    for a in AXES:
+    for a in CUT_AXES:
         if a not in sharded and mesh.size(a) > 1:
             idx = idx * mesh.size(a) + coords[a]
             n *= mesh.size(a)

@@ -43,8 +43,10 @@ def test_bad_meshes() -> None:
         shardc.Mesh.parse("x2y2x2")
     with pytest.raises(ValueError, match="unknown axis letter 'w'"):
         shardc.Mesh.parse("x2w2")
-    with pytest.raises(ValueError, match="context axis"):
-        shardc.Mesh.parse("x2c2")
+    with pytest.raises(ValueError, match="'x2c2' is not a mesh spec"):
+        shardc.Mesh.parse("x2c2")  # the 4D letters are still required beside c
+    with pytest.raises(ValueError, match="axis 'context' must have a positive integer size"):
+        shardc.Mesh(context=0)
     # A dropped 4D letter is a typo, not a size of 1: 'x2y1z2' once meant nothing, and must
     # not start meaning Mesh(x=2, z=2) on a world of 4.
     for typo in ("x2y1z2", "p2d2", "p2x2y1z1"):
@@ -69,7 +71,7 @@ def test_pipe_axis_is_outermost() -> None:
     assert str(m) == "Mesh(pipe=2, x=2, y=1, z=1, data=2)"
     assert shardc.Mesh(x=2).spec() == "x2y1z1d1"  # the 4D spelling is unchanged
     assert m.world_size == 8 and m.stage_size == 4 and m.stride("pipe") == 4
-    assert m.coords(5) == {"x": 1, "y": 0, "z": 0, "data": 0, "pipe": 1}
+    assert m.coords(5) == {"x": 1, "y": 0, "context": 0, "z": 0, "data": 0, "pipe": 1}
     assert all(m.rank(m.coords(r)) == r for r in range(8))
     assert m.groups("pipe") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert m.groups("x") == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -77,3 +79,22 @@ def test_pipe_axis_is_outermost() -> None:
     with_pipe = shardc.Mesh.all(8, axes=("x", "y", "z", "data", "pipe"))
     assert len(with_pipe) == len(set(with_pipe)) and {mm.pipe for mm in with_pipe} == {1, 2, 4, 8}
     assert [mm for mm in with_pipe if mm.pipe == 1] == shardc.Mesh.all(8)
+
+
+def test_context_axis_sits_between_y_and_z() -> None:
+    """API.md: c between y and z in the rank order, letters in any order, left out of the
+    spec when it is 1; a context group's ranks are y*x apart, inside z."""
+    m = shardc.Mesh.parse("c2p2x2y1z1d2")
+    assert m == shardc.Mesh(pipe=2, data=2, z=1, context=2, y=1, x=2) == shardc.Mesh.parse("p2x2y1c2z1d2")
+    assert m.spec() == "p2x2y1c2z1d2" and shardc.Mesh.parse(m.spec()) == m
+    assert str(m) == "Mesh(pipe=2, x=2, y=1, context=2, z=1, data=2)"
+    assert m.world_size == 16 and m.stage_size == 8
+    assert m.stride("context") == 2 and m.stride("z") == 4 and m.stride("data") == 4 and m.stride("pipe") == 8
+    assert m.coords(3) == {"x": 1, "y": 0, "context": 1, "z": 0, "data": 0, "pipe": 0}
+    assert all(m.rank(m.coords(r)) == r for r in range(16))
+    assert m.groups("context")[:2] == [[0, 2], [1, 3]]
+    assert shardc.Mesh(context=1, x=2) == shardc.Mesh(x=2) and shardc.Mesh(x=2).spec() == "x2y1z1d1"
+    assert len(shardc.Mesh.all(8)) == 20  # the 4D meshes only, as before
+    with_c = shardc.Mesh.all(8, axes=("x", "y", "context", "z", "data"))
+    assert len(with_c) == len(set(with_c)) and {mm.context for mm in with_c} == {1, 2, 4, 8}
+    assert [mm for mm in with_c if mm.context == 1] == shardc.Mesh.all(8)

@@ -1,12 +1,15 @@
-"""The device grid: pipe x data x z x y x x.
+"""The device grid: pipe x data x z x context x y x x.
 
 The rank order is part of the contract (the planner's bandwidth model depends on it):
-x is innermost, then y, then z, then data, then pipe, so
-``rank = x + Gx*(y + Gy*(z + Gz*(data + Gdata*pipe)))``. A pipeline stage's ranks are
-contiguous: its x, y and z groups stay inside a node while stages cross nodes.
+x is innermost, then y, then context, then z, then data, then pipe, so
+``rank = x + Gx*(y + Gy*(c + Gc*(z + Gz*(data + Gdata*pipe))))``. A pipeline stage's
+ranks are contiguous: its x, y and z groups stay inside a node while stages cross nodes;
+context sits beside y, inside z, because its ring passes activations every layer.
 
 ``pipe`` never cuts a tensor: it picks which of the model's stages a rank runs
-(shardc/program/pipeline.py). ``AXES`` are the axes a layout may cut over.
+(shardc/program/pipeline.py). ``context`` cuts the sequence dim (dim 1) of the inputs,
+and so of every activation made from them. ``CUT_AXES`` are the axes a layout may cut
+over; ``AXES`` (also ``GRID_AXES``) the 4D grid's, the ones the planner chooses among.
 """
 from __future__ import annotations
 
@@ -14,12 +17,16 @@ import re
 from dataclasses import dataclass
 from typing import Iterator
 
-AXES: tuple[str, ...] = ("x", "y", "z", "data")  # innermost first
+CONTEXT = "context"
+AXES: tuple[str, ...] = ("x", "y", "z", "data")  # the 4D grid, innermost first
+GRID_AXES = AXES
+CUT_AXES: tuple[str, ...] = ("x", "y", CONTEXT, "z", "data")  # innermost first
 BATCH_AXES: tuple[str, ...] = ("data", "z")  # outermost first: the order dim 0 is split in
+SEQUENCE_DIM = 1  # the dim of every input that ``context`` cuts
 
 PIPE = "pipe"
-ALL_AXES: tuple[str, ...] = AXES + (PIPE,)  # innermost first
-_LETTERS = {"x": "x", "y": "y", "z": "z", "d": "data", "p": PIPE}
+ALL_AXES: tuple[str, ...] = CUT_AXES + (PIPE,)  # innermost first
+_LETTERS = {"x": "x", "y": "y", "z": "z", "d": "data", "p": PIPE, "c": CONTEXT}
 _PART = re.compile(r"([a-z])(\d+)")
 _CORE = ("x", "y", "z", "d")
 
@@ -33,6 +40,7 @@ class Mesh:
     y: int = 1
     x: int = 1
     pipe: int = 1
+    context: int = 1
 
     def __post_init__(self) -> None:
         for axis in ALL_AXES:
@@ -44,12 +52,12 @@ class Mesh:
 
     @property
     def world_size(self) -> int:
-        return self.data * self.z * self.y * self.x * self.pipe
+        return self.data * self.z * self.y * self.x * self.pipe * self.context
 
     @property
     def stage_size(self) -> int:
         """Ranks in one pipeline stage (the whole world when ``pipe`` is 1)."""
-        return self.data * self.z * self.y * self.x
+        return self.data * self.z * self.y * self.x * self.context
 
     def size(self, axis: str) -> int:
         if axis not in ALL_AXES:
@@ -103,30 +111,32 @@ class Mesh:
 
     def __str__(self) -> str:
         pipe = f"pipe={self.pipe}, " if self.pipe > 1 else ""
-        return f"Mesh({pipe}x={self.x}, y={self.y}, z={self.z}, data={self.data})"
+        context = f"context={self.context}, " if self.context > 1 else ""
+        return f"Mesh({pipe}x={self.x}, y={self.y}, {context}z={self.z}, data={self.data})"
 
     def spec(self) -> str:
-        """The short form ``Mesh.parse`` reads: ``x2y1z2d2``, ``p2x2y1z1d2`` with stages."""
+        """The short form ``Mesh.parse`` reads: ``x2y1z2d2``, ``p2x2y1z1d2`` with stages,
+        ``x1y1c4z1d2`` with a context axis."""
         pipe = f"p{self.pipe}" if self.pipe > 1 else ""
-        return f"{pipe}x{self.x}y{self.y}z{self.z}d{self.data}"
+        context = f"c{self.context}" if self.context > 1 else ""
+        return f"{pipe}x{self.x}y{self.y}{context}z{self.z}d{self.data}"
 
     @classmethod
     def parse(cls, text: str) -> "Mesh":
         """Letters and sizes in any order, each letter once. The four sizes x, y, z and d
         (data) are always written, so a 4D spec keeps its old meaning and a dropped letter is
-        a typo, not a size of 1; p (pipe) may be left out when it is 1 (``'p2x2y1z1d2'``)."""
+        a typo, not a size of 1; p (pipe) and c (context) may be left out when they are 1
+        (``'p2x2y1z1d2'``, ``'x1y1c4z1d2'``)."""
         body = text.strip()
         parts = _PART.findall(body)
         not_a_spec = ValueError(
             f"Mesh.parse: {text!r} is not a mesh spec; write the four sizes x, y, z and d (data), "
-            "in any order, and p (pipe) when there are stages, e.g. 'x2y1z2d2' or 'p2x2y1z1d2'.")
+            "in any order, p (pipe) when there are stages and c (context) when the sequence is cut, "
+            "e.g. 'x2y1z2d2', 'p2x2y1z1d2' or 'x1y1c2z1d2'.")
         if not parts or "".join(f"{k}{v}" for k, v in parts) != body:
             raise not_a_spec
         sizes: dict[str, int] = {}
         for letter, size in parts:
-            if letter == "c":
-                raise ValueError(f"Mesh.parse: {text!r} has a context axis (c), which shardc does not "
-                                 "run yet; leave it out (size 1).")
             if letter not in _LETTERS:
                 raise ValueError(f"Mesh.parse: {text!r} has an unknown axis letter {letter!r}; the "
                                  f"letters are {', '.join(_LETTERS)}.")
@@ -138,18 +148,19 @@ class Mesh:
         return cls(**sizes)
 
     @classmethod
-    def all(cls, world_size: int, axes: tuple[str, ...] = AXES) -> list["Mesh"]:
+    def all(cls, world_size: int, axes: tuple[str, ...] = GRID_AXES) -> list["Mesh"]:
         """Every mesh whose sizes multiply to ``world_size``, in a fixed order; the 4D ones
-        unless ``axes`` names ``"pipe"`` too."""
+        unless ``axes`` names ``"pipe"`` or ``"context"`` too."""
         if world_size < 1:
             raise ValueError(f"Mesh.all: world size must be positive, got {world_size}.")
         unknown = [a for a in axes if a not in ALL_AXES]
         if unknown:
             raise ValueError(f"Mesh.all: unknown axes {unknown}; the axes are {ALL_AXES}.")
-        if PIPE not in axes:
-            return list(_factorizations(world_size))
-        return [Mesh(pipe=p, data=m.data, z=m.z, y=m.y, x=m.x)
-                for p in _divisors(world_size) for m in _factorizations(world_size // p)]
+        pipes = _divisors(world_size) if PIPE in axes else [1]
+        return [Mesh(pipe=p, context=c, data=m.data, z=m.z, y=m.y, x=m.x)
+                for p in pipes
+                for c in (_divisors(world_size // p) if CONTEXT in axes else [1])
+                for m in _factorizations(world_size // (p * c))]
 
 
 def _divisors(n: int) -> list[int]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from shardc.core.mesh import AXES, Mesh
+from shardc.core.mesh import CUT_AXES, Mesh
 
 
 @dataclass(frozen=True)
@@ -79,9 +79,9 @@ class Layout:
         if len(used) != len(set(used)):
             raise ValueError(f"Layout: an axis is used twice in {self!r}; each mesh axis cuts one "
                              "dim or is partial, at most once.")
-        unknown = [a for a in used if a not in AXES]
+        unknown = [a for a in used if a not in CUT_AXES]
         if unknown:
-            raise ValueError(f"Layout: unknown mesh axes {unknown} in {self!r}; the axes are {AXES}.")
+            raise ValueError(f"Layout: unknown mesh axes {unknown} in {self!r}; the axes are {CUT_AXES}.")
         for a, op in self.partial:
             if op not in PARTIAL_OPS:
                 raise ValueError(f"Layout: partial op on {a!r} must be one of {PARTIAL_OPS}, got {op!r}")
@@ -93,7 +93,7 @@ class Layout:
 
     @classmethod
     def of(cls, ndim: int, shards: Mapping[str, int] | None = None,
-           partial: Mapping[str, str] | None = None, order: Iterable[str] = ("data", "z", "y", "x"),
+           partial: Mapping[str, str] | None = None, order: Iterable[str] = ("data", "z", "context", "y", "x"),
            interleave: Mapping[int, int] | None = None) -> "Layout":
         """Build from axis -> dim; axes on one dim nest in ``order`` (outer first)."""
         shards = dict(shards or {})
@@ -187,7 +187,7 @@ class Layout:
     # -- printing -----------------------------------------------------------------
     def __str__(self) -> str:
         parts = []
-        for a in ("data", "z", "y", "x"):
+        for a in reversed(CUT_AXES):
             p = self.placement(a)
             if isinstance(p, Replicate):
                 continue

@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 
 from shardc.core.context import FALLBACK, GLOBAL_VAL, KIND, PLACEMENT
+from shardc.core.mesh import CUT_AXES
 from shardc.passes.bucket import BUCKET
 from shardc.passes.coalesce import COALESCED, block_of
 from shardc.passes.gemm_modes import GEMM, gemm_nodes
@@ -170,7 +171,7 @@ def explain(sm: Any) -> str:
     lines.append("communication per step (bytes one rank sends, ring model):")
     for phase in ("forward", "backward", "step"):
         per_axis = [f"{a} {fmt_bytes(rep.total_bytes(axis=a, phase=phase))}"
-                    for a in ("x", "y", "z", "data") if rep.total_bytes(axis=a, phase=phase)]
+                    for a in CUT_AXES if rep.total_bytes(axis=a, phase=phase)]
         lines.append(f"  {phase:8s} {fmt_bytes(rep.total_bytes(phase=phase))}"
                      + (f"  ({', '.join(per_axis)})" if per_axis else ""))
     return "\n".join(lines) + "\n"

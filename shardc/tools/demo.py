@@ -15,6 +15,7 @@ from rich.progress import Progress, TextColumn
 from rich.table import Table
 
 import shardc
+from shardc.core.mesh import CUT_AXES
 from shardc.planning.throughput import model_flops, summed_peak_flops, throughput
 from shardc.tools.models import GPT, lm_batch
 
@@ -84,7 +85,7 @@ def _train(rank: int, mesh_spec: str, steps: int, backend: str = "eager") -> Non
     table = Table(title=f"collectives per training step, one rank, {mesh}")
     for col in ("axis", "phase", "collectives", "reported", "measured"):
         table.add_column(col, justify="right" if col != "axis" else "left")
-    for axis in ("x", "y", "z", "data"):
+    for axis in CUT_AXES:
         for phase in ("forward", "backward", "step"):
             rows = rep.select(axis=axis, phase=phase)
             if not rows:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from shardc.core.errors import ShardcError
-from shardc.core.mesh import AXES
+from shardc.core.mesh import CUT_AXES
 from shardc.program.module import ShardedModule
 
 
@@ -26,7 +26,7 @@ def _counted_here(sm: ShardedModule, name: str, coords: dict[str, int]) -> bool:
     """Whether this rank is the one that counts ``name``'s shard: coordinate 0 on every
     axis over which the parameter is replicated."""
     layout, mesh = sm.param_layouts[name], sm.mesh
-    return all(coords[a] == 0 for a in AXES if mesh.size(a) > 1 and layout.is_replicated(a))
+    return all(coords[a] == 0 for a in CUT_AXES if mesh.size(a) > 1 and layout.is_replicated(a))
 
 
 def clip_grad_norm_(sm: Any, max_norm: float, norm_type: float = 2.0,

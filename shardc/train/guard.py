@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardc.core.mesh import AXES
+from shardc.core.mesh import CUT_AXES
 from shardc.runtime.algorithms import all_reduce_flat
 
 __all__ = ["StepGuard", "NonFiniteError"]
@@ -76,7 +76,7 @@ class StepGuard:
             layout = program.param_layouts.get(name)
             sharded = set(layout.sharded_axes()) if layout is not None else set()
             # the copy at coordinate 0 of every axis the layout replicates counts the block
-            owner = all(coords[a] == 0 for a in AXES if a not in sharded and sm.mesh.size(a) > 1)
+            owner = all(coords[a] == 0 for a in CUT_AXES if a not in sharded and sm.mesh.size(a) > 1)
             self._params.append((name, held.get(name), owner and name not in counted_elsewhere))
 
     def check(self, loss: torch.Tensor | float | None = None) -> tuple[bool, float, str | None]:
