@@ -43,7 +43,7 @@ from shardc.core.context import (
 )
 from shardc.core.errors import ShardcError
 from shardc.core.ir import Fallback, SourceInfo, Val, source_of, where
-from shardc.core.mesh import BATCH_AXES, Mesh
+from shardc.core.mesh import BATCH_AXES, CONTEXT, SEQUENCE_DIM, Mesh
 from shardc.core.placement import Layout
 from shardc.core.precision import reduce_dtype
 from shardc.passes.rules import RULES, fallback_rule
@@ -136,6 +136,8 @@ class Lowering:
         self.cache: dict[tuple, fx.Node] = {}
         self.fallbacks: list[Fallback] = []
         self.decisions: list[str] = []
+        # inputs whose sequence the program re-cuts (context_layout="balanced")
+        self.recut: list[tuple[fx.Node, Layout]] = []
         self.src = SourceInfo("", "", "")
         self.cur: fx.Node | None = None
         # the dtype the next collective of a parameter's redistribution sends in (pcast)
@@ -413,7 +415,10 @@ class Lowering:
             self.src = source_of(node)
             if node.op == "placeholder":
                 self.env[node] = self._placeholder(node)
-            elif node.op == "get_attr":
+                continue
+            if self.recut:
+                self._recut_inputs()
+            if node.op == "get_attr":
                 t = getattr(self.old, node.target)
                 n = self.g.get_attr(node.target)
                 n.meta[PLACEMENT] = Layout.replicate(t.dim()) if isinstance(t, torch.Tensor) else None
@@ -430,6 +435,8 @@ class Lowering:
                 outputs = list(node.args[0])
             else:
                 raise NotImplementedError(f"shardc: cannot lower a {node.op} node ({node.format_node()})")
+        if self.recut:  # a program of inputs alone
+            self._recut_inputs()
         out_nodes = [self._output(o) for o in outputs]
         self.g.output(tuple(out_nodes))
         # lazy: the Python code is generated on the first call (planning never calls it)
@@ -464,6 +471,9 @@ class Lowering:
             lay = override
         elif role == "input" and isinstance(gval, torch.Tensor) and gval.dim() > 0:
             lay = Layout.of(gval.dim(), {a: 0 for a in BATCH_AXES}, order=("data", "z"))
+            if gval.dim() > SEQUENCE_DIM and self.mesh.size(CONTEXT) > 1:
+                # the sequence dim, as shard_batch cuts it
+                lay = lay.with_shard(CONTEXT, SEQUENCE_DIM)
         elif isinstance(gval, torch.Tensor):
             lay = Layout.replicate(gval.dim())
         else:  # a non-tensor input: a constant of the traced program
@@ -471,7 +481,29 @@ class Lowering:
             return gval
         lay = lay.clean(self.mesh)
         ph.meta[PLACEMENT] = lay
-        return Val(ph, lay, gval)
+        v = Val(ph, lay, gval)
+        if lay.dims[SEQUENCE_DIM:SEQUENCE_DIM + 1] == ((CONTEXT,),) and override is None:
+            g = self.mesh.size(CONTEXT)
+            seq = gval.shape[SEQUENCE_DIM]
+            if seq % g:
+                raise ShardcError(
+                    f"shardc.compile: input {node.name!r} has a sequence of {seq} (dim {SEQUENCE_DIM}), "
+                    f"which context = {g} ranks cannot cut evenly; use a multiple of {g}.")
+            if self.ctx.options.context_layout != "balanced" or seq == g:
+                return v
+            # re-cut the sequence so each rank holds one position in every G: a causal
+            # attention's ring then gives every rank the same work (runtime/ring.py)
+            # (after every placeholder: the program's inputs come first)
+            self.recut.append((node, lay.with_interleave(SEQUENCE_DIM, seq // g)))
+        return v
+
+    def _recut_inputs(self) -> None:
+        """Bring the inputs ``_placeholder`` marked to their balanced sequence cut."""
+        for node, want in self.recut:
+            v = self.env[node]
+            self.src = SourceInfo("input", "", "")
+            self.env[node] = Val(self.to_layout(v, want), want.clean(self.mesh), v.val)
+        self.recut = []
 
     def _output(self, o: Any) -> Any:
         if not isinstance(o, fx.Node):
@@ -492,6 +524,9 @@ class Lowering:
             for a in lay.dims[0]:
                 if a in BATCH_AXES:
                     want = want.with_shard(a, 0)
+        if v.ndim > SEQUENCE_DIM and lay.dims[SEQUENCE_DIM] == (CONTEXT,) and want.dims[0]:
+            # a batched output's sequence stays cut as its inputs were: this rank's chunk
+            want = want.with_shard(CONTEXT, SEQUENCE_DIM)
         assert lay.ndim == v.ndim, (self.cur, lay, v.val.shape)
         return self.to_layout(v, want)
 

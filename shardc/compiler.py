@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from shardc.core.errors import OptionError, ShardcError
 from shardc.core.launch import check_device
-from shardc.core.mesh import Mesh
+from shardc.core.mesh import CONTEXT, SEQUENCE_DIM, Mesh
 from shardc.core.options import Options, options_from
 from shardc.core.placement import Layout
 from shardc.core.precision import check_no_autocast
@@ -99,6 +99,10 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
 def _compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Any, options: Options | None,
                       option_keywords: dict[str, Any], input_layouts: Any) -> Any:
     """A mesh with pipeline stages: shardc/program/pipeline.py."""
+    if mesh.size(CONTEXT) > 1:
+        # the stages' sends and micro-batches do not know the sequence cut yet
+        raise ShardcError(f"shardc.compile: {mesh} has pipeline stages and a context axis; shardc "
+                          "does not run the two together yet. Use pipe=1 or context=1.")
     if not isinstance(model, nn.Module):
         raise TypeError(f"shardc.compile: model must be a torch.nn.Module, got {type(model).__name__}.")
     check_device(model)
@@ -164,7 +168,9 @@ def _prepare(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | 
 
 
 def shard_batch(batch: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """This rank's slice of a global batch along dim 0 (split over data, then z)."""
+    """This rank's slice of a global batch: along dim 0 (split over data, then z) and, on a
+    mesh with a context axis, along dim 1 (the sequence) over context, as the compiled
+    program expects its inputs."""
     if not dist.is_initialized():
         raise ShardcError("shardc.shard_batch: torch.distributed is not initialised.")
     n = mesh.size("data") * mesh.size("z")
@@ -175,7 +181,16 @@ def shard_batch(batch: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     c = mesh.coords(dist.get_rank())
     i = c["data"] * mesh.size("z") + c["z"]
     step = batch.shape[0] // n
-    return batch[i * step:(i + 1) * step]
+    out = batch[i * step:(i + 1) * step]
+    g = mesh.size(CONTEXT)
+    if g > 1 and batch.dim() > SEQUENCE_DIM:
+        seq = batch.shape[SEQUENCE_DIM]
+        if seq % g:
+            raise ShardcError(
+                f"shardc.shard_batch: a sequence of {seq} (dim {SEQUENCE_DIM}) cannot be split "
+                f"evenly over context = {g} ranks. Use a multiple of {g}.")
+        out = out.narrow(SEQUENCE_DIM, c[CONTEXT] * (seq // g), seq // g)
+    return out
 
 
 def global_mean(value: torch.Tensor, mesh: Mesh) -> torch.Tensor:

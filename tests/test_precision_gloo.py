@@ -60,6 +60,10 @@ CASES = [
     ("gpt", "x1y1z1d4", "bf16", {"backend": "inductor"}),
     # experts cut over data: bf16 rows travel to them and back
     ("mixtral", "x1y1z2d2", "bf16", {"expert_axes": ("data",)}),
+    # the sequence cut over context: a ring attention on bf16 keys and values, its
+    # arithmetic in fp32 (runtime/ring.py), with data, and with x under block recompute
+    ("llama", "x1y1c2z1d2", "bf16", {}),
+    ("gpt", "x2y1c2z1d1", "bf16", {"activation_checkpoint": "blocks"}),
 ]
 
 

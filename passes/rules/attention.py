@@ -1,14 +1,16 @@
-"""Scaled dot-product attention: heads whole on a rank (GQA included)."""
+"""Scaled dot-product attention: heads whole on a rank (GQA included); on a sequence cut
+over ``context``, by a ring (runtime/ring.py)."""
 from __future__ import annotations
 
 import math
+import operator
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.fx as fx
 
 from shardc.core.ir import Val
-from shardc.core.mesh import Mesh
+from shardc.core.mesh import CONTEXT, Mesh
 from shardc.core.placement import Layout
 from shardc.passes.rules.common import (
     Strategy,
@@ -21,6 +23,7 @@ from shardc.passes.rules.common import (
     strategy,
 )
 from shardc.runtime import ops as R
+from shardc.runtime.ring import RING_ATTENTION
 
 if TYPE_CHECKING:  # the lowering calls the rules; they only name its type
     from shardc.passes.lower import Lowering
@@ -39,7 +42,71 @@ def _sdpa_arg(node: fx.Node, name: str, default: Any) -> Any:
 def sdpa_rule(L: Lowering, node: fx.Node) -> Any:
     if _sdpa_arg(node, "dropout_p", 0.0):
         return sdpa_dropout_rule(L, node)
+    ring = ring_strategy(node, {a: L.env[a] for a in node.all_input_nodes}, L.mesh)
+    if ring is not None:
+        return ring_rule(L, node, ring)
     return apply_strategy(L, node, sdpa_strategy)
+
+
+def ring_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy | None:
+    """Attention on queries whose sequence dim is cut over ``context`` alone: by a ring
+    (runtime/ring.py), each input keeping its batch, head and sequence cuts; None where
+    it does not apply (no context cut, cross-attention of another length, a mask with a
+    gradient), and the attention gathers its keys and values as before."""
+    if mesh.size(CONTEXT) == 1:
+        return None
+    q, k, v = (vals[a] for a in node.args[:3])
+    if not all(isinstance(t, Val) and t.layout is not None and t.ndim == 4 for t in (q, k, v)):
+        return None
+    ql = no_partial(q.layout.clean(mesh))
+    if ql.dims[2] != (CONTEXT,) or k.shape[2] != q.shape[2] or q.shape[2] % mesh.size(CONTEXT):
+        return None
+    mask_node = _sdpa_arg(node, "attn_mask", None)
+    if isinstance(mask_node, fx.Node):
+        m = vals[mask_node]
+        if not isinstance(m, Val) or m.ndim > 4 or m.val.requires_grad:
+            return None
+    ql = replicate_dims(ql, [3])
+    for a in ql.dims[1]:  # heads stay whole on a rank, as without a ring
+        if k.shape[1] % mesh.size(a) or q.shape[1] % mesh.size(a):
+            ql = replicate_dims(ql, [1])
+    kl = Layout(4, ql.dims, (), ql.interleave)
+    need = {node.args[0]: ql, node.args[1]: kl, node.args[2]: kl}
+    if isinstance(mask_node, fx.Node):
+        m = vals[mask_node]
+        off = 4 - m.ndim
+        dims, il = [], []
+        for d in range(m.ndim):
+            od = d + off
+            keep = od < 3 and m.shape[d] == q.shape[od]
+            dims.append(ql.dims[od] if keep else ())
+            il.append(ql.interleave[od] if keep and ql.dims[od] else 1)
+        need[mask_node] = Layout(m.ndim, tuple(dims), (), tuple(il))
+    return Strategy(need, ql)
+
+
+def ring_rule(L: Lowering, node: fx.Node, s: Strategy) -> Val:
+    q, k = (L.env[a] for a in node.args[:2])
+    gval = node.meta["val"]
+    args = [L.to_layout(L.env[a], s.needs[a]) for a in node.args[:3]]
+    mask_node = _sdpa_arg(node, "attn_mask", None)
+    mask = L.to_layout(L.env[mask_node], s.needs[mask_node]) if isinstance(mask_node, fx.Node) else None
+    causal = bool(_sdpa_arg(node, "is_causal", False))
+    scale = _sdpa_arg(node, "scale", None)
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    seq = q.shape[2]
+    il = s.out.interleave[2]
+    lse = torch.empty(gval.shape[:-1], device="meta", dtype=torch.promote_types(gval.dtype, torch.float32))
+    n = L.emit(RING_ATTENTION, (*args, mask, causal, scale, seq, il, L.rt, CONTEXT), layout=None,
+               val=(gval, lse))
+    out = L.emit(operator.getitem, (n, 0), layout=s.out, val=gval)
+    g = L.mesh.size(CONTEXT)
+    how = "balanced" if il > 1 else "contiguous"
+    L.decisions.append(f"{L.src.module or node.name}: attention by a ring over context ({g} ranks, "
+                       f"{how} sequence cut{', causal' if causal else ''}{', masked' if mask is not None else ''}"
+                       f"{', grouped-query' if k.shape[1] != q.shape[1] else ''}): keys and values "
+                       f"passed {g - 1} times, never gathered")
+    return Val(out, s.out.clean(L.mesh), gval)
 
 
 def sdpa_dropout_rule(L: Lowering, node: fx.Node) -> Any:

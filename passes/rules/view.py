@@ -1,6 +1,7 @@
 """Shape-changing ops: views and reshapes, permutes, slices along a dim, split, cat, pad."""
 from __future__ import annotations
 
+import math
 import operator
 from typing import TYPE_CHECKING, Any, Mapping, cast
 
@@ -87,8 +88,22 @@ def view_layout(L: Lowering, lay: Layout, src: list[int], dst: list[int]) -> tup
         for a in axes:
             f *= L.mesh.size(a)
         k = lay.interleave[d]
+        if len(sharded) > 1 and g_in and g_in[0] == d and len(g_out) == 1 and k == 1:
+            # several cut dims merged (a batch cut over data and a sequence over context,
+            # flattened for the loss): keep the outermost cut, gather the inner ones
+            for dd in sharded[1:]:
+                for a in lay.dims[dd]:
+                    need = need.with_replicated(a)
+            sharded = sharded[:1]
         ok = len(sharded) == 1 and g_in and g_in[0] == d and g_out
         target = None
+        if len(sharded) == 1 and len(g_in) > 1 and g_in[0] != d and len(g_out) == 1 and d in g_in:
+            # dims merged around a cut inner dim ([B, S] with S over context -> [B*S]): each
+            # rank holds the same part of every outer index, which reading the merged dim
+            # as (outer * k, rest) and cutting the rest says exactly
+            out_dims[g_out[0]] = axes
+            out_il[g_out[0]] = math.prod(src[x] for x in g_in[:g_in.index(d)]) * k
+            continue
         if ok:
             if len(g_in) == 1 and len(g_out) == 1:
                 target, til = g_out[0], k

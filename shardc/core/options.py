@@ -17,7 +17,8 @@ CHECKPOINT_POLICIES = ("none", "blocks")
 BACKENDS = ("eager", "inductor")
 SCHEDULES = ("gpipe", "1f1b", "zero_bubble")  # runtime/pipeline.py runs these
 # the API names these; refused until built
-PLANNED_SCHEDULES = ("interleaved",)  # how the rank's program runs (shardc/program/backend.py)
+PLANNED_SCHEDULES = ("interleaved",)
+CONTEXT_LAYOUTS = ("balanced", "contiguous")  # how the rank's program runs (shardc/program/backend.py)
 
 
 # torch DDP's defaults: bucket_cap_mb, and the first bucket when that is left unset
@@ -80,6 +81,13 @@ class Options:
     travel one axis at a time). ``expert_capacity`` (a capacity factor with padding and
     dropped tokens) is refused for now.
 
+    ``context_layout`` (a mesh with ``context > 1``; docs/long_sequences.md): inputs always
+    arrive cut into contiguous blocks of the sequence (``shard_batch``); ``"balanced"``
+    (default) re-cuts them once, at the start, so that each rank holds one position in
+    every G, and a causal attention's ring gives every rank the same work;
+    ``"contiguous"`` keeps the blocks (the last rank then does G blocks of causal
+    attention, the first one).
+
     ``backend="inductor"`` compiles each part of the step program (forward, backward) with
     inductor as one graph, its collectives and random draws inside as ops that keep the
     program's order (``shardc.program.backend``); the forward program (no gradients, or
@@ -112,6 +120,10 @@ class Options:
     # as many as stages) and the order the stages run them in
     microbatches: Any = None
     schedule: str = "1f1b"
+    # a mesh with context > 1: how the sequence is cut inside the program. "balanced": each
+    # rank holds one position in every G (so causal attention gives every rank the same
+    # work); "contiguous": each rank its own block of positions, as its inputs arrive
+    context_layout: str = "balanced"
     # a GEMM dim that its mesh axis does not divide (a 3-class head on x=2): False keeps
     # that dim whole on that axis (every rank of it computes the product); True refuses
     # it, as the planner asks (its pattern analysis drops meshes that do not divide the
@@ -213,6 +225,9 @@ class Options:
                 f"shardc.compile: expert_capacity={self.expert_capacity!r}: a capacity factor "
                 "(padded, dropped tokens) is not implemented yet; expert parallelism runs "
                 "dropless (the same result as one device). Leave expert_capacity=None.")
+        if self.context_layout not in CONTEXT_LAYOUTS:
+            raise OptionError(f"shardc.compile: context_layout={self.context_layout!r} is not one of "
+                              f"{CONTEXT_LAYOUTS} (docs/long_sequences.md).")
 
 
 # the axes that cut the tokens, over which an all-to-all can move them to their expert

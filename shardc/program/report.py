@@ -28,12 +28,13 @@ from shardc.core.context import (
     REQUIRES_GRAD,
     SOURCE,
 )
-from shardc.core.mesh import ALL_AXES, AXES, Mesh
+from shardc.core.mesh import ALL_AXES, CUT_AXES, Mesh
 from shardc.core.placement import Layout
 from shardc.core.precision import Precision, reduce_dtype
 from shardc.passes.step_nodes import collective_nodes
 from shardc.runtime import collectives as C
 from shardc.runtime.experts import EXPERT_REGION
+from shardc.runtime.ring import RING_ATTENTION
 from shardc.runtime.volume import as_number, ring_bytes
 
 PHASES = ("forward", "backward", "step")
@@ -185,6 +186,8 @@ def build_rows(gm: fx.GraphModule, mesh: Mesh, storage: dict[str, Layout],
                                 as_number(ring_bytes("all_reduce", mesh.size(axis), nb)), *_terms(inp)))
         elif n.target is EXPERT_REGION:
             rows += expert_rows(n, mesh, routed)
+        elif n.target is RING_ATTENTION:
+            rows += ring_rows(n, mesh, op, module)
     for name, axes in reduce_params.items():
         val = param_vals[name]
         lay = storage[name]
@@ -253,6 +256,31 @@ def expert_rows(n: fx.Node, mesh: Mesh, routed: dict[str, list[int]] | None) -> 
             out += [row("expert combine (gradient)", "backward", hops[k], t, got[k] if got else -1)
                     for t in floating_in]
     return out
+
+
+def ring_rows(n: fx.Node, mesh: Mesh, op: str, module: str) -> list[CommRow]:
+    """A ring attention's hops (``runtime.ring``): its keys and values make G-1 hops, the
+    bytes of an all-gather of them; in backward again, and their gradients (in at least
+    float32) G-1 hops back, the bytes of a reduce-scatter."""
+    q, k, v = n.args[:3]
+    axis = n.args[-1]
+    g = mesh.size(axis)
+    el = _elsize(k.meta[GLOBAL_VAL])
+    grad_el = _dtype_size(torch.promote_types(k.meta[GLOBAL_VAL].dtype, torch.float32))
+    numel = _local_numel(k, mesh) + _local_numel(v, mesh)
+    whole = math.prod(k.meta[GLOBAL_VAL].shape) + math.prod(v.meta[GLOBAL_VAL].shape)
+    divs = tuple(a for axes in k.meta[PLACEMENT].dims for a in axes)
+    what = f"{op} (ring: keys and values)"
+    rows = [CommRow(n.name, what, module, None, "all_gather", axis, "forward",
+                    as_number(ring_bytes("all_gather", g, numel * el)), whole * el, divs)]
+    if any(t.meta.get(REQUIRES_GRAD) for t in (q, k, v)):
+        rows.append(CommRow(n.name, what, module, None, "all_gather", axis, "backward",
+                            as_number(ring_bytes("all_gather", g, numel * el)), whole * el, divs))
+        rows.append(CommRow(n.name, f"{op} (ring: key and value gradients)", module, None,
+                            "reduce_scatter", axis, "backward",
+                            as_number(ring_bytes("reduce_scatter", g, g * numel * grad_el)),
+                            whole * grad_el, divs, True))
+    return rows
 
 
 def _first_layout(n: fx.Node) -> Layout:
@@ -379,7 +407,7 @@ class CommReport:
             t.add_row(module or "-", op, coll, axis, phase, str(len(rs)),
                       fmt_bytes(sum(Fraction(r.bytes) for r in rs)))
         t.add_section()
-        for axis in AXES:
+        for axis in CUT_AXES:
             for phase in PHASES:
                 tot = self.total_bytes(axis=axis, phase=phase)
                 if tot:

@@ -1,0 +1,296 @@
+"""Ring attention: scaled dot-product attention on a sequence cut over the ``context`` axis.
+
+Each of the G ranks of a context group holds the queries, keys and values of its own
+positions of the sequence (``positions``: contiguous, or "balanced", one position in every
+G). The keys and values travel round the ring: at step t a rank attends its queries to the
+block of keys and values that started on rank r - t, while it passes the block it holds to
+rank r + 1 (``batch_isend_irecv``, overlapped with the step's arithmetic). Each step gives
+a partial attention and its log-sum-exp per query row; the partials are merged by the
+log-sum-exp rule, so after G steps every rank holds exactly the rows one device computes
+for its queries, having never held more than two blocks of keys and values.
+
+Backward is the ring's own: the key/value blocks travel round again, and the gradient of
+each block travels with it, each rank adding its share (from the final output and
+log-sum-exp, the flash-attention backward), so that after G - 1 hops each block's gradient
+arrives summed at its owner: one all-gather's bytes of keys and values and one
+reduce-scatter's of their gradients, never a gather of the whole sequence.
+
+Causal masks are applied from positions, so any cut of the sequence is exact; the work
+skips what the mask removes, tile by tile: a tile of queries that sees none of a tile of
+keys is not computed, one that sees all of it is computed without a mask. On the
+contiguous cut the last rank does G blocks and the first one; the balanced cut gives
+every rank about half of each block, which is what makes it faster.
+
+The op is a ``torch.library`` custom op, as the expert region is: the traced step program
+and plain autograd call the same code, and inductor keeps it as one opaque kernel. Its
+bytes are counted with the runtime's other collectives, as the all-gather and the
+reduce-scatter whose bytes they are (``Runtime.count``; the report's rows are written in
+``shardc/program/report.py``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardc.runtime.collectives import get_runtime, guarded
+
+# query/key rows a tile: the causal structure is decided per tile pair, so smaller tiles
+# skip more of a diagonal block and cost more calls
+TILE = 256
+
+
+def positions(seq: int, interleave: int, coord: int, size: int, device: Any = "cpu") -> torch.Tensor:
+    """The global sequence positions a rank at ``coord`` of ``size`` holds, in its local
+    order, for a sequence dim of ``seq`` cut over the axis with ``interleave`` (the dim read
+    as (interleave, seq/interleave), the second factor cut: see core/placement.py)."""
+    per = seq // interleave // size
+    base = torch.arange(interleave, device=device) * (seq // interleave) + coord * per
+    return (base[:, None] + torch.arange(per, device=device)[None, :]).reshape(-1)
+
+
+def _tiles(pos: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """(start, end, first position, last position) of each tile of rows; positions rise
+    along a rank's rows in every cut shardc makes, so a tile's ends bound it."""
+    n = pos.numel()
+    edges = list(range(0, n, TILE)) + [n]
+    p = pos.tolist()
+    return [(a, b, p[a], p[b - 1]) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None,
+            qpos: torch.Tensor | None, kpos: torch.Tensor | None) -> torch.Tensor:
+    """q k^T * scale with the explicit mask and the causal mask (when positions are given)
+    applied; in at least float32."""
+    work = torch.promote_types(q.dtype, torch.float32)
+    s = torch.matmul(q.to(work), k.to(work).transpose(-2, -1)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(work)
+    if qpos is not None and kpos is not None:
+        s = s.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
+    return s
+
+
+def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Keys or values with fewer heads than the queries (grouped-query attention)."""
+    rep = heads // t.shape[1]
+    return t if rep == 1 else t.repeat_interleave(rep, dim=1)
+
+
+def _fold(g: torch.Tensor, heads: int) -> torch.Tensor:
+    """The gradient of ``_expand``: each key/value head's copies summed."""
+    rep = g.shape[1] // heads
+    return g if rep == 1 else g.unflatten(1, (heads, rep)).sum(2)
+
+
+def _pairs(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool):
+    """(query rows, key rows, mask kind) of every tile pair that sees anything: kind None
+    (everything), "causal" (the mask by positions)."""
+    qt, kt = _tiles(qpos), _tiles(kpos)
+    for qa, qb, qlo, qhi in qt:
+        for ka, kb, klo, khi in kt:
+            if not causal:
+                yield (qa, qb), (ka, kb), None
+            elif klo > qhi:
+                continue  # every key of the tile comes after every query of the tile
+            elif khi <= qlo:
+                yield (qa, qb), (ka, kb), None
+            else:
+                yield (qa, qb), (ka, kb), "causal"
+
+
+def _block_forward(q, k, v, scale, mask, qpos, kpos, causal, out, lse) -> None:
+    """Merge the attention of ``q`` to one block of keys/values into (out, lse), in place."""
+    for (qa, qb), (ka, kb), kind in _pairs(qpos, kpos, causal):
+        m = None if mask is None else mask[..., qa:qb, ka:kb]
+        s = _scores(q[..., qa:qb, :], k[..., ka:kb, :], scale, m,
+                    qpos[qa:qb] if kind else None, kpos[ka:kb] if kind else None)
+        blk = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - _finite(blk)[..., None])
+        o = torch.matmul(p, v[..., ka:kb, :].to(p.dtype))
+        old = lse[..., qa:qb]
+        new = torch.logaddexp(old, blk)
+        safe = _finite(new)
+        out[..., qa:qb, :] = out[..., qa:qb, :] * torch.exp(old - safe)[..., None] \
+            + o * torch.exp(blk - safe)[..., None]
+        lse[..., qa:qb] = new
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """-inf (a row that sees no key yet) as 0, so that exp(s - x) is 0, not nan."""
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def _block_backward(q, k, v, scale, mask, qpos, kpos, causal, dout, lse, delta, dq, dk, dv) -> None:
+    """Add one block's share of the gradients into dq (this rank's) and dk, dv (the
+    block's), from the final log-sum-exp ``lse`` and ``delta`` = rowsum(dout * out)."""
+    for (qa, qb), (ka, kb), kind in _pairs(qpos, kpos, causal):
+        m = None if mask is None else mask[..., qa:qb, ka:kb]
+        s = _scores(q[..., qa:qb, :], k[..., ka:kb, :], scale, m,
+                    qpos[qa:qb] if kind else None, kpos[ka:kb] if kind else None)
+        p = torch.exp(s - _finite(lse[..., qa:qb])[..., None])
+        g = dout[..., qa:qb, :].to(p.dtype)
+        dv[..., ka:kb, :] += torch.matmul(p.transpose(-2, -1), g)
+        dp = torch.matmul(g, v[..., ka:kb, :].to(p.dtype).transpose(-2, -1))
+        ds = p * (dp - delta[..., qa:qb, None]) * scale
+        dq[..., qa:qb, :] += torch.matmul(ds, k[..., ka:kb, :].to(p.dtype))
+        dk[..., ka:kb, :] += torch.matmul(ds.transpose(-2, -1), q[..., qa:qb, :].to(p.dtype))
+
+
+class _Ring:
+    """This rank's neighbours on its context ring and the exchange of one step."""
+
+    def __init__(self, rt: str, axis: str, phase: str) -> None:
+        r = get_runtime(rt)
+        self.rt, self.axis, self.phase = rt, axis, phase
+        self.size = r.mesh.size(axis)
+        self.coord = r.coord(axis)
+        ranks = r.mesh.group_of(r.rank, axis)
+        self.next, self.prev = ranks[(self.coord + 1) % self.size], ranks[(self.coord - 1) % self.size]
+        self.group = r.group(axis)
+
+    def owner(self, step: int) -> int:
+        """The context coordinate whose block this rank holds at ``step``."""
+        return (self.coord - step) % self.size
+
+    def start(self, t: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Send ``t`` on to the next rank; receive the previous rank's into a new buffer."""
+        got = torch.empty_like(t)
+        with guarded(self.rt, "ring attention", self.axis, self.phase):
+            works = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, t, self.next, self.group),
+                dist.P2POp(dist.irecv, got, self.prev, self.group)])
+        return got, works
+
+    def finish(self, works: list) -> None:
+        with guarded(self.rt, "ring attention", self.axis, self.phase):
+            for w in works:
+                w.wait()
+
+
+def _phase(rt: str, backward: bool) -> str:
+    return "backward" if backward or get_runtime(rt).recomputing else "forward"
+
+
+# the schemas spelled out, as runtime/experts.py does: torch 2.6's inference is narrower
+@torch.library.custom_op("shardc::ring_attention", mutates_args=(), schema=(
+    "(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float scale, int seq, "
+    "int interleave, str rt, str axis) -> (Tensor, Tensor)"))
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   causal: bool, scale: float, seq: int, interleave: int, rt: str,
+                   axis: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, log-sum-exp) of attention of this rank's queries to the whole sequence:
+    q, k, v are [B, H, L/G, D] (k and v may have fewer heads), cut over ``axis`` with
+    ``interleave``; ``mask`` this rank's query rows against every key (or None)."""
+    ring = _Ring(rt, axis, _phase(rt, False))
+    r = get_runtime(rt)
+    qpos = positions(seq, interleave, ring.coord, ring.size, q.device)
+    work = torch.promote_types(q.dtype, torch.float32)
+    out = torch.zeros(q.shape, dtype=work, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=work, device=q.device)
+    kv = torch.cat([k.contiguous().reshape(-1), v.contiguous().reshape(-1)])
+    r.count("all_gather", axis, ring.phase, kv)
+    heads = q.shape[1]
+    for step in range(ring.size):
+        pending = ring.start(kv) if step < ring.size - 1 else None
+        j = ring.owner(step)
+        kpos = positions(seq, interleave, j, ring.size, q.device)
+        kb, vb = kv[:k.numel()].view(k.shape), kv[k.numel():].view(v.shape)
+        m = None if mask is None else mask.index_select(-1, kpos) if mask.shape[-1] == seq else mask
+        _block_forward(q, _expand(kb, heads), _expand(vb, heads), scale, m, qpos, kpos, causal, out, lse)
+        if pending is not None:
+            kv, works = pending
+            ring.finish(works)
+    return out.to(q.dtype), lse
+
+
+@ring_attention.register_fake
+def _(q, k, v, mask, causal, scale, seq, interleave, rt, axis):
+    work = torch.promote_types(q.dtype, torch.float32)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=work)
+
+
+@torch.library.custom_op("shardc::ring_attention_backward", mutates_args=(), schema=(
+    "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, Tensor lse, "
+    "bool causal, float scale, int seq, int interleave, str rt, str axis) -> (Tensor, Tensor, Tensor)"))
+def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
+                            causal: bool, scale: float, seq: int, interleave: int, rt: str,
+                            axis: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of ``ring_attention``: this rank's own blocks' gradients.
+
+    Order: the own block first (its gradient is kept), then the blocks of ranks r-1, r-2,
+    ... as they arrive, each block's gradient handed on with it; the gradient of block r
+    starts at rank r+1 and comes home after G-1 hops with every rank's share but r's, which
+    is added then."""
+    ring = _Ring(rt, axis, _phase(rt, True))
+    r = get_runtime(rt)
+    G = ring.size
+    heads = q.shape[1]
+    work = torch.promote_types(q.dtype, torch.float32)
+    qpos = positions(seq, interleave, ring.coord, G, q.device)
+    delta = (dout.to(work) * out.to(work)).sum(-1)
+    dq = torch.zeros(q.shape, dtype=work, device=q.device)
+    kv = torch.cat([k.contiguous().reshape(-1), v.contiguous().reshape(-1)])
+    nk = k.numel()
+    r.count("all_gather", axis, ring.phase, kv)
+
+    def grads_of(block: torch.Tensor, owner: int) -> torch.Tensor:
+        kb, vb = block[:nk].view(k.shape), block[nk:].view(v.shape)
+        kpos = positions(seq, interleave, owner, G, q.device)
+        m = None if mask is None else mask.index_select(-1, kpos) if mask.shape[-1] == seq else mask
+        ke, ve = _expand(kb, heads), _expand(vb, heads)
+        dk = torch.zeros(ke.shape, dtype=work, device=q.device)
+        dv = torch.zeros(ve.shape, dtype=work, device=q.device)
+        _block_backward(q, ke, ve, scale, m, qpos, kpos, causal, dout, lse, delta, dq, dk, dv)
+        return torch.cat([_fold(dk, k.shape[1]).reshape(-1), _fold(dv, v.shape[1]).reshape(-1)])
+
+    pending = ring.start(kv) if G > 1 else None
+    own = grads_of(kv, ring.coord)
+    acc = None
+    for step in range(1, G):
+        assert pending is not None
+        kv, works = pending
+        ring.finish(works)
+        pending = ring.start(kv) if step < G - 1 else None
+        share = grads_of(kv, ring.owner(step))
+        if acc is not None:  # the gradient of this block, from the ranks it has been to
+            got, works = acc
+            ring.finish(works)
+            share = share + got
+        acc = ring.start(share)
+    if acc is not None:
+        got, works = acc
+        ring.finish(works)
+        own = own + got
+        # the gradients' hops: G-1 sends of this rank's block's size, a reduce-scatter's bytes
+        r.count("reduce_scatter", axis, ring.phase, own.new_empty(G * own.numel()))
+    # copies: a custom op's outputs may not alias one another
+    dk = own[:nk].view(k.shape).to(k.dtype, copy=True)
+    dv = own[nk:].view(v.shape).to(v.dtype, copy=True)
+    return dq.to(q.dtype), dk, dv
+
+
+@ring_attention_backward.register_fake
+def _(dout, q, k, v, mask, out, lse, causal, scale, seq, interleave, rt, axis):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    q, k, v, mask, causal, scale, seq, interleave, rt, axis = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, mask, out, lse)
+    ctx.info = (causal, scale, seq, interleave, rt, axis)
+
+
+def _backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple:
+    q, k, v, mask, out, lse = ctx.saved_tensors
+    dq, dk, dv = ring_attention_backward(dout.contiguous(), q, k, v, mask, out, lse, *ctx.info)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+ring_attention.register_autograd(_backward, setup_context=_setup)
+
+RING_ATTENTION = torch.ops.shardc.ring_attention.default
+RING_ATTENTION_BACKWARD = torch.ops.shardc.ring_attention_backward.default

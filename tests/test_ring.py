@@ -1,0 +1,151 @@
+"""Ring attention's arithmetic in one process (runtime/ring.py), and the context axis in
+an offline compile: the program attends by a ring, and the report's rows are its hops.
+
+The ring's steps are played here by calling its block functions for every (rank, block)
+pair a ring of G ranks visits, so the merge by log-sum-exp, the tile skipping and the
+backward's per-block shares are checked against one device's attention in float64 without
+any process group; the real ring, with its sends, runs in tests/test_context_gloo.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import GPT
+
+import shardc
+from shardc.runtime import ring as R
+from shardc.tools.cli import compile_offline
+
+pytestmark: list = []  # one process, fast: the fast tier
+
+# float64 throughout: the ring sums the same products as one device in another order, so
+# they agree to a few float64 roundings of values of size ~1 (1e-15); 1e-12 is far above
+# that and far below any error of the arithmetic (a missed block, a wrong mask: ~1e-1)
+TOL = 1e-12
+
+
+def _played(q, k, v, causal: bool, G: int, interleave: int, mask=None, dout=None):
+    """Output and (dq, dk, dv) of attention by a ring of G ranks, every step played here."""
+    B, H, S, D = q.shape
+    scale = D ** -0.5
+    pos = [R.positions(S, interleave, c, G) for c in range(G)]
+    out = torch.zeros_like(q)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for r in range(G):
+        qr = q[:, :, pos[r]]
+        mr = None if mask is None else mask[..., pos[r], :]
+        o = torch.zeros_like(qr)
+        lse = torch.full(qr.shape[:-1], float("-inf"), dtype=q.dtype)
+        for step in range(G):
+            j = (r - step) % G
+            m = None if mr is None else mr[..., pos[j]]
+            R._block_forward(qr, R._expand(k[:, :, pos[j]], H), R._expand(v[:, :, pos[j]], H), scale, m,
+                             pos[r], pos[j], causal, o, lse)
+        out[:, :, pos[r]] = o
+        if dout is None:
+            continue
+        d = dout[:, :, pos[r]]
+        delta = (d * o).sum(-1)
+        g = torch.zeros_like(qr)
+        for j in range(G):
+            m = None if mr is None else mr[..., pos[j]]
+            ke, ve = R._expand(k[:, :, pos[j]], H), R._expand(v[:, :, pos[j]], H)
+            gk, gv = torch.zeros_like(ke), torch.zeros_like(ve)
+            R._block_backward(qr, ke, ve, scale, m, pos[r], pos[j], causal, d, lse, delta, g, gk, gv)
+            dk[:, :, pos[j]] += R._fold(gk, k.shape[1])
+            dv[:, :, pos[j]] += R._fold(gv, v.shape[1])
+        dq[:, :, pos[r]] = g
+    return out, (dq, dk, dv)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("G,balanced", [(2, False), (2, True), (4, False), (4, True), (3, True)])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_ring_equals_one_device(monkeypatch, causal: bool, G: int, balanced: bool, kv_heads: int) -> None:
+    monkeypatch.setattr(R, "TILE", 3)  # several tiles a block: the skipping is exercised
+    g = torch.Generator().manual_seed(0)
+    B, H, S, D = 2, 4, 24, 5
+    q = torch.randn(B, H, S, D, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(B, kv_heads, S, D, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(B, kv_heads, S, D, dtype=torch.float64, generator=g, requires_grad=True)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(H // kv_heads, 1),
+                                         v.repeat_interleave(H // kv_heads, 1), is_causal=causal)
+    dout = torch.randn(ref.shape, dtype=torch.float64, generator=g)
+    ref.backward(dout)
+    out, grads = _played(q.detach(), k.detach(), v.detach(), causal, G, S // G if balanced else 1, dout=dout)
+    assert (out - ref).abs().max() < TOL
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        assert (got - want).abs().max() < TOL
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_ring_applies_an_explicit_mask(monkeypatch, kind: str) -> None:
+    """A padding mask (transformers' masks): rows that see nothing come out 0, not nan."""
+    monkeypatch.setattr(R, "TILE", 4)
+    g = torch.Generator().manual_seed(1)
+    B, H, S, D, G = 2, 2, 16, 4, 4
+    q, k, v = (torch.randn(B, H, S, D, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
+    keep = torch.ones(B, 1, S, S, dtype=torch.bool).tril()
+    keep[0, :, :, :5] = False  # sample 0: its first five keys are padding
+    mask = keep if kind == "bool" else torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, float("-inf"))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    # one device gives nan for a query that sees no key; the ring gives 0 there (its rows
+    # are the model's padding, which the loss ignores): compare where one device is finite
+    seen = keep.any(-1, keepdim=True).expand(B, H, S, D)
+    dout = torch.randn(ref.shape, dtype=torch.float64, generator=g) * seen
+    ref.masked_fill(~seen, 0).backward(dout)
+    out, grads = _played(q.detach(), k.detach(), v.detach(), False, G, S // G, mask=mask, dout=dout)
+    assert (out[seen] - ref[seen]).abs().max() < TOL and (out[~seen] == 0).all()
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        assert (got - want).abs().max() < TOL
+
+
+def _tile_work(S: int, G: int, interleave: int) -> list[int]:
+    """Query-key pairs each rank's causal ring computes (tiles it cannot skip)."""
+    pos = [R.positions(S, interleave, c, G) for c in range(G)]
+    return [sum((qb - qa) * (kb - ka) for j in range(G) for (qa, qb), (ka, kb), _ in R._pairs(pos[r], pos[j], True))
+            for r in range(G)]
+
+
+def test_balanced_cut_gives_every_rank_the_same_causal_work(monkeypatch) -> None:
+    """The contiguous cut leaves the first rank one block and the last G; the balanced cut
+    (one position in every G) gives every rank about the causal half of the G blocks."""
+    monkeypatch.setattr(R, "TILE", 64)
+    S, G = 4096, 4
+    plain, balanced = _tile_work(S, G, 1), _tile_work(S, G, S // G)
+    block = (S // G) ** 2
+    assert plain[-1] > 3 * block and plain[0] < block, plain
+    assert max(balanced) <= 1.05 * min(balanced), balanced
+    assert max(balanced) < 0.7 * max(plain), (balanced, plain)
+
+
+def test_positions_follow_the_layouts_cut() -> None:
+    assert R.positions(8, 1, 1, 2).tolist() == [4, 5, 6, 7]
+    assert R.positions(8, 4, 1, 2).tolist() == [1, 3, 5, 7]
+    assert R.positions(16, 2, 1, 2).tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
+
+
+@pytest.mark.parametrize("layout", ["balanced", "contiguous"])
+def test_offline_context_program_attends_by_a_ring(layout: str) -> None:
+    """Compiled for x1y1c4z1d1 without any process group: each attention is one ring op,
+    no key or value is gathered, and the report's ring rows are an all-gather's bytes of
+    the keys and values forward and backward and a reduce-scatter's of their gradients."""
+    torch.manual_seed(0)
+    model = GPT(layers=2)
+    tokens = torch.randint(0, 64, (8, 16))
+    sm = compile_offline(model, (tokens, tokens), "x1y1c4z1d1", context_layout=layout)
+    rings = [d for d in sm.decisions if "attention by a ring over context" in d]
+    assert len(rings) == 2 and all(layout in d for d in rings), sm.decisions
+    rep = shardc.comm_report(sm)
+    rows = [r for r in rep.rows if "ring" in r.op]
+    # per layer: k and v, [8, 8 heads, 16, 4] fp32 each, a quarter on a rank: 2 KiB;
+    # three hops forward and back, and the gradients three hops back
+    kv = 2 * 8 * 8 * 16 * 4 * 4 // 4
+    by = {(r.collective, r.phase): r.bytes for r in rows if r.node == rows[0].node}
+    assert by == {("all_gather", "forward"): 3 * kv, ("all_gather", "backward"): 3 * kv,
+                  ("reduce_scatter", "backward"): 3 * kv}, by
+    assert len(rows) == 6 and all(r.axis == "context" for r in rows)
+    gathers = [r for r in rep.rows if r.collective == "all_gather" and "ring" not in r.op]
+    # the only other gathers: the balanced layout's re-cut of the two inputs (int64 tokens)
+    assert sum(r.bytes for r in gathers) == (2 * 3 * 8 * 4 * 8 if layout == "balanced" else 0), gathers
+    assert "attention by a ring" in shardc.explain(sm)
