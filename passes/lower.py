@@ -52,6 +52,7 @@ from shardc.passes.rules.routing import region_rules
 from shardc.runtime import collectives as C
 from shardc.runtime import ops as R
 from shardc.runtime.experts import EXPERT_REGION
+from shardc.runtime.ring import balanced_interleave
 
 aten = torch.ops.aten
 
@@ -489,12 +490,13 @@ class Lowering:
                 raise ShardcError(
                     f"shardc.compile: input {node.name!r} has a sequence of {seq} (dim {SEQUENCE_DIM}), "
                     f"which context = {g} ranks cannot cut evenly; use a multiple of {g}.")
-            if self.ctx.options.context_layout != "balanced" or seq == g:
+            k = balanced_interleave(seq, g)
+            if self.ctx.options.context_layout != "balanced" or k == 1:
                 return v
-            # re-cut the sequence so each rank holds one position in every G: a causal
-            # attention's ring then gives every rank the same work (runtime/ring.py)
-            # (after every placeholder: the program's inputs come first)
-            self.recut.append((node, lay.with_interleave(SEQUENCE_DIM, seq // g)))
+            # re-cut the sequence into k stripes, each rank holding its chunk of every
+            # stripe: a causal attention's ring then gives the ranks even work
+            # (runtime/ring.py); after every placeholder: the program's inputs come first
+            self.recut.append((node, lay.with_interleave(SEQUENCE_DIM, k)))
         return v
 
     def _recut_inputs(self) -> None:

@@ -1,10 +1,11 @@
 """Ring attention: scaled dot-product attention on a sequence cut over the ``context`` axis.
 
 Each of the G ranks of a context group holds the queries, keys and values of its own
-positions of the sequence (``positions``: contiguous, or "balanced", one position in every
-G). The keys and values travel round the ring: at step t a rank attends its queries to the
-block of keys and values that started on rank r - t, while it passes the block it holds to
-rank r + 1 (``batch_isend_irecv``, overlapped with the step's arithmetic). Each step gives
+positions of the sequence (``positions``: one contiguous block, or "balanced": the
+sequence read as k stripes and a rank holding its chunk of each, ``balanced_interleave``).
+The keys and values travel round the ring: at step t a rank attends its queries to the
+block of keys and values that started on rank r - t, while it passes the block it holds
+to rank r + 1 (``batch_isend_irecv``, overlapped with the step's arithmetic). Each step gives
 a partial attention and its log-sum-exp per query row; the partials are merged by the
 log-sum-exp rule, so after G steps every rank holds exactly the rows one device computes
 for its queries, having never held more than two blocks of keys and values.
@@ -16,10 +17,11 @@ arrives summed at its owner: one all-gather's bytes of keys and values and one
 reduce-scatter's of their gradients, never a gather of the whole sequence.
 
 Causal masks are applied from positions, so any cut of the sequence is exact; the work
-skips what the mask removes, tile by tile: a tile of queries that sees none of a tile of
-keys is not computed, one that sees all of it is computed without a mask. On the
-contiguous cut the last rank does G blocks and the first one; the balanced cut gives
-every rank about half of each block, which is what makes it faster.
+skips what the mask removes, tile by tile (a tile: a run of consecutive positions, at
+most TILE rows): a tile of queries that sees none of a tile of keys is not computed, the
+keys it sees whole are taken in one product, and only tiles on the diagonal are masked.
+On the contiguous cut the last rank does G blocks and the first one; the balanced cut
+gives every rank about the same share.
 
 The op is a ``torch.library`` custom op, as the expert region is: the traced step program
 and plain autograd call the same code, and inductor keeps it as one opaque kernel. Its
@@ -41,6 +43,19 @@ from shardc.runtime.collectives import get_runtime, guarded
 TILE = 256
 
 
+def balanced_interleave(seq: int, size: int) -> int:
+    """How many chunks of the sequence each of ``size`` ranks holds in the balanced cut:
+    the sequence read as k stripes, each cut over the ranks, so a rank holds one chunk of
+    every stripe (chunk c of each). A causal query chunk at stripe i sees about i stripes
+    of keys, so more stripes even out the ranks' work (the last rank does
+    (k + 1) / (k - 1 + 2/G) times the first's), and shorter chunks cost more products:
+    up to 16, keeping a chunk at least 2 positions long. 1: no balanced cut exists."""
+    for k in (16, 8, 4, 2):
+        if seq % (k * size) == 0 and seq // (k * size) >= 2:
+            return k
+    return 1
+
+
 def positions(seq: int, interleave: int, coord: int, size: int, device: Any = "cpu") -> torch.Tensor:
     """The global sequence positions a rank at ``coord`` of ``size`` holds, in its local
     order, for a sequence dim of ``seq`` cut over the axis with ``interleave`` (the dim read
@@ -51,12 +66,17 @@ def positions(seq: int, interleave: int, coord: int, size: int, device: Any = "c
 
 
 def _tiles(pos: torch.Tensor) -> list[tuple[int, int, int, int]]:
-    """(start, end, first position, last position) of each tile of rows; positions rise
-    along a rank's rows in every cut shardc makes, so a tile's ends bound it."""
-    n = pos.numel()
-    edges = list(range(0, n, TILE)) + [n]
+    """(start, end, first position, last position) of each tile of rows: a run of
+    consecutive positions, cut into pieces of at most TILE rows. Positions rise along a
+    rank's rows in every cut shardc makes, so a tile's ends bound it."""
     p = pos.tolist()
-    return [(a, b, p[a], p[b - 1]) for a, b in zip(edges[:-1], edges[1:])]
+    out = []
+    a = 0
+    for i in range(1, len(p) + 1):
+        if i == len(p) or p[i] != p[i - 1] + 1 or i - a == TILE:
+            out.append((a, i, p[a], p[i - 1]))
+            a = i
+    return out
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None,
@@ -85,30 +105,56 @@ def _fold(g: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _pairs(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool):
-    """(query rows, key rows, mask kind) of every tile pair that sees anything: kind None
-    (everything), "causal" (the mask by positions)."""
-    qt, kt = _tiles(qpos), _tiles(kpos)
-    for qa, qb, qlo, qhi in qt:
+    """(query rows, key rows, mask kind) of the work one block of keys gives: kind None
+    (every query sees every key) or "causal" (the mask by positions); tiles the mask
+    removes whole are left out, and neighbouring keys a query tile sees whole are taken
+    in one product."""
+    kt = _tiles(kpos)
+    for qa, qb, qlo, qhi in _tiles(qpos):
+        full: tuple[int, int] | None = None
         for ka, kb, klo, khi in kt:
-            if not causal:
-                yield (qa, qb), (ka, kb), None
-            elif klo > qhi:
+            if causal and klo > qhi:
                 continue  # every key of the tile comes after every query of the tile
-            elif khi <= qlo:
-                yield (qa, qb), (ka, kb), None
-            else:
-                yield (qa, qb), (ka, kb), "causal"
+            if not causal or khi <= qlo:
+                if full is not None and full[1] == ka:
+                    full = (full[0], kb)
+                else:
+                    if full is not None:
+                        yield (qa, qb), full, None
+                    full = (ka, kb)
+                continue
+            yield (qa, qb), (ka, kb), "causal"
+        if full is not None:
+            yield (qa, qb), full, None
+
+
+# torch's fused CPU attention, which also returns the log-sum-exp a ring merges by
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _fused(q: torch.Tensor, mask: Any, qpos: torch.Tensor, kpos: torch.Tensor, kind: str | None) -> bool:
+    """Can the fused kernel run this tile pair: on the CPU, no explicit mask, and a causal
+    tile exactly on the diagonal (the kernel's causal mask is the top-left triangle)?"""
+    if _FLASH_CPU is None or q.device.type != "cpu" or mask is not None:
+        return False
+    return kind is None or (qpos.numel() == kpos.numel() and bool(torch.equal(qpos, kpos)))
 
 
 def _block_forward(q, k, v, scale, mask, qpos, kpos, causal, out, lse) -> None:
     """Merge the attention of ``q`` to one block of keys/values into (out, lse), in place."""
     for (qa, qb), (ka, kb), kind in _pairs(qpos, kpos, causal):
         m = None if mask is None else mask[..., qa:qb, ka:kb]
-        s = _scores(q[..., qa:qb, :], k[..., ka:kb, :], scale, m,
-                    qpos[qa:qb] if kind else None, kpos[ka:kb] if kind else None)
-        blk = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - _finite(blk)[..., None])
-        o = torch.matmul(p, v[..., ka:kb, :].to(p.dtype))
+        qp, kp = qpos[qa:qb], kpos[ka:kb]
+        if _fused(q, m, qp, kp, kind):
+            o, blk = _FLASH_CPU(q[..., qa:qb, :], k[..., ka:kb, :], v[..., ka:kb, :], 0.0,
+                                kind is not None, scale=scale)
+            o, blk = o.to(out.dtype), blk.to(lse.dtype)
+        else:
+            s = _scores(q[..., qa:qb, :], k[..., ka:kb, :], scale, m, qp if kind else None, kp if kind else None)
+            blk = torch.logsumexp(s, dim=-1)
+            p = torch.exp(s - _finite(blk)[..., None])
+            o = torch.matmul(p, v[..., ka:kb, :].to(p.dtype))
         old = lse[..., qa:qb]
         new = torch.logaddexp(old, blk)
         safe = _finite(new)
@@ -122,13 +168,22 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
-def _block_backward(q, k, v, scale, mask, qpos, kpos, causal, dout, lse, delta, dq, dk, dv) -> None:
+def _block_backward(q, k, v, scale, mask, qpos, kpos, causal, dout, out, lse, delta, dq, dk, dv) -> None:
     """Add one block's share of the gradients into dq (this rank's) and dk, dv (the
-    block's), from the final log-sum-exp ``lse`` and ``delta`` = rowsum(dout * out)."""
+    block's), from the final output ``out``, log-sum-exp ``lse`` and ``delta`` =
+    rowsum(dout * out): each share is the flash-attention backward of the tile pair."""
     for (qa, qb), (ka, kb), kind in _pairs(qpos, kpos, causal):
         m = None if mask is None else mask[..., qa:qb, ka:kb]
-        s = _scores(q[..., qa:qb, :], k[..., ka:kb, :], scale, m,
-                    qpos[qa:qb] if kind else None, kpos[ka:kb] if kind else None)
+        qp, kp = qpos[qa:qb], kpos[ka:kb]
+        if _fused(q, m, qp, kp, kind):
+            gq, gk, gv = _FLASH_CPU_BACKWARD(dout[..., qa:qb, :], q[..., qa:qb, :], k[..., ka:kb, :],
+                                             v[..., ka:kb, :], out[..., qa:qb, :], lse[..., qa:qb], 0.0,
+                                             kind is not None, scale=scale)
+            dq[..., qa:qb, :] += gq
+            dk[..., ka:kb, :] += gk
+            dv[..., ka:kb, :] += gv
+            continue
+        s = _scores(q[..., qa:qb, :], k[..., ka:kb, :], scale, m, qp if kind else None, kp if kind else None)
         p = torch.exp(s - _finite(lse[..., qa:qb])[..., None])
         g = dout[..., qa:qb, :].to(p.dtype)
         dv[..., ka:kb, :] += torch.matmul(p.transpose(-2, -1), g)
@@ -243,7 +298,7 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         ke, ve = _expand(kb, heads), _expand(vb, heads)
         dk = torch.zeros(ke.shape, dtype=work, device=q.device)
         dv = torch.zeros(ve.shape, dtype=work, device=q.device)
-        _block_backward(q, ke, ve, scale, m, qpos, kpos, causal, dout, lse, delta, dq, dk, dv)
+        _block_backward(q, ke, ve, scale, m, qpos, kpos, causal, dout, out, lse, delta, dq, dk, dv)
         return torch.cat([_fold(dk, k.shape[1]).reshape(-1), _fold(dv, v.shape[1]).reshape(-1)])
 
     pending = ring.start(kv) if G > 1 else None

@@ -51,7 +51,7 @@ def _played(q, k, v, causal: bool, G: int, interleave: int, mask=None, dout=None
             m = None if mr is None else mr[..., pos[j]]
             ke, ve = R._expand(k[:, :, pos[j]], H), R._expand(v[:, :, pos[j]], H)
             gk, gv = torch.zeros_like(ke), torch.zeros_like(ve)
-            R._block_backward(qr, ke, ve, scale, m, pos[r], pos[j], causal, d, lse, delta, g, gk, gv)
+            R._block_backward(qr, ke, ve, scale, m, pos[r], pos[j], causal, d, o, lse, delta, g, gk, gv)
             dk[:, :, pos[j]] += R._fold(gk, k.shape[1])
             dv[:, :, pos[j]] += R._fold(gv, v.shape[1])
         dq[:, :, pos[r]] = g
@@ -59,10 +59,16 @@ def _played(q, k, v, causal: bool, G: int, interleave: int, mask=None, dout=None
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("G,balanced", [(2, False), (2, True), (4, False), (4, True), (3, True)])
+@pytest.mark.parametrize("G,interleave", [(2, 1), (2, 12), (4, 1), (4, 2), (3, 4), (2, 3)])
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_ring_equals_one_device(monkeypatch, causal: bool, G: int, balanced: bool, kv_heads: int) -> None:
+@pytest.mark.parametrize("kernel", ["fused", "math"])
+def test_ring_equals_one_device(monkeypatch, causal: bool, G: int, interleave: int, kv_heads: int,
+                                kernel: str) -> None:
+    """Both tile kernels: torch's fused CPU attention (what runs on the CPU without an
+    explicit mask) and the math form (explicit masks, other devices)."""
     monkeypatch.setattr(R, "TILE", 3)  # several tiles a block: the skipping is exercised
+    if kernel == "math":
+        monkeypatch.setattr(R, "_FLASH_CPU", None)
     g = torch.Generator().manual_seed(0)
     B, H, S, D = 2, 4, 24, 5
     q = torch.randn(B, H, S, D, dtype=torch.float64, generator=g, requires_grad=True)
@@ -72,7 +78,7 @@ def test_ring_equals_one_device(monkeypatch, causal: bool, G: int, balanced: boo
                                          v.repeat_interleave(H // kv_heads, 1), is_causal=causal)
     dout = torch.randn(ref.shape, dtype=torch.float64, generator=g)
     ref.backward(dout)
-    out, grads = _played(q.detach(), k.detach(), v.detach(), causal, G, S // G if balanced else 1, dout=dout)
+    out, grads = _played(q.detach(), k.detach(), v.detach(), causal, G, interleave, dout=dout)
     assert (out - ref).abs().max() < TOL
     for got, want in zip(grads, (q.grad, k.grad, v.grad)):
         assert (got - want).abs().max() < TOL
@@ -108,15 +114,21 @@ def _tile_work(S: int, G: int, interleave: int) -> list[int]:
 
 
 def test_balanced_cut_gives_every_rank_the_same_causal_work(monkeypatch) -> None:
-    """The contiguous cut leaves the first rank one block and the last G; the balanced cut
-    (one position in every G) gives every rank about the causal half of the G blocks."""
-    monkeypatch.setattr(R, "TILE", 64)
+    """The contiguous cut leaves the first rank half a block and the last G - 1/2; the
+    balanced cut (16 stripes) gives the ranks nearly the same share, and no rank more
+    query-key pairs than the causal half of the G blocks plus its diagonal chunks."""
     S, G = 4096, 4
-    plain, balanced = _tile_work(S, G, 1), _tile_work(S, G, S // G)
+    k = R.balanced_interleave(S, G)
+    assert k == 16
+    plain, balanced = _tile_work(S, G, 1), _tile_work(S, G, k)
     block = (S // G) ** 2
     assert plain[-1] > 3 * block and plain[0] < block, plain
-    assert max(balanced) <= 1.05 * min(balanced), balanced
-    assert max(balanced) < 0.7 * max(plain), (balanced, plain)
+    # the formula in balanced_interleave's docstring, with the diagonal chunks' halves
+    assert max(balanced) <= 1.1 * min(balanced), balanced
+    assert max(balanced) < 0.6 * max(plain), (balanced, plain)
+    # no more work in all: the same causal pairs, dealt out differently (the diagonal
+    # tiles, computed whole and masked, are shorter chunks in the balanced cut)
+    assert S * (S + 1) // 2 < sum(balanced) <= sum(plain), (sum(balanced), sum(plain))
 
 
 def test_positions_follow_the_layouts_cut() -> None:

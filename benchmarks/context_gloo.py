@@ -1,0 +1,103 @@
+"""Context parallelism on gloo ranks: step time of the balanced and contiguous sequence
+cuts side by side, and the activation memory per rank beside the uncut program's.
+
+One spawn of ``--ranks`` processes compiles a GPT with the sequence cut over every rank
+(``x1y1cGz1d1``) twice: balanced (the default ``context_layout``) and contiguous. Their
+steps are timed in turns, step by step, so the machine's load falls on both alike; the
+printed ratio is the median of the per-round ratios. The uncut figure is the same model
+on the whole batch in one process, as one device runs it.
+
+    python benchmarks/context_gloo.py --ranks 4 --seq 2048 --batch 1 --rounds 5
+
+Prints: the median step time of each cut, balanced / contiguous, and the measured peak
+(``shardc.memory.measured_peak``: bytes live at once above the start of the step) of a
+rank's step on the context mesh against the uncut program's.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import shardc  # noqa: E402
+from shardc.planning.memory import measured_peak  # noqa: E402
+from shardc.tools.models import GPT  # noqa: E402
+
+
+def _worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = GPT(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads, seq=args.seq)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randint(0, args.vocab, (args.batch, args.seq), generator=g),
+             torch.randint(0, args.vocab, (args.batch, args.seq), generator=g))
+    mesh = shardc.Mesh(context=world)
+    sms = {layout: shardc.compile(model, mesh, example_inputs=batch, context_layout=layout)
+           for layout in ("balanced", "contiguous")}
+    local = [shardc.shard_batch(t, mesh) for t in batch]
+
+    def step(sm) -> None:
+        sm(*local).backward()
+        for p in sm.parameters():
+            p.grad = None
+
+    times: dict[str, list[float]] = {k: [] for k in sms}
+    for _ in range(2):  # warm up
+        for sm in sms.values():
+            step(sm)
+    for _ in range(args.rounds):
+        for k, sm in sms.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(sm)
+            dist.barrier()
+            times[k].append(time.perf_counter() - t0)
+    peaks = {k: measured_peak(lambda sm=sm: step(sm)) for k, sm in sms.items()}
+    # the uncut program of the same per-rank batch: a world of one on this process
+    whole = model(*batch)
+    whole.backward()
+    model.zero_grad(set_to_none=True)
+    peaks["uncut (one device)"] = measured_peak(lambda: model(*batch).backward())
+    if rank == 0:
+        ratio = statistics.median(b / c for b, c in zip(times["balanced"], times["contiguous"]))
+        lines = [f"GPT dim {args.dim}, {args.layers} layers, {args.heads} heads, batch {args.batch}, "
+                 f"sequence {args.seq}, context = {world} gloo ranks, {args.rounds} rounds",
+                 *(f"  {k:10s} step {statistics.median(v) * 1e3:9.1f} ms" for k, v in times.items()),
+                 f"  balanced / contiguous: {ratio:.3f}x (median of per-round ratios)",
+                 *(f"  peak {k:20s} {v / 2**20:9.1f} MiB" for k, v in peaks.items()),
+                 f"  context peak / uncut: {peaks['balanced'] / peaks['uncut (one device)']:.3f}x"]
+        with open(out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp()
+    out = os.path.join(tmp, "result.txt")
+    mp.spawn(_worker, args=(args.ranks, os.path.join(tmp, "store"), args, out), nprocs=args.ranks)
+    print(open(out).read(), end="")
+
+
+if __name__ == "__main__":
+    main()
