@@ -484,6 +484,7 @@ class Lowering:
         ph.meta[PLACEMENT] = lay
         v = Val(ph, lay, gval)
         if lay.dims[SEQUENCE_DIM:SEQUENCE_DIM + 1] == ((CONTEXT,),) and override is None:
+            assert isinstance(gval, torch.Tensor)
             g = self.mesh.size(CONTEXT)
             seq = gval.shape[SEQUENCE_DIM]
             if seq % g:

@@ -129,8 +129,8 @@ def _pairs(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool):
 
 
 # torch's fused CPU attention, which also returns the log-sum-exp a ring merges by
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_FLASH_CPU: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BACKWARD: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
 def _fused(q: torch.Tensor, mask: Any, qpos: torch.Tensor, kpos: torch.Tensor, kind: str | None) -> bool:

@@ -262,8 +262,8 @@ def ring_rows(n: fx.Node, mesh: Mesh, op: str, module: str) -> list[CommRow]:
     """A ring attention's hops (``runtime.ring``): its keys and values make G-1 hops, the
     bytes of an all-gather of them; in backward again, and their gradients (in at least
     float32) G-1 hops back, the bytes of a reduce-scatter."""
-    q, k, v = n.args[:3]
-    axis = n.args[-1]
+    q, k, v = cast(tuple[fx.Node, ...], n.args[:3])
+    axis = cast(str, n.args[-1])
     g = mesh.size(axis)
     el = _elsize(k.meta[GLOBAL_VAL])
     grad_el = _dtype_size(torch.promote_types(k.meta[GLOBAL_VAL].dtype, torch.float32))
