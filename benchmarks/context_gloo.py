@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import shardc  # noqa: E402
-from shardc.planning.memory import measured_peak  # noqa: E402
+from shardc.planning.memory import estimate, measured_peak  # noqa: E402
 from shardc.tools.models import GPT  # noqa: E402
 
 
@@ -63,6 +63,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, out: st
             dist.barrier()
             times[k].append(time.perf_counter() - t0)
     peaks = {k: measured_peak(lambda sm=sm: step(sm)) for k, sm in sms.items()}
+    predicted = {k: estimate(sm).step_peak for k, sm in sms.items()}
     # the uncut program of the same per-rank batch: a world of one on this process
     whole = model(*batch)
     whole.backward()
@@ -74,7 +75,9 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, out: st
                  f"sequence {args.seq}, context = {world} gloo ranks, {args.rounds} rounds",
                  *(f"  {k:10s} step {statistics.median(v) * 1e3:9.1f} ms" for k, v in times.items()),
                  f"  balanced / contiguous: {ratio:.3f}x (median of per-round ratios)",
-                 *(f"  peak {k:20s} {v / 2**20:9.1f} MiB" for k, v in peaks.items()),
+                 *(f"  peak {k:20s} {v / 2**20:9.1f} MiB"
+                   + (f" (estimate {predicted[k] / 2**20:.1f} MiB)" if k in predicted else "")
+                   for k, v in peaks.items()),
                  f"  context peak / uncut: {peaks['balanced'] / peaks['uncut (one device)']:.3f}x"]
         with open(out, "w") as f:
             f.write("\n".join(lines) + "\n")
