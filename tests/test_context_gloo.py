@@ -166,3 +166,47 @@ def _refusals(rank: int, world: int) -> None:
 def test_clear_errors(ranks: Any) -> None:
     ranks.run(_refusals, 2)
     ranks.run(_refusals, 4)
+
+
+# transformers models of test_more_models_gloo on a context mesh, through test_train_gloo's
+# checks. By a ring: padding masks (an explicit mask the ring slices by key) and Mistral's
+# grouped-query sdpa. Attention written out as products and a softmax (Gemma 2's
+# soft-capped logits, BLOOM's ALiBi baddbmm) is no sdpa: its keys are gathered, exactly.
+# T5 adds its learned position bias as a floating mask with a gradient; the ring gives its
+# mask none, so T5 keeps the gathering attention (and its bias's gradient)
+OTHER_CASES = [("llama-padded", "x1y1c2z1d2", True), ("bert-padded", "x1y1c4z1d1", True),
+               ("mistral", "x1y1c4z1d1", True), ("gemma2", "x1y1c4z1d1", False),
+               ("bloom", "x1y1c2z1d2", False), ("t5", "x1y1c2z1d2", False)]
+
+
+def _other(rank: int, world: int, name: str, spec: str, ring_expected: bool) -> None:
+    import test_more_models_gloo as M
+    import test_train_gloo as T
+
+    if name in M.MODELS:
+        T.MODELS[name] = (lambda m: (lambda: T._lm(m)))(M.MODELS[name][0])
+    else:
+        T.MODELS[name] = M.OTHERS[name][0]
+    old = shardc.compile
+    compiled: list = []
+
+    def keep(*args: Any, **kw: Any) -> Any:
+        compiled.append(old(*args, **kw))
+        return compiled[-1]
+
+    shardc.compile = keep  # type: ignore[assignment]
+    try:
+        # transformers build their masks whole (replicated integer work, nothing gathered)
+        failures = T._case_failures(name, shardc.Mesh.parse(spec), allowed=lambda f: True)
+    finally:
+        shardc.compile = old  # type: ignore[assignment]
+    rang = any("attention by a ring over context" in d for d in compiled[0].decisions)
+    if rang != ring_expected:
+        failures.append(f"{name}@{spec}: attention by a ring: {rang}, expected {ring_expected}")
+    if failures:
+        raise AssertionError("\n".join(failures))
+
+
+@pytest.mark.parametrize("case", OTHER_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_transformers_models_with_masks(ranks: Any, case: tuple) -> None:
+    ranks.run(_other, shardc.Mesh.parse(case[1]).world_size, *case)

@@ -43,9 +43,33 @@ def sdpa_rule(L: Lowering, node: fx.Node) -> Any:
     if _sdpa_arg(node, "dropout_p", 0.0):
         return sdpa_dropout_rule(L, node)
     ring = ring_strategy(node, {a: L.env[a] for a in node.all_input_nodes}, L.mesh)
-    if ring is not None:
+    if ring is not None and not _mask_may_need_grad(L, _sdpa_arg(node, "attn_mask", None)):
         return ring_rule(L, node, ring)
     return apply_strategy(L, node, sdpa_strategy)
+
+
+def _mask_may_need_grad(L: Lowering, mask: Any) -> bool:
+    """Could a gradient flow into the attention's mask (T5's and ALiBi-like learned
+    position biases are added as a floating mask)? The ring gives none to its mask, so
+    such a mask keeps the gathering attention. True when a floating mask depends on a
+    parameter or a floating input of the model; a boolean mask, or one made from integer
+    inputs and buffers (transformers' padding masks), carries none."""
+    if not isinstance(mask, fx.Node) or not mask.meta["val"].dtype.is_floating_point:
+        return False
+    seen, todo = set(), [mask]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            role = L.roles.get(n.name, ("input", n.name))[0]
+            val = n.meta.get("val")
+            if role == "param" or (role == "input" and isinstance(val, torch.Tensor)
+                                   and val.dtype.is_floating_point):
+                return True
+        todo.extend(n.all_input_nodes)
+    return False
 
 
 def ring_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy | None:
