@@ -2,9 +2,10 @@
 cuts side by side, and the activation memory per rank beside the uncut program's.
 
 One spawn of ``--ranks`` processes compiles a GPT with the sequence cut over every rank
-(``x1y1cGz1d1``) twice: balanced (the default ``context_layout``) and contiguous. Their
-steps are timed in turns, step by step, so the machine's load falls on both alike; the
-printed ratio is the median of the per-round ratios. The uncut figure is the same model
+(``x1y1cGz1d1``) three ways: ring attention on the balanced cut (the default) and on the
+contiguous cut, and Ulysses (``context_attention="ulysses"``, where the heads divide).
+Their steps are timed in turns, step by step, so the machine's load falls on all alike;
+the printed ratios are medians of the per-round ratios. The uncut figure is the same model
 on the whole batch in one process, as one device runs it.
 
     python benchmarks/context_gloo.py --ranks 4 --seq 2048 --batch 1 --rounds 5
@@ -42,8 +43,11 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, out: st
     batch = (torch.randint(0, args.vocab, (args.batch, args.seq), generator=g),
              torch.randint(0, args.vocab, (args.batch, args.seq), generator=g))
     mesh = shardc.Mesh(context=world)
-    sms = {layout: shardc.compile(model, mesh, example_inputs=batch, context_layout=layout)
-           for layout in ("balanced", "contiguous")}
+    variants = {"balanced": {"context_layout": "balanced"}, "contiguous": {"context_layout": "contiguous"},
+                "ulysses": {"context_attention": "ulysses"}}
+    if args.heads % world:
+        del variants["ulysses"]  # its attentions would take the ring
+    sms = {k: shardc.compile(model, mesh, example_inputs=batch, **kw) for k, kw in variants.items()}
     local = [shardc.shard_batch(t, mesh) for t in batch]
 
     def step(sm) -> None:
@@ -75,6 +79,9 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, out: st
                  f"sequence {args.seq}, context = {world} gloo ranks, {args.rounds} rounds",
                  *(f"  {k:10s} step {statistics.median(v) * 1e3:9.1f} ms" for k, v in times.items()),
                  f"  balanced / contiguous: {ratio:.3f}x (median of per-round ratios)",
+                 *(f"  ulysses / balanced ring: "
+                   f"{statistics.median(u / b for u, b in zip(times['ulysses'], times['balanced'])):.3f}x"
+                   for _ in [0] if "ulysses" in times),
                  *(f"  peak {k:20s} {v / 2**20:9.1f} MiB"
                    + (f" (estimate {predicted[k] / 2**20:.1f} MiB)" if k in predicted else "")
                    for k, v in peaks.items()),

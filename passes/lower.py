@@ -137,7 +137,7 @@ class Lowering:
         self.cache: dict[tuple, fx.Node] = {}
         self.fallbacks: list[Fallback] = []
         self.decisions: list[str] = []
-        # inputs whose sequence the program re-cuts (context_layout="balanced")
+        # inputs whose sequence the program re-cuts (Options.balanced_context)
         self.recut: list[tuple[fx.Node, Layout]] = []
         self.src = SourceInfo("", "", "")
         self.cur: fx.Node | None = None
@@ -492,7 +492,7 @@ class Lowering:
                     f"shardc.compile: input {node.name!r} has a sequence of {seq} (dim {SEQUENCE_DIM}), "
                     f"which context = {g} ranks cannot cut evenly; use a multiple of {g}.")
             k = balanced_interleave(seq, g)
-            if self.ctx.options.context_layout != "balanced" or k == 1:
+            if not self.ctx.options.balanced_context or k == 1:
                 return v
             # re-cut the sequence into k stripes, each rank holding its chunk of every
             # stripe: a causal attention's ring then gives the ranks even work

@@ -38,7 +38,7 @@ def _lm_batches(seq: int = 16, batch: int = 8, n: int = 3) -> list[tuple[torch.T
 
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "gpt": lambda: GPT(layers=2), "llama": lambda: llama(layers=2), "gpt2": lambda: gpt2(layers=2),
-    "gpt_long": lambda: GPT(layers=1, seq=128)}
+    "gpt_long": lambda: GPT(layers=1, seq=128), "gpt_h2": lambda: GPT(layers=1, heads=2)}
 _BUILT: dict[str, torch.nn.Module] = {}
 
 
@@ -52,7 +52,8 @@ def _model(name: str) -> Callable[[], torch.nn.Module]:
 
 
 def _train_failures(name: str, spec: str, layout: str, opts: dict | None = None,
-                    ring_expected: bool = True) -> list[str]:
+                    expect: str = "ring") -> list[str]:
+    """``expect``: how the attentions run, "ring", "ulysses" (all-to-alls) or "gather"."""
     mesh = shardc.Mesh.parse(spec)
     opts = opts or {}
     where = f"{name}@{spec} {layout}" + "".join(f" {k}={v}" for k, v in opts.items())
@@ -66,11 +67,19 @@ def _train_failures(name: str, spec: str, layout: str, opts: dict | None = None,
         return [f"{where}: raised\n{traceback.format_exc()}"]
     finally:
         ring.TILE = old
-    rang = any("attention by a ring over context" in d for d in run.sm.decisions)
-    if rang != ring_expected:
-        out.append(f"{where}: attention by a ring: {rang}, expected {ring_expected}: {run.sm.decisions}")
-    if rang and ("reduce_scatter", "context", "backward") not in run.sm.measured_comm():
+    return out + _how_attention_ran(where, run.sm, expect)
+
+
+def _how_attention_ran(where: str, sm: Any, expect: str) -> list[str]:
+    said = {"ring": any("attention by a ring over context" in d for d in sm.decisions),
+            "ulysses": any("attention by all-to-all over context" in d for d in sm.decisions)}
+    got = [k for k, v in said.items() if v] or ["gather"]
+    out = [] if got == [expect] else [f"{where}: attention ran by {got}, expected {expect}: {sm.decisions}"]
+    sent = sm.measured_comm()
+    if expect == "ring" and ("reduce_scatter", "context", "backward") not in sent:
         out.append(f"{where}: no key/value gradient travelled the ring")
+    if expect == "ulysses" and ("all_to_all", "context", "backward") not in sent:
+        out.append(f"{where}: no all-to-all over context in backward")
     return out
 
 
@@ -86,13 +95,19 @@ CASES = {
         # the sequence over context the flat rows are no layout shardc can state, so the
         # sequence is gathered there and attention runs whole (exact, not context
         # parallel: README, "Long sequences")
-        ("gpt2", "x1y1c2z1d2", "balanced", {}, False),
+        ("gpt2", "x1y1c2z1d2", "balanced", {}, "gather"),
         # the options, each with the ring (bf16: tests/test_precision_gloo.py)
         ("llama", "x1y1c2z1d2", "balanced", {"activation_checkpoint": "blocks"}),
         ("gpt", "x1y1c2z2d1", "balanced", {"shard_optimizer": True}),
         ("llama", "x1y1c2z1d2", "contiguous", {"step_graph": False}),
         ("gpt", "x2y1c2z1d1", "balanced", {"backend": "inductor"}),
-        ("llama", "x1y1c2z2d1", "balanced", {"reshard_after_forward": True})],
+        ("llama", "x1y1c2z2d1", "balanced", {"reshard_after_forward": True}),
+        # Ulysses: all-to-alls from the sequence to the heads and back (contiguous by
+        # "auto"); with x cutting the heads too; and two heads on four ranks, where that attention takes the ring
+        ("gpt", "x1y1c4z1d1", "auto", {"context_attention": "ulysses"}, "ulysses"),
+        ("llama", "x1y1c2z1d2", "auto", {"context_attention": "ulysses"}, "ulysses"),
+        ("gpt", "x2y1c2z1d1", "auto", {"context_attention": "ulysses"}, "ulysses"),
+        ("gpt_h2", "x1y1c4z1d1", "auto", {"context_attention": "ulysses"}, "ring")],
 }
 
 
@@ -148,12 +163,14 @@ def _refusals(rank: int, world: int) -> None:
         assert "sequence of 15" in str(e) and "multiple of 2" in str(e), e
     else:
         raise AssertionError("a sequence of 15 compiled over context = 2")
-    try:
-        shardc.compile(GPT(layers=1), mesh, example_inputs=_lm_batches(n=1)[0], context_layout="zigzag")
-    except ShardcError as e:
-        assert "context_layout='zigzag'" in str(e), e
-    else:
-        raise AssertionError("an unknown context_layout compiled")
+    for bad in ({"context_layout": "zigzag"}, {"context_attention": "allgather"},
+                {"context_attention": "ulysses", "context_layout": "balanced"}):
+        try:
+            shardc.compile(GPT(layers=1), mesh, example_inputs=_lm_batches(n=1)[0], **bad)
+        except ShardcError as e:
+            assert "{}={!r}".format(*next(iter(bad.items()))) in str(e), e
+        else:
+            raise AssertionError(f"{bad} compiled")
     if world == 4:
         try:
             shardc.compile(GPT(layers=2), shardc.Mesh.parse("p2x1y1c2z1d1"), example_inputs=_lm_batches(n=1)[0])
@@ -174,12 +191,12 @@ def test_clear_errors(ranks: Any) -> None:
 # soft-capped logits, BLOOM's ALiBi baddbmm) is no sdpa: its keys are gathered, exactly.
 # T5 adds its learned position bias as a floating mask with a gradient; the ring gives its
 # mask none, so T5 keeps the gathering attention (and its bias's gradient)
-OTHER_CASES = [("llama-padded", "x1y1c2z1d2", True), ("bert-padded", "x1y1c4z1d1", True),
-               ("mistral", "x1y1c4z1d1", True), ("gemma2", "x1y1c4z1d1", False),
-               ("bloom", "x1y1c2z1d2", False), ("t5", "x1y1c2z1d2", False)]
+OTHER_CASES = [("llama-padded", "x1y1c2z1d2", "ring"), ("bert-padded", "x1y1c4z1d1", "ring"),
+               ("mistral", "x1y1c4z1d1", "ring"), ("gemma2", "x1y1c4z1d1", "gather"),
+               ("bloom", "x1y1c2z1d2", "gather"), ("t5", "x1y1c2z1d2", "gather")]
 
 
-def _other(rank: int, world: int, name: str, spec: str, ring_expected: bool) -> None:
+def _other(rank: int, world: int, name: str, spec: str, expect: str) -> None:
     import test_more_models_gloo as M
     import test_train_gloo as T
 
@@ -200,9 +217,7 @@ def _other(rank: int, world: int, name: str, spec: str, ring_expected: bool) -> 
         failures = T._case_failures(name, shardc.Mesh.parse(spec), allowed=lambda f: True)
     finally:
         shardc.compile = old  # type: ignore[assignment]
-    rang = any("attention by a ring over context" in d for d in compiled[0].decisions)
-    if rang != ring_expected:
-        failures.append(f"{name}@{spec}: attention by a ring: {rang}, expected {ring_expected}")
+    failures += _how_attention_ran(f"{name}@{spec}", compiled[0], expect)
     if failures:
         raise AssertionError("\n".join(failures))
 

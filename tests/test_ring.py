@@ -161,3 +161,20 @@ def test_offline_context_program_attends_by_a_ring(layout: str) -> None:
     # the only other gathers: the balanced layout's re-cut of the two inputs (int64 tokens)
     assert sum(r.bytes for r in gathers) == (2 * 3 * 8 * 4 * 8 if layout == "balanced" else 0), gathers
     assert "attention by a ring" in shardc.explain(sm)
+
+
+def test_offline_ulysses_program_re_cuts_to_heads_by_all_to_all() -> None:
+    """context_attention="ulysses": per attention, q, k and v go from the sequence cut to
+    the heads cut and the output back, one all-to-all each (bytes (G-1)/G of the piece),
+    on the contiguous layout "auto" gives it; no ring, no gather."""
+    torch.manual_seed(0)
+    model = GPT(layers=2)
+    tokens = torch.randint(0, 64, (8, 16))
+    sm = compile_offline(model, (tokens, tokens), "x1y1c4z1d1", context_attention="ulysses")
+    rep = shardc.comm_report(sm)
+    assert not [r for r in rep.rows if "ring" in r.op or r.collective == "all_gather"], rep.rows
+    fwd = [r for r in rep.rows if r.collective == "all_to_all" and r.phase == "forward"]
+    # q, k, v and the output, [8, 8 heads, 16, 4] fp32 each, a quarter a rank: 1 KiB,
+    # three quarters of it sent
+    assert len(fwd) == 8 and {r.bytes for r in fwd} == {3 * 8 * 8 * 16 * 4 * 4 // 16}, fwd
+    assert sum(1 for d in sm.decisions if "attention by all-to-all over context" in d) == 2

@@ -16,6 +16,7 @@ from shardc.passes.rules.common import (
     Strategy,
     apply_strategy,
     aten,
+    emit_like,
     fallback_rule,
     no_partial,
     register_rule,
@@ -42,10 +43,52 @@ def _sdpa_arg(node: fx.Node, name: str, default: Any) -> Any:
 def sdpa_rule(L: Lowering, node: fx.Node) -> Any:
     if _sdpa_arg(node, "dropout_p", 0.0):
         return sdpa_dropout_rule(L, node)
-    ring = ring_strategy(node, {a: L.env[a] for a in node.all_input_nodes}, L.mesh)
+    vals = {a: L.env[a] for a in node.all_input_nodes}
+    ring = ring_strategy(node, vals, L.mesh)
     if ring is not None and not _mask_may_need_grad(L, _sdpa_arg(node, "attn_mask", None)):
+        if L.ctx.options.context_attention == "ulysses":
+            heads = ulysses_strategy(node, vals, L.mesh, ring)
+            if heads is not None:
+                return ulysses_rule(L, node, heads, ring.out)
+            L.decisions.append(f"{L.src.module or node.name}: context_attention='ulysses' needs heads "
+                               f"that context = {L.mesh.size(CONTEXT)} divides; this attention runs "
+                               "by a ring")
         return ring_rule(L, node, ring)
     return apply_strategy(L, node, sdpa_strategy)
+
+
+def ulysses_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh, ring: Strategy
+                     ) -> Strategy | None:
+    """The all-to-all form of a sequence-cut attention (DeepSpeed-Ulysses): q, k and v
+    re-cut from the sequence to the heads over ``context`` (one all-to-all each), a local
+    attention over the whole sequence for this rank's heads, the output re-cut back to the
+    sequence. None where context (times the heads' other cuts) does not divide the
+    query and key/value heads."""
+    q, k = (vals[a] for a in node.args[:2])
+    ql = ring.out
+    head = ql.with_replicated(CONTEXT).with_shard(CONTEXT, 1)
+    f = math.prod(mesh.size(a) for a in head.dims[1])
+    if q.shape[1] % f or k.shape[1] % f:
+        return None
+    need = {a: head for a in node.args[:3]}
+    mask_node = _sdpa_arg(node, "attn_mask", None)
+    if isinstance(mask_node, fx.Node):
+        m = vals[mask_node]
+        off = 4 - m.ndim
+        dims = [head.dims[d + off] if d + off < 2 and m.shape[d] == q.shape[d + off] else ()
+                for d in range(m.ndim)]
+        need[mask_node] = Layout(m.ndim, tuple(dims))
+    return Strategy(need, Layout(4, head.dims[:2] + ((), ()), (), head.interleave[:2] + (1, 1)))
+
+
+def ulysses_rule(L: Lowering, node: fx.Node, s: Strategy, seq: Layout) -> Val:
+    out = emit_like(L, node, s.needs, s.out)
+    g = L.mesh.size(CONTEXT)
+    L.decisions.append(f"{L.src.module or node.name}: attention by all-to-all over context ({g} ranks, "
+                       "Ulysses): queries, keys and values re-cut from the sequence to the heads, "
+                       "the output back")
+    back = L.to_layout(out, seq)
+    return Val(back, seq.clean(L.mesh), node.meta["val"])
 
 
 def _mask_may_need_grad(L: Lowering, mask: Any) -> bool:

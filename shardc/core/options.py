@@ -18,7 +18,8 @@ BACKENDS = ("eager", "inductor")
 SCHEDULES = ("gpipe", "1f1b", "zero_bubble")  # runtime/pipeline.py runs these
 # the API names these; refused until built
 PLANNED_SCHEDULES = ("interleaved",)
-CONTEXT_LAYOUTS = ("balanced", "contiguous")  # how the rank's program runs (shardc/program/backend.py)
+CONTEXT_LAYOUTS = ("auto", "balanced", "contiguous")
+CONTEXT_ATTENTIONS = ("ring", "ulysses")  # how the rank's program runs (shardc/program/backend.py)
 
 
 # torch DDP's defaults: bucket_cap_mb, and the first bucket when that is left unset
@@ -81,12 +82,16 @@ class Options:
     travel one axis at a time). ``expert_capacity`` (a capacity factor with padding and
     dropped tokens) is refused for now.
 
-    ``context_layout`` (a mesh with ``context > 1``; docs/long_sequences.md): inputs always
-    arrive cut into contiguous blocks of the sequence (``shard_batch``); ``"balanced"``
-    (default) re-cuts them once, at the start, so that each rank holds one position in
-    every G, and a causal attention's ring gives every rank the same work;
-    ``"contiguous"`` keeps the blocks (the last rank then does G blocks of causal
-    attention, the first one).
+    ``context_attention`` and ``context_layout`` (a mesh with ``context > 1``;
+    docs/long_sequences.md): attention on the cut sequence by a ring (``"ring"``, default:
+    keys and values passed rank to rank) or by all-to-alls (``"ulysses"``: from the
+    sequence cut to a head cut and back around a local attention; where the heads do not
+    divide, that attention takes the ring). Inputs always arrive cut into contiguous blocks
+    of the sequence (``shard_batch``); ``"balanced"`` re-cuts them once, at the start, so
+    that each rank holds a chunk of each of up to 16 stripes, and a causal ring gives the
+    ranks even work; ``"contiguous"`` keeps the blocks; ``"auto"`` (default) is balanced
+    with the ring and contiguous with ulysses (whose all-to-all needs plain blocks, and
+    whose local attention is balanced anyway).
 
     ``backend="inductor"`` compiles each part of the step program (forward, backward) with
     inductor as one graph, its collectives and random draws inside as ops that keep the
@@ -120,10 +125,12 @@ class Options:
     # as many as stages) and the order the stages run them in
     microbatches: Any = None
     schedule: str = "1f1b"
-    # a mesh with context > 1: how the sequence is cut inside the program. "balanced": each
-    # rank holds one position in every G (so causal attention gives every rank the same
-    # work); "contiguous": each rank its own block of positions, as its inputs arrive
-    context_layout: str = "balanced"
+    # a mesh with context > 1: how the sequence is cut inside the program ("balanced":
+    # stripes, so a causal ring gives the ranks even work; "contiguous": the blocks the
+    # inputs arrive in; "auto": balanced with the ring, contiguous with ulysses) and how
+    # attention runs on it ("ring" or "ulysses")
+    context_layout: str = "auto"
+    context_attention: str = "ring"
     # a GEMM dim that its mesh axis does not divide (a 3-class head on x=2): False keeps
     # that dim whole on that axis (every rank of it computes the product); True refuses
     # it, as the planner asks (its pattern analysis drops meshes that do not divide the
@@ -228,6 +235,21 @@ class Options:
         if self.context_layout not in CONTEXT_LAYOUTS:
             raise OptionError(f"shardc.compile: context_layout={self.context_layout!r} is not one of "
                               f"{CONTEXT_LAYOUTS} (docs/long_sequences.md).")
+        if self.context_attention not in CONTEXT_ATTENTIONS:
+            raise OptionError(f"shardc.compile: context_attention={self.context_attention!r} is not one of "
+                              f"{CONTEXT_ATTENTIONS} (docs/long_sequences.md).")
+        if self.context_attention == "ulysses" and self.context_layout == "balanced":
+            # the stripes would reach the heads by gathers, not an all-to-all
+            raise OptionError("shardc.compile: context_attention='ulysses' with context_layout='balanced': "
+                              "Ulysses's all-to-all moves plain blocks of the sequence, and its local "
+                              "attention is balanced anyway. Use context_layout='contiguous' (or 'auto').")
+
+    @property
+    def balanced_context(self) -> bool:
+        """Does the program re-cut a context-cut sequence into stripes (context_layout)?"""
+        if self.context_layout == "auto":
+            return self.context_attention == "ring"
+        return self.context_layout == "balanced"
 
 
 # the axes that cut the tokens, over which an all-to-all can move them to their expert
