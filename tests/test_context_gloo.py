@@ -8,7 +8,7 @@ parameter's gradient against float64 at each step, the losses, the weights after
 steps, and the bytes this rank handed to torch.distributed equal to the comm report's,
 byte for byte (the ring's hops included). The cases cut the sequence 2 and 4 ways, alone
 and with data, z and x, on the GPT, transformers' Llama (causal, RoPE, grouped-query) and
-GPT-2, in both sequence layouts, and with the options (block recompute, shard_optimizer,
+GPT-2 (512 tokens cut 8 ways and 2,048 tokens 4 ways among them), in both sequence layouts, and with the options (block recompute, shard_optimizer,
 autograd's backward, inductor, resharding after forward); one case runs a longer sequence
 with small tiles, so that the ring skips and masks tiles inside its blocks.
 """
@@ -38,7 +38,12 @@ def _lm_batches(seq: int = 16, batch: int = 8, n: int = 3) -> list[tuple[torch.T
 
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "gpt": lambda: GPT(layers=2), "llama": lambda: llama(layers=2), "gpt2": lambda: gpt2(layers=2),
-    "gpt_long": lambda: GPT(layers=1, seq=128), "gpt_h2": lambda: GPT(layers=1, heads=2)}
+    "gpt_long": lambda: GPT(layers=1, seq=128), "gpt_h2": lambda: GPT(layers=1, heads=2),
+    # longer sequences, one layer, a small batch: 512 tokens on 8 ranks, 2,048 on 4
+    "gpt_512": lambda: GPT(layers=1, seq=512, heads=4), "llama_512": lambda: llama(layers=1, seq=512),
+    "gpt_2k": lambda: GPT(layers=1, seq=2048, heads=4)}
+# (sequence, batch) of a model's batches, where not (16, 8)
+SHAPES = {"gpt_long": (128, 8), "gpt_512": (512, 2), "llama_512": (512, 2), "gpt_2k": (2048, 1)}
 _BUILT: dict[str, torch.nn.Module] = {}
 
 
@@ -57,9 +62,10 @@ def _train_failures(name: str, spec: str, layout: str, opts: dict | None = None,
     mesh = shardc.Mesh.parse(spec)
     opts = opts or {}
     where = f"{name}@{spec} {layout}" + "".join(f" {k}={v}" for k, v in opts.items())
-    batches = _lm_batches(seq=128 if name == "gpt_long" else 16)
+    seq, batch = SHAPES.get(name, (16, 8))
+    batches = _lm_batches(seq=seq, batch=batch)
     old = ring.TILE
-    ring.TILE = 8 if name == "gpt_long" else old  # tiles inside the ring's blocks
+    ring.TILE = 8 if name == "gpt_long" else old  # small tiles inside the ring's blocks
     try:
         run = train_side_by_side(_model(name), batches, mesh, lr=LR, eps=EPS, context_layout=layout, **opts)
         out = _run_failures(where, run, mesh, batches)
@@ -107,7 +113,10 @@ CASES = {
         ("gpt", "x1y1c4z1d1", "auto", {"context_attention": "ulysses"}, "ulysses"),
         ("llama", "x1y1c2z1d2", "auto", {"context_attention": "ulysses"}, "ulysses"),
         ("gpt", "x2y1c2z1d1", "auto", {"context_attention": "ulysses"}, "ulysses"),
-        ("gpt_h2", "x1y1c4z1d1", "auto", {"context_attention": "ulysses"}, "ring")],
+        ("gpt_h2", "x1y1c4z1d1", "auto", {"context_attention": "ulysses"}, "ring"),
+        ("gpt_2k", "x1y1c4z1d1", "balanced")],
+    8: [("gpt_512", "x1y1c8z1d1", "balanced"), ("llama_512", "x1y1c8z1d1", "auto"),
+        ("gpt_512", "x1y1c4z1d2", "contiguous")],
 }
 
 
