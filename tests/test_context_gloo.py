@@ -154,6 +154,40 @@ def test_balanced_and_contiguous_layouts_agree(ranks: Any) -> None:
     ranks.run(_layouts_agree, 4)
 
 
+class _Logits(torch.nn.Module):
+    """The GPT returning its logits, [B, S, V]: a per-token output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = GPT(layers=1)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        g = self.g
+        x = g.drop(g.tok(idx) + g.pos(torch.arange(idx.shape[1])))
+        for b in g.blocks:
+            x = b(x)
+        return g.head(g.ln_f(x))
+
+
+def _outputs(rank: int, world: int) -> None:
+    """A per-token output comes back cut as shard_batch cuts the inputs (batch over data,
+    contiguous sequence blocks over context), whichever layout the program holds."""
+    torch.manual_seed(0)
+    model = _Logits()
+    idx = _lm_batches(n=1, batch=4)[0][0]
+    mesh = shardc.Mesh.parse("x1y1c2z1d2")
+    want = shardc.shard_batch(model(idx), mesh)
+    for layout in ("balanced", "contiguous"):
+        sm = shardc.compile(model, mesh, example_inputs=(idx,), context_layout=layout)
+        got = sm(shardc.shard_batch(idx, mesh))
+        # fp32, the same sums in another order: ~1e-7 of values of size ~1
+        assert got.shape == want.shape and (got - want).abs().max() < 1e-5, (layout, got.shape)
+
+
+def test_per_token_outputs_come_back_cut_as_the_inputs(ranks: Any) -> None:
+    ranks.run(_outputs, 4)
+
+
 def _refusals(rank: int, world: int) -> None:
     mesh = shardc.Mesh.parse("x1y1c2z1d1" if world == 2 else "x1y1c2z1d2")
     odd = torch.randint(0, 64, (8, 15))
