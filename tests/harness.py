@@ -356,3 +356,26 @@ def train_side_by_side(make_model: Callable[[], torch.nn.Module], batches: list[
     run.ref_state.update(ref.state_dict())
     run.state.update(sm.full_state_dict())
     return run
+
+
+def lm_batches(n: int = 3, batch: int = 8, seq: int = 16, vocab: int = 64) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` (tokens, targets) batches of a language model, the same on every rank (seed 1)."""
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g))
+            for _ in range(n)]
+
+
+def built_once(makers: dict[str, Callable[[], torch.nn.Module]]) -> Callable[[str], Callable[[], torch.nn.Module]]:
+    """``model(name)``: a builder of one model per name and process, built once with seed 0
+    (what train_side_by_side seeds): compile only reads it and the single-device runs train
+    copies, so a module's cases share it (and compile its cached trace)."""
+    built: dict[str, torch.nn.Module] = {}
+
+    def model(name: str) -> Callable[[], torch.nn.Module]:
+        def make() -> torch.nn.Module:
+            if name not in built:
+                torch.manual_seed(0)
+                built[name] = makers[name]()
+            return built[name]
+        return make
+    return model

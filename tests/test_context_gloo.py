@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from harness import train_side_by_side
+from harness import built_once, lm_batches, train_side_by_side
 from models import GPT, gpt2, llama
 from test_train_gloo import EPS, LR, _run_failures
 
@@ -30,10 +30,7 @@ from shardc.runtime import ring
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
-def _lm_batches(seq: int = 16, batch: int = 8, n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, 64, (batch, seq), generator=g), torch.randint(0, 64, (batch, seq), generator=g))
-            for _ in range(n)]
+_lm_batches = lm_batches
 
 
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
@@ -44,16 +41,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "gpt_2k": lambda: GPT(layers=1, seq=2048, heads=4)}
 # (sequence, batch) of a model's batches, where not (16, 8)
 SHAPES = {"gpt_long": (128, 8), "gpt_512": (512, 2), "llama_512": (512, 2), "gpt_2k": (2048, 1)}
-_BUILT: dict[str, torch.nn.Module] = {}
-
-
-def _model(name: str) -> Callable[[], torch.nn.Module]:
-    def make() -> torch.nn.Module:
-        if name not in _BUILT:
-            torch.manual_seed(0)
-            _BUILT[name] = MODELS[name]()
-        return _BUILT[name]
-    return make
+_model = built_once(MODELS)
 
 
 def _train_failures(name: str, spec: str, layout: str, opts: dict | None = None,

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import train_side_by_side
+from harness import built_once, lm_batches, train_side_by_side
 from models import GPT, gpt2, llama
 from test_train_gloo import EPS, LR, _run_failures
 
@@ -35,27 +35,13 @@ import shardc
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
-def _lm_batches(n: int = 3, batch: int = 8, seq: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, 64, (batch, seq), generator=g), torch.randint(0, 64, (batch, seq), generator=g))
-            for _ in range(n)]
+_lm_batches = lm_batches
 
 
 # four blocks, so that p = 4 has a block a stage
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "gpt": lambda: GPT(layers=4), "llama": lambda: llama(layers=4), "gpt2": lambda: gpt2(layers=4)}
-_BUILT: dict[str, torch.nn.Module] = {}
-
-
-def _model(name: str) -> Callable[[], torch.nn.Module]:
-    """One model per name and process (seed 0, as train_side_by_side seeds): compile only
-    reads it and the single-device runs train copies, so the cases share it."""
-    def make() -> torch.nn.Module:
-        if name not in _BUILT:
-            torch.manual_seed(0)
-            _BUILT[name] = MODELS[name]()
-        return _BUILT[name]
-    return make
+_model = built_once(MODELS)
 
 
 def _train_failures(name: str, spec: str, schedule: str, m: int, make=None, batches=None) -> list[str]:
