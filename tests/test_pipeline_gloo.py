@@ -19,6 +19,7 @@ gradients accumulated, evaluation under ``no_grad``, and the refusals.
 from __future__ import annotations
 
 import copy
+import faulthandler
 import math
 import traceback
 from typing import Any, Callable
@@ -26,7 +27,7 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import built_once, lm_batches, train_side_by_side
+from harness import built_once, lm_batches, run_on_ranks, train_side_by_side
 from models import GPT, gpt2, llama
 from test_train_gloo import EPS, LR, _run_failures
 
@@ -355,3 +356,23 @@ def _guard_and_explain(rank: int, world: int, out: str) -> None:
 
 def test_step_guard_explain_and_trace(ranks: Any, tmp_path: Any) -> None:
     ranks.run(_guard_and_explain, 4, str(tmp_path / "trace"))
+
+
+def _first_step_afresh(rank: int, world: int) -> None:
+    """The first step of a pipeline in processes that made no group before: the mesh's
+    groups are made at compile, not lazily at a stage's first forward, where they hung
+    the step (the next stage's ranks wait in a receive, not in the group's creation)."""
+    faulthandler.dump_traceback_later(240, exit=True)  # a hang fails the test, with stacks
+    try:
+        mesh = shardc.Mesh.parse("p2x2y1z1d1")
+        batch = _padded_batches()[0]
+        torch.manual_seed(0)
+        # a summed loss on x = 2: this compile left the stage groups to the first forward
+        sm = shardc.compile(SummedGPT(layers=4), mesh, example_inputs=batch)
+        sm(*[shardc.shard_batch(t, mesh) for t in batch]).backward()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def test_first_step_in_fresh_processes() -> None:
+    run_on_ranks(_first_step_afresh, 4)  # its own processes: no group left by another test

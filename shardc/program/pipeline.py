@@ -682,6 +682,10 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, option
     if bad:
         r, msg = bad[0]
         raise ShardcError(f"shardc.compile: rank {r} failed to compile its pipeline stage: {msg}")
+    # every rank makes the mesh's groups here (new groups are collective over the world):
+    # made lazily, at a stage's first forward, they hung the step, since the later
+    # stages' ranks are then waiting in a receive, not in the group's creation
+    axis_groups(mesh)
     assert module is not None
     return module
 
