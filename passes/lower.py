@@ -527,8 +527,9 @@ class Lowering:
             for a in lay.dims[0]:
                 if a in BATCH_AXES:
                     want = want.with_shard(a, 0)
-        if v.ndim > SEQUENCE_DIM and lay.dims[SEQUENCE_DIM] == (CONTEXT,) and want.dims[0]:
-            # a batched output's sequence stays cut as its inputs were: this rank's chunk
+        if v.ndim > SEQUENCE_DIM and lay.dims[SEQUENCE_DIM] == (CONTEXT,):
+            # a per-token output's sequence stays cut as shard_batch cuts the inputs: this
+            # rank's contiguous block (re-cut from the balanced stripes where need be)
             want = want.with_shard(CONTEXT, SEQUENCE_DIM)
         assert lay.ndim == v.ndim, (self.cur, lay, v.val.shape)
         return self.to_layout(v, want)

@@ -163,13 +163,13 @@ def _outputs(rank: int, world: int) -> None:
     torch.manual_seed(0)
     model = _Logits()
     idx = _lm_batches(n=1, batch=4)[0][0]
-    mesh = shardc.Mesh.parse("x1y1c2z1d2")
-    want = shardc.shard_batch(model(idx), mesh)
-    for layout in ("balanced", "contiguous"):
+    for spec, layout in (("x1y1c2z1d2", "balanced"), ("x1y1c2z1d2", "contiguous"), ("x1y1c4z1d1", "balanced")):
+        mesh = shardc.Mesh.parse(spec)
+        want = shardc.shard_batch(model(idx), mesh)
         sm = shardc.compile(model, mesh, example_inputs=(idx,), context_layout=layout)
         got = sm(shardc.shard_batch(idx, mesh))
         # fp32, the same sums in another order: ~1e-7 of values of size ~1
-        assert got.shape == want.shape and (got - want).abs().max() < 1e-5, (layout, got.shape)
+        assert got.shape == want.shape and (got - want).abs().max() < 1e-5, (spec, layout, got.shape)
 
 
 def test_per_token_outputs_come_back_cut_as_the_inputs(ranks: Any) -> None:
