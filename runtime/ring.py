@@ -163,6 +163,14 @@ def _block_forward(q, k, v, scale, mask, qpos, kpos, causal, out, lse) -> None:
         lse[..., qa:qb] = new
 
 
+def _mask_columns(mask: torch.Tensor | None, kpos: torch.Tensor, seq: int) -> torch.Tensor | None:
+    """The explicit mask's columns of one block of keys (a mask broadcast over the keys
+    applies as it is)."""
+    if mask is None or mask.shape[-1] != seq:
+        return mask
+    return mask.index_select(-1, kpos)
+
+
 def _finite(x: torch.Tensor) -> torch.Tensor:
     """-inf (a row that sees no key yet) as 0, so that exp(s - x) is 0, not nan."""
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
@@ -252,7 +260,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
         j = ring.owner(step)
         kpos = positions(seq, interleave, j, ring.size, q.device)
         kb, vb = kv[:k.numel()].view(k.shape), kv[k.numel():].view(v.shape)
-        m = None if mask is None else mask.index_select(-1, kpos) if mask.shape[-1] == seq else mask
+        m = _mask_columns(mask, kpos, seq)
         _block_forward(q, _expand(kb, heads), _expand(vb, heads), scale, m, qpos, kpos, causal, out, lse)
         if pending is not None:
             kv, works = pending
@@ -294,7 +302,7 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     def grads_of(block: torch.Tensor, owner: int) -> torch.Tensor:
         kb, vb = block[:nk].view(k.shape), block[nk:].view(v.shape)
         kpos = positions(seq, interleave, owner, G, q.device)
-        m = None if mask is None else mask.index_select(-1, kpos) if mask.shape[-1] == seq else mask
+        m = _mask_columns(mask, kpos, seq)
         ke, ve = _expand(kb, heads), _expand(vb, heads)
         dk = torch.zeros(ke.shape, dtype=work, device=q.device)
         dv = torch.zeros(ve.shape, dtype=work, device=q.device)
@@ -348,4 +356,3 @@ def _backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple:
 ring_attention.register_autograd(_backward, setup_context=_setup)
 
 RING_ATTENTION = torch.ops.shardc.ring_attention.default
-RING_ATTENTION_BACKWARD = torch.ops.shardc.ring_attention_backward.default
