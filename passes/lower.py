@@ -49,6 +49,7 @@ from shardc.core.precision import reduce_dtype
 from shardc.passes.rules import RULES, fallback_rule
 from shardc.passes.rules.experts import cut_axes, expert_rules
 from shardc.passes.rules.routing import region_rules
+from shardc.passes.rules.sequence import cut_inputs, token_wise
 from shardc.runtime import collectives as C
 from shardc.runtime import ops as R
 from shardc.runtime.experts import EXPERT_REGION
@@ -143,6 +144,16 @@ class Lowering:
         self.cur: fx.Node | None = None
         # the dtype the next collective of a parameter's redistribution sends in (pcast)
         self._send: torch.dtype | None = None
+        self._token_wise: set[fx.Node] | None = None
+
+    def token_wise(self) -> set[fx.Node]:
+        """The global graph's nodes whose value may be cut along tokens up to the next
+        GEMMs (rules/sequence.py), found on first use."""
+        if self._token_wise is None:
+            self._token_wise = token_wise(
+                self.old.graph, lambda n: self.roles.get(n.name, ("input",))[0] == "param",
+                lambda n: self.rule_for(n) is RULES["pointwise"])
+        return self._token_wise
 
     # ------------------------------------------------------------------ emission
     def emit(self, target: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
@@ -428,6 +439,8 @@ class Lowering:
                 self.env[node] = Val(n, n.meta[PLACEMENT], t)
             elif node.op == "call_function":
                 rule = regions.get(node) or self.rule_for(node)
+                if self.ctx.options.sequence_parallel and node not in regions:
+                    cut_inputs(self, node)
                 try:
                     self.env[node] = rule(self, node)
                 except _DATA_DEPENDENT as e:

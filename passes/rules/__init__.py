@@ -19,6 +19,8 @@ convolutions, pooling and group norm), each registering its
 rules in the table of ``common``; importing this package fills the table. ``routing``
 is the exception: its rules replace the table's on the nodes of a region (a sort of the
 batch's rows undone before its order is read) that the lowering finds before it starts.
+``sequence`` holds no rule: it decides, for the GEMM rule and the lowering, which partial
+sums over x or y are reduce-scattered onto the tokens (sequence parallelism).
 """
 from __future__ import annotations
 

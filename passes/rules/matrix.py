@@ -24,6 +24,7 @@ from shardc.passes.rules.common import (
     replicate_dims,
 )
 from shardc.passes.rules.pointwise import pointwise_layouts
+from shardc.passes.rules.sequence import cut_tokens
 
 if TYPE_CHECKING:  # the lowering calls the rules; they only name its type
     from shardc.passes.lower import Lowering
@@ -175,6 +176,9 @@ def gemm_rule(L: Lowering, node: fx.Node) -> Any:
     int(math.prod(x.shape[:-1]))
     mm = L.emit(target, (xn, wn), layout=out, val=gval)
     res = Val(mm, out.clean(mesh), gval)
+    if shard_k and L.ctx.options.sequence_parallel and node in L.token_wise():
+        # the bias add below cannot keep the partial sum: reduce it onto the tokens now
+        res = cut_tokens(L, node, res)
     if bias_node is None:
         return res
     b = L.env[bias_node]

@@ -114,7 +114,7 @@ def _arg_kind(a: Any, axis: str) -> str:
     return "c"
 
 
-def _partial_ok(target: Any, args: list[Any], axis: str, out_dtype: Any = None) -> bool:
+def partial_ok(target: Any, args: list[Any], axis: str, out_dtype: Any = None) -> bool:
     """Can ``target`` run on each rank's piece of a partial value over ``axis`` and give a
     partial value of the same kind? ``args`` are the op's positional arguments, tensors as
     ``Val``s. Only for ops linear in their partial arguments: a sum of pieces commutes
@@ -183,7 +183,7 @@ def pointwise_layouts(target: Any, ins: list[Val | None], out_shape: list[int],
         if v is not None and v.layout is not None:
             axes_p |= {a for a, _ in v.layout.partial}
     for a in sorted(axes_p):
-        if _partial_ok(target, args, a, out_dtype) and out.placement(a).__class__.__name__ == "Replicate":
+        if partial_ok(target, args, a, out_dtype) and out.placement(a).__class__.__name__ == "Replicate":
             op = [dict(v.layout.partial)[a] for v in ins if v is not None and v.layout is not None
                   and a in dict(v.layout.partial)][0]
             out = out.with_partial(a, op)

@@ -243,7 +243,7 @@ def along_dim_rule(L: Lowering, node: fx.Node) -> Any:
 def along_dim_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -> Strategy:
     """Ops that work along one dim: that dim must be whole, the others keep their shards."""
     x = vals[node.args[0]]
-    if node.target is aten.slice.Tensor and _whole_dim(node):
+    if node.target is aten.slice.Tensor and whole_slice(node):
         # ``mask[:, 0]`` on torch 2.6 traces as a slice of all of dim 0, then the select:
         # that slice is the tensor itself, on each rank its own shard (it gathered the batch)
         return Strategy({node.args[0]: x.layout}, x.layout)
@@ -262,7 +262,7 @@ def along_dim_strategy(node: fx.Node, vals: Mapping[fx.Node, Any], mesh: Mesh) -
     return Strategy({node.args[0]: need}, out)
 
 
-def _whole_dim(node: fx.Node) -> bool:
+def whole_slice(node: fx.Node) -> bool:
     """Does ``aten.slice(x, dim, start, end, step)`` take every element of its dim?"""
     args = list(node.args) + [None] * (5 - len(node.args))
     dim, start, end, step = (node.kwargs.get(k, a) for k, a in

@@ -131,6 +131,9 @@ class Options:
     # attention runs on it ("ring" or "ulysses")
     context_layout: str = "auto"
     context_attention: str = "ring"
+    # a GEMM's partial sum over x or y reduce-scattered onto tokens where the ops up to
+    # the next GEMMs work token by token (Megatron's sequence parallelism)
+    sequence_parallel: bool = True
     # a GEMM dim that its mesh axis does not divide (a 3-class head on x=2): False keeps
     # that dim whole on that axis (every rank of it computes the product); True refuses
     # it, as the planner asks (its pattern analysis drops meshes that do not divide the

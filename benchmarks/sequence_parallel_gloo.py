@@ -1,0 +1,133 @@
+"""Sequence parallelism on gloo ranks: the activations of the norms, dropouts and residual
+adds per rank, the measured peak and the step time, with it (the default) and without.
+
+One spawn of ``--ranks`` processes compiles a GPT (dropout on) on ``x = ranks`` twice,
+``sequence_parallel=True`` and ``False``, and times their steps in turns, step by step, so
+the machine's load falls on both alike; the printed ratio is the median of the per-round
+ratios.
+
+    python benchmarks/sequence_parallel_gloo.py --ranks 4 --seq 1024 --batch 2 --rounds 5
+
+Prints, per variant: the bytes per rank of the values the token-wise ops between the GEMMs
+make (layer norms and dropouts; and with the residual and bias adds: read from the rank's
+forward program, each value of the residual stream's shape at its local shape), the measured peak of a step (``measured_peak``) beside the
+estimate (``shardc.memory``'s ``estimate``), the bytes a step moves (the comm report) and
+the median step time.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import shardc  # noqa: E402
+from shardc.core.context import GLOBAL_VAL, PLACEMENT  # noqa: E402
+from shardc.planning.memory import estimate, measured_peak  # noqa: E402
+from shardc.runtime import ops as R  # noqa: E402
+from shardc.tools.models import GPT  # noqa: E402
+
+aten = torch.ops.aten
+# the ops between a block's GEMMs whose outputs sequence parallelism cuts
+NORM_DROPOUT = {aten.layer_norm.default, R.global_dropout}
+TOKEN_WISE = NORM_DROPOUT | {aten.add.Tensor}
+
+
+def token_wise_bytes(sm: shardc.ShardedModule, hidden: list[int], ops: set = TOKEN_WISE) -> int:
+    """Bytes per rank of the outputs of the norms, dropouts and adds of the rank's
+    forward program whose value has the residual stream's shape (batch, sequence,
+    hidden): not the column-parallel GEMMs' bias adds, whose features x cuts either way."""
+    total = 0
+    for n in sm.graph_module.graph.nodes:
+        gval, lay = n.meta.get(GLOBAL_VAL), n.meta.get(PLACEMENT)
+        if n.op != "call_function" or n.target not in ops or lay is None or \
+                not isinstance(gval, torch.Tensor) or list(gval.shape) != hidden:
+            continue
+        total += math.prod(lay.local_shape(list(gval.shape), sm.mesh)) * gval.element_size()
+    return total
+
+
+def _worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = GPT(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads, seq=args.seq,
+                dropout=0.1)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randint(0, args.vocab, (args.batch, args.seq), generator=g),
+             torch.randint(0, args.vocab, (args.batch, args.seq), generator=g))
+    mesh = shardc.Mesh(x=world)
+    sms = {k: shardc.compile(model, mesh, example_inputs=batch, sequence_parallel=sp)
+           for k, sp in (("sequence parallel", True), ("all-reduce", False))}
+    local = [shardc.shard_batch(t, mesh) for t in batch]
+
+    def step(sm) -> None:
+        sm(*local).backward()
+        for p in sm.parameters():
+            p.grad = None
+
+    times: dict[str, list[float]] = {k: [] for k in sms}
+    for _ in range(2):  # warm up
+        for sm in sms.values():
+            step(sm)
+    for _ in range(args.rounds):
+        for k, sm in sms.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(sm)
+            dist.barrier()
+            times[k].append(time.perf_counter() - t0)
+    peaks = {k: measured_peak(lambda sm=sm: step(sm)) for k, sm in sms.items()}
+    predicted = {k: estimate(sm).step_peak for k, sm in sms.items()}
+    hidden = [args.batch, args.seq, args.dim]
+    acts = {k: token_wise_bytes(sm, hidden) for k, sm in sms.items()}
+    norms = {k: token_wise_bytes(sm, hidden, NORM_DROPOUT) for k, sm in sms.items()}
+    moved = {k: shardc.comm_report(sm).total_bytes() for k, sm in sms.items()}
+    if rank == 0:
+        sp, ar = "sequence parallel", "all-reduce"
+        ratio = statistics.median(a / b for a, b in zip(times[sp], times[ar]))
+        lines = [f"GPT dim {args.dim}, {args.layers} layers, {args.heads} heads, batch {args.batch}, "
+                 f"sequence {args.seq}, dropout 0.1, x = {world} gloo ranks, {args.rounds} rounds"]
+        for k in sms:
+            lines.append(f"  {k:18s} norms and dropouts {norms[k] / 2**20:7.2f} MiB, with adds {acts[k] / 2**20:7.2f} MiB, "
+                         f"peak {peaks[k] / 2**20:8.1f} MiB (estimate {predicted[k] / 2**20:.1f}), "
+                         f"moves {moved[k]:,} B a step, step {statistics.median(times[k]) * 1e3:8.1f} ms")
+        lines += [f"  norm and dropout activations, all-reduce / sequence parallel: {norms[ar] / norms[sp]:.2f}x "
+                  f"(with the residual and bias adds: {acts[ar] / acts[sp]:.2f}x)",
+                  f"  peak sequence parallel / all-reduce: {peaks[sp] / peaks[ar]:.3f}x",
+                  f"  bytes sequence parallel / all-reduce: {moved[sp] / moved[ar]:.4f}x",
+                  f"  step sequence parallel / all-reduce: {ratio:.3f}x (median of per-round ratios)"]
+        with open(out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp()
+    out = os.path.join(tmp, "result.txt")
+    mp.spawn(_worker, args=(args.ranks, os.path.join(tmp, "store"), args, out), nprocs=args.ranks)
+    print(open(out).read(), end="")
+
+
+if __name__ == "__main__":
+    main()
