@@ -32,6 +32,7 @@ from models import GPT, gpt2, llama
 from test_train_gloo import EPS, LR, _run_failures
 
 import shardc
+from shardc.passes.recompute import Checkpointed
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -45,13 +46,15 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
 _model = built_once(MODELS)
 
 
-def _train_failures(name: str, spec: str, schedule: str, m: int, make=None, batches=None) -> list[str]:
+def _train_failures(name: str, spec: str, schedule: str, m: int, make=None, batches=None,
+                    opts: dict | None = None) -> list[str]:
     mesh = shardc.Mesh.parse(spec)
-    where = f"{name}@{spec} {schedule} m={m}"
+    opts = opts or {}
+    where = f"{name}@{spec} {schedule} m={m}" + "".join(f" {k}={v}" for k, v in opts.items())
     batches = batches or _lm_batches()
     try:
         run = train_side_by_side(make or _model(name), batches, mesh, lr=LR, eps=EPS, schedule=schedule,
-                                 microbatches=m)
+                                 microbatches=m, **opts)
     except Exception:  # noqa: BLE001 - a compile or runtime error is this case's failure
         return [f"{where}: raised\n{traceback.format_exc()}"]
     out = _run_failures(where, run, mesh, batches)
@@ -82,6 +85,31 @@ def _run_cases(rank: int, world: int, cases: list[tuple]) -> None:
 def test_trains_like_one_device(ranks: Any, case: tuple) -> None:
     world = shardc.Mesh.parse(case[1]).world_size
     ranks.run(_run_cases, world, [case])
+
+
+# block recompute inside the stages: each stage recomputes its own blocks in backward
+# (a stage with no block, none); with x, the stage programs' sequence parallelism too
+RECOMPUTE_CASES = [("gpt", "p2x1y1z1d1", "1f1b", 2, {"activation_checkpoint": "blocks"}),
+                   ("llama", "p2x1y1z1d2", "gpipe", 4, {"activation_checkpoint": "selective"}),
+                   ("gpt", "p2x2y1z1d1", "1f1b", 4, {"activation_checkpoint": "blocks"}),
+                   ("gpt2", "p4x1y1z1d1", "1f1b", 4, {"activation_checkpoint": "blocks"})]
+
+
+def _recompute_case(rank: int, world: int, case: tuple) -> None:
+    name, spec, schedule, m, opts = case
+    failures = _train_failures(name, spec, schedule, m, opts=opts)
+    assert not failures, "\n".join(failures)
+    # this rank's stage did put its blocks under checkpoint
+    sm = shardc.compile(_model(name)(), spec, example_inputs=_lm_batches(1)[0], schedule=schedule,
+                        microbatches=m, **opts)
+    segments = sm.program.__dict__.get("_recompute")
+    checkpointed = [mod for mod in segments.modules() if isinstance(mod, Checkpointed)] if segments else []
+    assert sm.stage.blocks and len(checkpointed) == len(sm.stage.blocks), (sm.stage.blocks, segments)
+
+
+@pytest.mark.parametrize("case", RECOMPUTE_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-m{c[3]}-{c[4]['activation_checkpoint']}")
+def test_recompute_in_stages_trains_like_one_device(ranks: Any, case: tuple) -> None:
+    ranks.run(_recompute_case, shardc.Mesh.parse(case[1]).world_size, case)
 
 
 class PaddedGPT(GPT):
@@ -190,6 +218,9 @@ def _refusals(rank: int, world: int) -> None:
         shardc.compile(GPT(layers=4), "x1y1z1d4", example_inputs=batch, microbatches=2)
     with pytest.raises(shardc.OptionError, match="not implemented yet"):
         shardc.compile(GPT(layers=4), "p2x1y1z1d2", example_inputs=batch, schedule="interleaved")
+    with pytest.raises(shardc.OptionError, match="activation_checkpoint='blocks' with schedule='zero_bubble'"):
+        shardc.compile(GPT(layers=4), "p2x1y1z1d2", example_inputs=batch, schedule="zero_bubble",
+                       activation_checkpoint="blocks")
     with pytest.raises(shardc.OptionError, match="bucket_mb=4 with schedule='zero_bubble'"):
         shardc.compile(GPT(layers=4), "p2x1y1z1d2", example_inputs=batch, schedule="zero_bubble", bucket_mb=4)
     with pytest.raises(shardc.ShardcError, match=r"returns its loss, one floating-point scalar.* "

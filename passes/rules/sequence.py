@@ -167,8 +167,8 @@ def cut_tokens(L: Lowering, node: fx.Node, v: Val) -> Val:
             v = Val(L.to_layout(v, want), want.clean(L.mesh), v.val)
             L.decisions.append(
                 f"{L.src.module or node.name}: sequence parallel: the partial sum over {axis} "
-                f"reduce-scattered onto dim {d} ({shape[d]} tokens), not all-reduced; what "
-                f"follows up to the next GEMMs runs on 1/{g} of them")
+                f"reduce-scattered onto dim {d} (of {shape[d]}), not all-reduced; what follows "
+                f"up to the next GEMMs runs on 1/{g} of the tokens")
             break
     return v
 

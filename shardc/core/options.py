@@ -93,6 +93,12 @@ class Options:
     with the ring and contiguous with ulysses (whose all-to-all needs plain blocks, and
     whose local attention is balanced anyway).
 
+    ``sequence_parallel`` (default True; a mesh with x or y > 1): a tensor-parallel GEMM's
+    partial sum whose every path to the next GEMMs is token-wise (norms, dropout,
+    residual adds, activations), with a norm on it, is reduce-scattered onto the tokens,
+    those ops run on 1/G of them and the next GEMM all-gathers its input (Megatron's
+    sequence parallelism; passes/rules/sequence.py). False keeps Algorithm 1's all-reduce.
+
     ``backend="inductor"`` compiles each part of the step program (forward, backward) with
     inductor as one graph, its collectives and random draws inside as ops that keep the
     program's order (``shardc.program.backend``); the forward program (no gradients, or

@@ -88,7 +88,8 @@ def _refuse_input_writes(ep: torch.export.ExportedProgram, user_inputs: list[str
 
 
 def build(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
-             rank: int, input_layouts: Mapping[int, Layout] | None = None) -> ShardedModule:
+             rank: int, input_layouts: Mapping[int, Layout] | None = None,
+             blocks: list[str] | None = None) -> ShardedModule:
     ep = trace(model, example_inputs, options.precision.compute)
     own_blocks, lost = _checkpointed_blocks(model, ep)
     if own_blocks and (options.reshard_after_forward or options.gemm_modes != "default"
@@ -139,8 +140,12 @@ def build(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
                          grad_inputs=grad_inputs)
     program = run_pipeline(ep.graph_module, ctx)
     sm = ShardedModule(program, ctx, model, ep, canonical, runtime)
-    if options.recompute:
-        blocks = repeated_blocks(model)
+    if options.recompute and blocks == []:
+        pass  # a pipeline stage that holds no block (the embeddings alone): nothing to recompute
+    elif options.recompute:
+        # a pipeline stage's program is a GraphModule cut from the model's graph: its
+        # blocks are the ones the cut gave it, by the model's module names
+        blocks = repeated_blocks(model) if blocks is None else blocks
         if not blocks:
             raise ShardcError(
                 f"shardc.compile: activation_checkpoint={options.activation_checkpoint!r} found "

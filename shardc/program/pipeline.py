@@ -53,8 +53,8 @@ _CARRIERS = {_aten.alias.default, _aten.clone.default, _aten.view.default, _aten
              _aten._to_copy.default, _aten.to.dtype, _aten.contiguous.default, _aten.squeeze.default}
 # options the pipeline does not run yet, with what the stage program would have to do
 _NOT_YET = {
-    "shard_optimizer": False, "reshard_after_forward": False, "activation_checkpoint": "none",
-    "gemm_modes": "default", "expert_axes": None}
+    "shard_optimizer": False, "reshard_after_forward": False, "gemm_modes": "default",
+    "expert_axes": None}
 
 
 def refuse_with_stages(options: Options, input_layouts: Any) -> None:
@@ -68,6 +68,12 @@ def refuse_with_stages(options: Options, input_layouts: Any) -> None:
     if options.precision.compute != torch.float32 or options.precision.reduce != torch.float32:
         raise OptionError("shardc.compile: precision other than fp32 with pipe > 1 is not supported "
                           "yet (docs/pipeline.md).")
+    if options.recompute and options.schedule == "zero_bubble":
+        raise OptionError(
+            f"shardc.compile: activation_checkpoint={options.activation_checkpoint!r} with "
+            "schedule='zero_bubble': its backward runs in two passes (input gradients, then weight "
+            "gradients later), and each would recompute every block, its collectives too. Use "
+            "schedule='1f1b' or 'gpipe' with recompute.")
     if input_layouts:
         raise OptionError("shardc.compile: input_layouts with pipe > 1 is not supported yet: a "
                           "pipeline's inputs arrive as shard_batch cuts them (dim 0 over data and z).")
@@ -662,7 +668,8 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, option
                 layouts[i] = Layout.replicate(x.dim())
         check_batch(tuple(stage_inputs), mesh, layouts)
         st.module.train(model.training)  # the stage was traced in the model's mode
-        program = build(st.module, mesh, tuple(stage_inputs), options, rank, layouts or None)
+        program = build(st.module, mesh, tuple(stage_inputs), options, rank, layouts or None,
+                        blocks=st.blocks)
         validate.after_compile(program, st.module, tuple(stage_inputs))
         if model.training and any(_draws(n) for n in gm.graph.nodes):
             warnings.warn(
