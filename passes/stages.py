@@ -184,6 +184,46 @@ def unlifted_graph(model: nn.Module, example_inputs: tuple) -> fx.GraphModule:
     return gm
 
 
+_CASTS = {torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout}
+
+
+def local_casts(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm``, the unlifted graph of ``shardc.CastAtUse(model, dtype)``, with each cast of a
+    parameter or of an input moved to the ops that read it: ``CastAtUse`` casts every weight
+    before the model runs, so the trace casts them all at its start, where the stage cut
+    would leave them to the first stage and send every later stage its cast weights. A
+    copy of the cast goes just before each reader, in the reader's module, so each stage
+    casts the weights it reads itself."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    g = gm.graph
+    for n in list(g.nodes):
+        if n.op != "call_function" or len(n.all_input_nodes) != 1:
+            continue
+        src = n.all_input_nodes[0]
+        if not (src.op == "placeholder" or (src.op == "get_attr" and str(src.target) in params)):
+            continue
+        if n.target is torch.ops.aten._assert_tensor_metadata.default:
+            # the cast's check of the weight's own dtype: left there, it would make the
+            # first stage read (and hold) every weight; each stage's trace checks its own
+            g.erase_node(n)
+            continue
+        if n.target not in _CASTS:
+            continue
+        for u in list(n.users):
+            if u.op == "output":
+                continue
+            with g.inserting_before(u):
+                c = g.node_copy(n)
+            for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+                if key in u.meta:
+                    c.meta[key] = u.meta[key]
+            u.replace_input_with(n, c)
+        if not n.users:
+            g.erase_node(n)
+    gm.recompile()
+    return gm
+
+
 def cut_stages(model: nn.Module, gm: fx.GraphModule, n_stages: int) -> list[Stage]:
     """Cut ``gm`` (``unlifted_graph`` of ``model``) into ``n_stages`` stages."""
     blocks = repeated_blocks(model)

@@ -64,6 +64,12 @@ CASES = [
     # arithmetic in fp32 (runtime/ring.py), with data, and with x under block recompute
     ("llama", "x1y1c2z1d2", "bf16", {}),
     ("gpt", "x2y1c2z1d1", "bf16", {"activation_checkpoint": "blocks"}),
+    # pipeline stages: each stage's program casts the weights it reads, bf16 activations
+    # and their gradients travel between stages; with data, with x under GPipe and block
+    # recompute, with z under zero bubble and bf16 reductions
+    ("gpt", "p2x1y1z1d2", "bf16", {"microbatches": 2}),
+    ("llama", "p2x2y1z1d1", "bf16", {"schedule": "gpipe", "microbatches": 4, "activation_checkpoint": "blocks"}),
+    ("gpt", "p2x1y1z2d1", BF16_REDUCE, {"schedule": "zero_bubble"}),
 ]
 
 
@@ -164,6 +170,40 @@ def _report_failures(spec: str) -> list[str]:
     return out
 
 
+def _pipe_report_failures(spec: str) -> list[str]:
+    """Stages under the policy against fp32, send by send on this rank: a floating value
+    crossing a stage boundary (an activation forward, its gradient backward) travels in
+    bf16, half the bytes; a mask or the labels as they are; no weight crosses."""
+    where = f"report@{spec}"
+    mesh = shardc.Mesh.parse(spec)
+    batch = _batches(1)[0]
+    torch.manual_seed(0)
+    model = llama()
+    sms = {str(p): shardc.compile(model, mesh, example_inputs=batch, precision=p) for p in ("fp32", "bf16")}
+    rows = {k: {(r.op, r.phase): r.bytes for r in shardc.comm_report(sm).rows if r.axis == "pipe"}
+            for k, sm in sms.items()}
+    out = [] if rows["fp32"].keys() == rows["bf16"].keys() else [f"{where}: sends {rows}"]
+    st = sms["bf16"].stage
+    halved = 0
+    for (op, phase), f32 in rows["fp32"].items():
+        if op.startswith("output "):
+            val = st.output_vals[int(op.split()[1])]
+        elif op.startswith("gradient of input "):
+            val = st.input_vals[int(op.split()[3])]
+        elif op.startswith("the loss"):
+            val = st.output_vals[-1]  # the policy's loss, as one device returns it
+        else:
+            out.append(f"{where}: {op} {phase}: a send that is no boundary value")
+            continue
+        want = f32 // 2 if val.dtype == torch.bfloat16 else f32
+        halved += val.dtype == torch.bfloat16
+        if rows["bf16"].get((op, phase)) != want:
+            out.append(f"{where}: {op} {phase}: fp32 {f32}, bf16 {rows['bf16'].get((op, phase))} (want {want})")
+    if not halved:
+        out.append(f"{where}: no bf16 value crossed a stage boundary: {rows}")
+    return out
+
+
 def _case_id(name: str, spec: str, policy, opts: dict) -> str:
     reduce = "bf16" if policy == "bf16" else "bf16-reduce"
     return "-".join([name, spec, reduce] + [f"{k}.{v}" for k, v in opts.items()])
@@ -178,7 +218,7 @@ def _case(rank: int, world_size: int, index: int) -> None:
     moe._can_use_grouped_mm = lambda *args, **kwargs: False
     makers = {"gpt": GPT, "llama": llama, "mixtral": E.MOES["mixtral"]}
     if index is None:
-        failures = _report_failures("x1y1z2d2")
+        failures = _report_failures("x1y1z2d2") + _pipe_report_failures("p2x1y1z1d2")
     else:
         name, spec, policy, opts = CASES[index]
         failures = _train_failures(name, makers[name], spec, policy, opts)
@@ -187,7 +227,7 @@ def _case(rank: int, world_size: int, index: int) -> None:
 
 
 @pytest.mark.parametrize("index", [pytest.param(i, id=_case_id(*c)) for i, c in enumerate(CASES)]
-                         + [pytest.param(None, id="report-x1y1z2d2")])
+                         + [pytest.param(None, id="report-x1y1z2d2-p2x1y1z1d2")])
 def test_bf16_policy_trains_like_one_device_on_4_ranks(ranks, index: int | None) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

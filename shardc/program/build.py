@@ -89,8 +89,12 @@ def _refuse_input_writes(ep: torch.export.ExportedProgram, user_inputs: list[str
 
 def build(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
              rank: int, input_layouts: Mapping[int, Layout] | None = None,
-             blocks: list[str] | None = None) -> ShardedModule:
-    ep = trace(model, example_inputs, options.precision.compute)
+             blocks: list[str] | None = None, cast_at_use: bool = True) -> ShardedModule:
+    """``blocks``: the repeated blocks recompute cuts (default: found in ``model``);
+    ``cast_at_use=False``: ``model``'s graph already casts its weights and inputs as the
+    precision policy does (a pipeline stage cut from a cast graph), so it is traced as it
+    is."""
+    ep = trace(model, example_inputs, options.precision.compute if cast_at_use else torch.float32)
     own_blocks, lost = _checkpointed_blocks(model, ep)
     if own_blocks and (options.reshard_after_forward or options.gemm_modes != "default"
                        or (options.backend != "eager" and torch_version() < RECOMPUTE_COMPILED_FROM)):

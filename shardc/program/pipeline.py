@@ -32,7 +32,8 @@ from shardc.core.errors import OptionError, ShardcError, ShardcWarning
 from shardc.core.mesh import PIPE, Mesh
 from shardc.core.options import Options
 from shardc.core.placement import Layout, local_slice
-from shardc.passes.stages import Stage, cut_stages, unlifted_graph
+from shardc.core.precision import CastAtUse
+from shardc.passes.stages import Stage, cut_stages, local_casts, unlifted_graph
 from shardc.program import validate
 from shardc.program.build import build, check_batch
 from shardc.program.module import ShardedModule
@@ -65,9 +66,6 @@ def refuse_with_stages(options: Options, input_layouts: Any) -> None:
             raise OptionError(
                 f"shardc.compile: {name}={getattr(options, name)!r} with pipe > 1 is not supported yet "
                 "(docs/pipeline.md lists what a pipeline runs); leave it at its default.")
-    if options.precision.compute != torch.float32 or options.precision.reduce != torch.float32:
-        raise OptionError("shardc.compile: precision other than fp32 with pipe > 1 is not supported "
-                          "yet (docs/pipeline.md).")
     if options.recompute and options.schedule == "zero_bubble":
         raise OptionError(
             f"shardc.compile: activation_checkpoint={options.activation_checkpoint!r} with "
@@ -651,7 +649,14 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, option
     module: PipelineModule | None = None
     try:
         micro = tuple(_microbatch(x, m, 0) for x in example_inputs)
-        gm = unlifted_graph(model, micro)
+        compute = options.precision.compute
+        if compute == torch.float32:
+            gm = unlifted_graph(model, micro)
+        else:
+            # traced as one device runs the policy, before the cut: each stage's program
+            # holds its casts, its boundary values carry the policy's dtypes, and its own
+            # trace must not cast its inputs again (a value one device keeps in fp32 stays so)
+            gm = local_casts(unlifted_graph(CastAtUse(model, compute), micro))
         stages = cut_stages(model, gm, mesh.pipe)
         st = stages[mesh.coords(rank)[PIPE]]
         stage_inputs: list[Any] = []
@@ -669,7 +674,7 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, option
         check_batch(tuple(stage_inputs), mesh, layouts)
         st.module.train(model.training)  # the stage was traced in the model's mode
         program = build(st.module, mesh, tuple(stage_inputs), options, rank, layouts or None,
-                        blocks=st.blocks)
+                        blocks=st.blocks, cast_at_use=False)
         validate.after_compile(program, st.module, tuple(stage_inputs))
         if model.training and any(_draws(n) for n in gm.graph.nodes):
             warnings.warn(
