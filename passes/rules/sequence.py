@@ -17,9 +17,13 @@ at once, whether its value may arrive cut along a token dim: every path from it 
 the input of a GEMM with a stored weight, through token-wise ops alone, and a norm lies
 on one of them. A value that reaches anything else (an attention, a loss, the program's
 output, a reduction across tokens) keeps the all-reduce, whose replicated result that
-consumer expects. So does a stretch without a norm (GEMM, activation, GEMM: Algorithm 1's
-chain): the next GEMM keeps its gathered input for backward anyway, so cutting the
-activation would save little and add a collective's latency.
+consumer expects. The output could gather the tokens back as a GEMM's input does, but
+not for free: its gradient is whole on every rank, so backward pays nothing for the
+all-reduce and an all-gather for the reduce-scatter. (So a pipeline stage, whose output
+is its residual stream, keeps the all-reduce, its last stage excepted.) A stretch without
+a norm (GEMM, activation, GEMM: Algorithm 1's chain) keeps it too: the next GEMM keeps
+its gathered input for backward anyway, so cutting the activation would save little and
+add a collective's latency.
 
 Where the sum is cut: a GEMM with a bias cuts it before the bias add (``cut_tokens``,
 from ``gemm_rule``); any other partial sum (a vocabulary-parallel embedding's, a bias-free
