@@ -253,7 +253,9 @@ def _against_f64(label: str, model, batch, mesh, ref_local: dict, got_local: dic
 
 
 def _overlap_check() -> list[str]:
-    """OAR on x4: the dI all-reduces of backward overlap weight-gradient GEMMs."""
+    """OAR on x4: the dI reductions of backward overlap weight-gradient GEMMs (reduce-
+    scatters under sequence parallelism, the default: the gradient of a GEMM input
+    gathered over the tokens; all-reduces where a block's input is whole)."""
     from shardc.passes.schedule import SCHEDULE
 
     make, batches = _lm(GPT)
@@ -266,12 +268,12 @@ def _overlap_check() -> list[str]:
         sm(*[shardc.shard_batch(x, mesh) for x in batches[0]]).backward()
         (jp,) = sm._joint.values()
         back = [i for i in jp.backward.meta[SCHEDULE]
-                if i["collective"] == "all_reduce" and i["axis"] == "x"]
+                if i["collective"] in ("all_reduce", "reduce_scatter") and i["axis"] == "x"]
         with_gemm = [i for i in back if i["gemms"]]
         if overlap and not with_gemm:
-            out.append(f"overlap=True: no backward all-reduce overlaps a GEMM: {back}")
+            out.append(f"overlap=True: no backward reduction over x overlaps a GEMM: {back}")
         if not overlap and with_gemm:
-            out.append(f"overlap=False: all-reduces overlap GEMMs: {with_gemm}")
+            out.append(f"overlap=False: reductions overlap GEMMs: {with_gemm}")
     return out
 
 
