@@ -18,23 +18,17 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
-import sys
-import tempfile
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import gpt_arguments, lm_batch, run_ranks, start, times_in_turns
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-import shardc  # noqa: E402
-from shardc.core.context import GLOBAL_VAL, PLACEMENT  # noqa: E402
-from shardc.planning.memory import estimate, measured_peak  # noqa: E402
-from shardc.runtime import ops as R  # noqa: E402
-from shardc.tools.models import GPT  # noqa: E402
+import shardc
+from shardc.core.context import GLOBAL_VAL, PLACEMENT
+from shardc.planning.memory import estimate, measured_peak
+from shardc.runtime import ops as R
+from shardc.tools.models import GPT
 
 aten = torch.ops.aten
 # the ops between a block's GEMMs whose outputs sequence parallelism cuts
@@ -57,14 +51,10 @@ def token_wise_bytes(sm: shardc.ShardedModule, hidden: list[int], ops: set = TOK
 
 
 def _worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    torch.manual_seed(0)
+    start(rank, world, store)
     model = GPT(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads, seq=args.seq,
                 dropout=0.1)
-    g = torch.Generator().manual_seed(1)
-    batch = (torch.randint(0, args.vocab, (args.batch, args.seq), generator=g),
-             torch.randint(0, args.vocab, (args.batch, args.seq), generator=g))
+    batch = lm_batch(args)
     mesh = shardc.Mesh(x=world)
     sms = {k: shardc.compile(model, mesh, example_inputs=batch, sequence_parallel=sp)
            for k, sp in (("sequence parallel", True), ("all-reduce", False))}
@@ -75,17 +65,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, out: st
         for p in sm.parameters():
             p.grad = None
 
-    times: dict[str, list[float]] = {k: [] for k in sms}
-    for _ in range(2):  # warm up
-        for sm in sms.values():
-            step(sm)
-    for _ in range(args.rounds):
-        for k, sm in sms.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(sm)
-            dist.barrier()
-            times[k].append(time.perf_counter() - t0)
+    times = times_in_turns(sms, step, args.rounds)
     peaks = {k: measured_peak(lambda sm=sm: step(sm)) for k, sm in sms.items()}
     predicted = {k: estimate(sm).step_peak for k, sm in sms.items()}
     hidden = [args.batch, args.seq, args.dim]
@@ -113,20 +93,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, out: st
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
-    tmp = tempfile.mkdtemp()
-    out = os.path.join(tmp, "result.txt")
-    mp.spawn(_worker, args=(args.ranks, os.path.join(tmp, "store"), args, out), nprocs=args.ranks)
-    print(open(out).read(), end="")
+    run_ranks(_worker, gpt_arguments(__doc__.splitlines()[0], seq=1024, batch=2, dim=256))
 
 
 if __name__ == "__main__":
