@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import torch.distributed as dist
-from gloo_ranks import gpt_arguments, lm_batch, run_ranks, start, times_in_turns
+from gloo_ranks import finish, gpt_arguments, lm_batch, run_ranks, start, step_figures
 
 import shardc
-from shardc.planning.memory import estimate, measured_peak
+from shardc.planning.memory import measured_peak
 from shardc.tools.models import GPT
 
 
@@ -38,15 +37,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, out: st
         del variants["ulysses"]  # its attentions would take the ring
     sms = {k: shardc.compile(model, mesh, example_inputs=batch, **kw) for k, kw in variants.items()}
     local = [shardc.shard_batch(t, mesh) for t in batch]
-
-    def step(sm) -> None:
-        sm(*local).backward()
-        for p in sm.parameters():
-            p.grad = None
-
-    times = times_in_turns(sms, step, args.rounds)
-    peaks = {k: measured_peak(lambda sm=sm: step(sm)) for k, sm in sms.items()}
-    predicted = {k: estimate(sm).step_peak for k, sm in sms.items()}
+    times, peaks, predicted = step_figures(sms, local, args.rounds)
     # the uncut program of the same per-rank batch: a world of one on this process
     whole = model(*batch)
     whole.backward()
@@ -65,10 +56,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, out: st
                    + (f" (estimate {predicted[k] / 2**20:.1f} MiB)" if k in predicted else "")
                    for k, v in peaks.items()),
                  f"  context peak / uncut: {peaks['balanced'] / peaks['uncut (one device)']:.3f}x"]
-        with open(out, "w") as f:
-            f.write("\n".join(lines) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(rank, out, lines if rank == 0 else None)
 
 
 def main() -> None:

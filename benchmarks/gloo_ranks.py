@@ -43,6 +43,15 @@ def start(rank: int, world: int, store: str) -> None:
     torch.manual_seed(0)
 
 
+def finish(rank: int, out: str, lines: list[str] | None) -> None:
+    """Rank 0 writes its result lines to ``out`` (run_ranks prints them); every rank leaves."""
+    if rank == 0 and lines is not None:
+        with open(out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def lm_batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return (torch.randint(0, args.vocab, (args.batch, args.seq), generator=g),
@@ -64,3 +73,20 @@ def times_in_turns(sms: dict[str, Any], step: Callable[[Any], None], rounds: int
             dist.barrier()
             times[k].append(time.perf_counter() - t0)
     return times
+
+
+def step_figures(sms: dict[str, Any], local: list[Any], rounds: int
+                 ) -> tuple[dict[str, list[float]], dict[str, int], dict[str, int]]:
+    """For each compiled program: its step times (``times_in_turns``), the measured peak of
+    a step and the memory estimate's step peak."""
+    from shardc.planning.memory import estimate, measured_peak  # noqa: PLC0415 - after sys.path
+
+    def step(sm: Any) -> None:
+        sm(*local).backward()
+        for p in sm.parameters():
+            p.grad = None
+
+    times = times_in_turns(sms, step, rounds)
+    peaks = {k: measured_peak(lambda sm=sm: step(sm)) for k, sm in sms.items()}
+    predicted = {k: estimate(sm).step_peak for k, sm in sms.items()}
+    return times, peaks, predicted

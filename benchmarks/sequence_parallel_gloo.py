@@ -10,9 +10,9 @@ ratios.
 
 Prints, per variant: the bytes per rank of the values the token-wise ops between the GEMMs
 make (layer norms and dropouts; and with the residual and bias adds: read from the rank's
-forward program, each value of the residual stream's shape at its local shape), the measured peak of a step (``measured_peak``) beside the
-estimate (``shardc.memory``'s ``estimate``), the bytes a step moves (the comm report) and
-the median step time.
+forward program, each value of the residual stream's shape at its local shape), the
+measured peak of a step (``measured_peak``) beside the estimate (``shardc.memory``'s
+``estimate``), the bytes a step moves (the comm report) and the median step time.
 """
 from __future__ import annotations
 
@@ -21,12 +21,10 @@ import math
 import statistics
 
 import torch
-import torch.distributed as dist
-from gloo_ranks import gpt_arguments, lm_batch, run_ranks, start, times_in_turns
+from gloo_ranks import finish, gpt_arguments, lm_batch, run_ranks, start, step_figures
 
 import shardc
 from shardc.core.context import GLOBAL_VAL, PLACEMENT
-from shardc.planning.memory import estimate, measured_peak
 from shardc.runtime import ops as R
 from shardc.tools.models import GPT
 
@@ -59,15 +57,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, out: st
     sms = {k: shardc.compile(model, mesh, example_inputs=batch, sequence_parallel=sp)
            for k, sp in (("sequence parallel", True), ("all-reduce", False))}
     local = [shardc.shard_batch(t, mesh) for t in batch]
-
-    def step(sm) -> None:
-        sm(*local).backward()
-        for p in sm.parameters():
-            p.grad = None
-
-    times = times_in_turns(sms, step, args.rounds)
-    peaks = {k: measured_peak(lambda sm=sm: step(sm)) for k, sm in sms.items()}
-    predicted = {k: estimate(sm).step_peak for k, sm in sms.items()}
+    times, peaks, predicted = step_figures(sms, local, args.rounds)
     hidden = [args.batch, args.seq, args.dim]
     acts = {k: token_wise_bytes(sm, hidden) for k, sm in sms.items()}
     norms = {k: token_wise_bytes(sm, hidden, NORM_DROPOUT) for k, sm in sms.items()}
@@ -86,10 +76,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, out: st
                   f"  peak sequence parallel / all-reduce: {peaks[sp] / peaks[ar]:.3f}x",
                   f"  bytes sequence parallel / all-reduce: {moved[sp] / moved[ar]:.4f}x",
                   f"  step sequence parallel / all-reduce: {ratio:.3f}x (median of per-round ratios)"]
-        with open(out, "w") as f:
-            f.write("\n".join(lines) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(rank, out, lines if rank == 0 else None)
 
 
 def main() -> None:
