@@ -100,9 +100,9 @@ def _keeps_tokens(user: fx.Node, n: fx.Node, pointwise: Callable[[fx.Node], bool
     if t in _DROPOUT:
         return user.args[0] is n
     if t is aten.layer_norm.default:
-        # normalised over trailing dims only; the token dims lead
+        # normalised over the features alone, so each token on its own
         shape = _shape(n)
-        return user.args[0] is n and shape is not None and len(user.args[1]) < len(shape)
+        return user.args[0] is n and shape is not None and len(shape) >= 2 and len(user.args[1]) == 1
     if t in _LAST_DIM_REDUCTIONS:
         shape = _shape(n)
         dims = user.args[1] if len(user.args) > 1 else None
