@@ -169,8 +169,9 @@ def cut_tokens(L: Lowering, node: fx.Node, v: Val) -> Val:
                 continue
             want = lay.with_replicated(axis).with_shard(axis, d)
             v = Val(L.to_layout(v, want), want.clean(L.mesh), v.val)
+            where = L.src.module or f"the model's {node.name}"
             L.decisions.append(
-                f"{L.src.module or node.name}: sequence parallel: the partial sum over {axis} "
+                f"{where}: sequence parallel: the partial sum over {axis} "
                 f"reduce-scattered onto dim {d} (of {shape[d]}), not all-reduced; what follows "
                 f"up to the next GEMMs runs on 1/{g} of the tokens")
             break
