@@ -178,9 +178,9 @@ def cut_tokens(L: Lowering, node: fx.Node, v: Val) -> Val:
     return v
 
 
-def _carries(L: Lowering, user: fx.Node, n: fx.Node, axis: str) -> bool:
-    """Does ``user`` keep ``n``'s partial sum over ``axis`` partial (so the reduction can
-    wait for a later op)?"""
+def _carries(L: Lowering, user: fx.Node, axis: str) -> bool:
+    """Does ``user`` keep its input's partial sum over ``axis`` partial (so the reduction
+    can wait for a later op)?"""
     t = user.target
     if t in _VIEWS or t is operator.getitem:
         return True
@@ -203,7 +203,7 @@ def cut_inputs(L: Lowering, user: fx.Node) -> None:
         if not isinstance(v, Val) or v.layout is None or n not in L.token_wise():
             continue
         axes = [a for a in TENSOR_AXES if dict(v.layout.partial).get(a) == "sum"]
-        if axes and not all(_carries(L, user, n, a) for a in axes):
+        if axes and not all(_carries(L, user, a) for a in axes):
             here, L.src = L.src, source_of(n)
             try:
                 L.env[n] = cut_tokens(L, n, v)
