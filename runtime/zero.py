@@ -94,6 +94,10 @@ class Buckets:
         # (bucket, which members had a gradient, the reduce-scatter's output, its record)
         self._flying: list[tuple[list[ZeroParam], list[bool], torch.Tensor, tuple]] = []
         self._queued = False
+        # set while a backward runs in parts (the zero-bubble schedule's weight passes,
+        # a few parameters each): the end of a part must not issue the buckets whose
+        # gradients a later part makes, only the end of the last one (``end_parts``)
+        self.in_parts = False
 
     # ------------------------------------------------------------------ gradients
     def arrived(self, zp: ZeroParam) -> None:
@@ -109,6 +113,9 @@ class Buckets:
             self._next += 1
 
     def finish(self) -> None:
+        if self.in_parts:
+            self._queued = False  # the next part's first gradient queues this again
+            return
         try:
             # a bucket some of whose members got no gradient in this backward: what
             # they hold from an earlier (no_sync) backward, or zeros
@@ -121,6 +128,16 @@ class Buckets:
                 self._unpack_grads(b, had, out)
         finally:
             self._reset()
+
+    def end_parts(self, ok: bool) -> None:
+        """The last part of a backward run in parts is done: issue what is left and wait;
+        or (``ok`` False: a part raised) wait for what was issued and start clean, as a
+        failed backward does."""
+        self.in_parts = False
+        if ok:
+            self.finish()
+        else:
+            self._drop_failed_backward()
 
     def _reset(self) -> None:
         self._arrived.clear()

@@ -112,6 +112,36 @@ def test_recompute_in_stages_trains_like_one_device(ranks: Any, case: tuple) -> 
     ranks.run(_recompute_case, shardc.Mesh.parse(case[1]).world_size, case)
 
 
+# the optimizer sharded over data inside each stage (ZeRO-1/2 beside the pipeline, as
+# Megatron's distributed optimizer runs): every schedule, the tied embedding and head of
+# GPT-2 (two stages sum its gradient, then each scatters its slice), gradient buckets,
+# and with x or z beside data; the zero-bubble case is where a step's last weight pass
+# runs in parts, whose reduce-scatters must still go once (measured == reported)
+ZERO_CASES = [("gpt", "p2x1y1z1d2", "1f1b", 2), ("gpt", "p2x1y1z1d2", "zero_bubble", 4),
+              ("gpt2", "p2x1y1z1d2", "gpipe", 4), ("llama", "p2x1y1z1d2", "1f1b", 2, {"bucket_mb": 1}),
+              ("gpt", "p2x2y1z1d2", "1f1b", 4), ("llama", "p2x1y1z2d2", "zero_bubble", 2)]
+
+
+def _zero_case(rank: int, world: int, case: tuple) -> None:
+    name, spec, schedule, m, *extra = case
+    opts = {"shard_optimizer": True, **(extra[0] if extra else {})}
+    failures = _train_failures(name, spec, schedule, m, opts=opts)
+    # the optimizer holds this rank's slice over data of each weight the stage reads
+    mesh = shardc.Mesh.parse(spec)
+    sm = shardc.compile(_model(name)(), mesh, example_inputs=_lm_batches(1)[0], schedule=schedule,
+                        microbatches=m, **opts)
+    layouts = sm.program.param_layouts
+    sliced = [n for n, _ in sm.named_parameters() if layouts[n].shard_dim("data") is not None]
+    if len(sliced) < len(layouts) // 2:
+        failures.append(f"{name}@{spec}: only {sliced} of {sorted(layouts)} are cut over data")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("case", ZERO_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-m{c[3]}")
+def test_sharded_optimizer_in_stages_trains_like_one_device(ranks: Any, case: tuple) -> None:
+    ranks.run(_zero_case, shardc.Mesh.parse(case[1]).world_size, case)
+
+
 class PaddedGPT(GPT):
     """A GPT whose loss ignores padded targets (-100), as language-model batches have."""
 
@@ -208,8 +238,8 @@ def test_scaled_backward_accumulation_and_eval(ranks: Any) -> None:
 
 def _refusals(rank: int, world: int) -> None:
     batch = _lm_batches(1)[0]
-    with pytest.raises(shardc.OptionError, match="shard_optimizer=True with pipe > 1"):
-        shardc.compile(GPT(layers=4), "p2x1y1z1d2", example_inputs=batch, shard_optimizer=True)
+    with pytest.raises(shardc.OptionError, match="reshard_after_forward=True with pipe > 1"):
+        shardc.compile(GPT(layers=4), "p2x1y1z1d2", example_inputs=batch, reshard_after_forward=True)
     with pytest.raises(shardc.ShardcError, match="it has 2 .*at most 2 stages"):
         shardc.compile(GPT(layers=2), "p4x1y1z1d1", example_inputs=batch)
     with pytest.raises(shardc.ShardcError, match="which 8 micro-batches of data x z = 2"):
@@ -276,7 +306,9 @@ def _train(sm: Any, opt: Any, mesh: shardc.Mesh, batches: list) -> list[float]:
 def _checkpoints(rank: int, world: int, root: str) -> None:
     """A pipeline saves each stage's shards under the model's names, and the checkpoint
     loads into another stage count and into a mesh without stages (and back), the
-    optimizer included: training resumes with the losses of a run never interrupted."""
+    optimizer included: training resumes with the losses of a run never interrupted. The
+    first run shards its optimizer over data, so its checkpoint holds slices of each
+    stage's weights and moments, which the others read whole."""
     import shardc.checkpoint as ckpt
 
     batches = _lm_batches(4)
@@ -287,7 +319,7 @@ def _checkpoints(rank: int, world: int, root: str) -> None:
         sm = shardc.compile(GPT(layers=4), mesh, example_inputs=batches[0], **kw)
         return sm, torch.optim.AdamW(sm.parameters(), lr=1e-3), mesh
 
-    sm, opt, mesh = fresh("p2x1y1z1d2", microbatches=2)
+    sm, opt, mesh = fresh("p2x1y1z1d2", microbatches=2, shard_optimizer=True)
     _train(sm, opt, mesh, batches[:2])
     ckpt.save(sm, opt, root, step=2)
     straight = _train(sm, opt, mesh, batches[2:])  # the uninterrupted run

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -207,5 +208,13 @@ def test_pipeline_planning_needs_a_machine_that_prices_compute() -> None:
     assert all(c.mesh.pipe == 1 for c in shardc.plan(model, 4, "perlmutter", batch, verify=False, exact_top=1))
     assert all(c.mesh.pipe == 1 for c in shardc.plan(model, 4, _NODES, batch, verify=False, exact_top=1))
     # an option a pipeline does not run keeps the planner from proposing stages
-    with pytest.raises(shardc.OptionError, match="shard_optimizer=True with pipe > 1"):
-        shardc.plan(model, 4, _NODES, batch, verify=False, pipeline=True, shard_optimizer=True, exact_top=1)
+    with pytest.raises(shardc.OptionError, match="reshard_after_forward=True with pipe > 1"):
+        shardc.plan(model, 4, _NODES, batch, verify=False, pipeline=True, reshard_after_forward=True,
+                    exact_top=1)
+    # the optimizer sharded over data runs inside stages: staged meshes are planned with
+    # it, and a stage replicated over data holds 1/2 of its weights' 16 bytes a parameter
+    def staged(**kw: bool) -> dict[str, Any]:
+        return {c.mesh.spec(): c for c in shardc.plan(model, 4, _NODES, batch, verify=False, pipeline=True,
+                                                    exact_top=1, **kw) if c.mesh.pipe > 1}
+    plain, zero = staged(), staged(shard_optimizer=True)
+    assert zero["p2x1y1z1d2"].param_bytes_per_rank == plain["p2x1y1z1d2"].param_bytes_per_rank / 2

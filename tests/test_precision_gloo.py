@@ -65,9 +65,9 @@ CASES = [
     ("llama", "x1y1c2z1d2", "bf16", {}),
     ("gpt", "x2y1c2z1d1", "bf16", {"activation_checkpoint": "blocks"}),
     # pipeline stages: each stage's program casts the weights it reads, bf16 activations
-    # and their gradients travel between stages; with data, with x under GPipe and block
-    # recompute, with z under zero bubble and bf16 reductions
-    ("gpt", "p2x1y1z1d2", "bf16", {"microbatches": 2}),
+    # and their gradients travel between stages; with data and the optimizer over it, with
+    # x under GPipe and block recompute, with z under zero bubble and bf16 reductions
+    ("gpt", "p2x1y1z1d2", "bf16", {"microbatches": 2, "shard_optimizer": True}),
     ("llama", "p2x2y1z1d1", "bf16", {"schedule": "gpipe", "microbatches": 4, "activation_checkpoint": "blocks"}),
     ("gpt", "p2x1y1z2d1", BF16_REDUCE, {"schedule": "zero_bubble"}),
 ]

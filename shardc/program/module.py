@@ -309,6 +309,12 @@ class ShardedModule(nn.Module):
         zp = self._zero.get(name)
         return zp.full if zp is not None else self.get_parameter(name)
 
+    def read_param(self, name: str) -> torch.Tensor:
+        """The tensor the program reads for parameter ``name`` this step: the parameter
+        itself, or under ``shard_optimizer`` the program copy made from this rank's slice
+        (the tensor autograd accumulates the gradient into before it is reduce-scattered)."""
+        return self._current_param(name)
+
     def _hook_param(self, name: str, t: torch.Tensor) -> None:
         """Autograd's-backward gradient reductions of parameter ``name`` on tensor ``t``."""
         if not t.requires_grad:  # hooked when it needs a gradient (_current_param)
@@ -540,6 +546,21 @@ class ShardedModule(nn.Module):
             yield
         finally:
             self.runtime.sync = prev
+
+    @contextlib.contextmanager
+    def backward_in_parts(self) -> Iterator[None]:
+        """The backward calls made inside are parts of one synced backward (each part a
+        few parameters' gradients, as the zero-bubble schedule's weight passes run them):
+        ``shard_optimizer``'s bucketed reduce-scatters wait for the part that completes
+        them, and what is left is issued once, when the block ends, not at the end of
+        every part (which sent the gradients of later parts twice)."""
+        self._zero_buckets.in_parts = True
+        try:
+            yield
+        except BaseException:
+            self._zero_buckets.end_parts(ok=False)
+            raise
+        self._zero_buckets.end_parts(ok=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``, and drop the gradients ``no_sync`` holds for the next

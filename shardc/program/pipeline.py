@@ -54,7 +54,7 @@ _CARRIERS = {_aten.alias.default, _aten.clone.default, _aten.view.default, _aten
              _aten._to_copy.default, _aten.to.dtype, _aten.contiguous.default, _aten.squeeze.default}
 # options the pipeline does not run yet, with what the stage program would have to do
 _NOT_YET = {
-    "shard_optimizer": False, "reshard_after_forward": False, "gemm_modes": "default",
+    "reshard_after_forward": False, "gemm_modes": "default",
     "expert_axes": None}
 
 
@@ -276,7 +276,7 @@ class PipelineModule(nn.Module):
                         if split is not None:
                             pending_w[k] = split
                     else:
-                        with contextlib.nullcontext() if i == last_b else self.program.no_sync():
+                        with self.program.backward_in_parts() if i == last_b else self.program.no_sync():
                             pending_w.pop(k).weights_grad()
                 timeline.append((kind, k, start, _now() - t0, self.p2p.waited))
             self.p2p.finish()
@@ -362,7 +362,9 @@ class PipelineModule(nn.Module):
         split = None
         if self._split:
             # B: the inputs' gradients only; W (a later action) the parameters'
-            params = [p for p in self.program.parameters() if p.requires_grad]
+            # the tensors the program reads: under shard_optimizer a parameter is this
+            # rank's slice over data, and its gradient arrives through the program copy
+            params = [self.program.read_param(n) for n, p in self.program.named_parameters() if p.requires_grad]
             grad_in = [i for i in sent if args[i].requires_grad]
             split = SplitBackward(roots, seeds, [args[i] for i in grad_in], params)
             with self.program.no_sync():
