@@ -267,25 +267,27 @@ def test_refusals_leave_every_rank_ready(ranks: Any) -> None:
 
 def _clip(rank: int, world: int) -> None:
     """``shardc.clip_grad_norm_`` over every stage's gradients equals torch's on one
-    float64 device: the tied embedding and head counted once, though two stages hold it."""
+    float64 device: the tied embedding and head counted once, though two stages hold it;
+    with the optimizer sharded over data, each slice counted once too."""
     mesh = shardc.Mesh.parse("p2x1y1z1d2")
-    torch.manual_seed(0)
-    model = GPT(layers=4)  # tied: stages 0 and 1 both hold tok.weight
-    ref64 = copy.deepcopy(model).double()
-    batch = _lm_batches(1)[0]
-    sm = shardc.compile(model, mesh, example_inputs=batch, microbatches=4)
-    sm(*[shardc.shard_batch(t, mesh) for t in batch]).backward()
-    ref64(*batch).backward()
-    norm64 = torch.nn.utils.clip_grad_norm_(ref64.parameters(), 0.1).item()
-    total = shardc.clip_grad_norm_(sm, 0.1).item()
-    # the compiled gradients are within fp32 rounding of float64's (checked by the cases
-    # above, ~1e-7 relative); the norm of them can be no further off than that (Minkowski),
-    # and counting the tied weight twice would be ~10% off
-    assert abs(total - norm64) <= 1e-5 * norm64, (total, norm64)
-    ref = dict(ref64.named_parameters())
-    for n, g in sm.full_grads().items():
-        err = (g.double() - ref[n].grad).norm().item()
-        assert err <= 1e-5 * ref[n].grad.norm().item() + 1e-9, (n, err)
+    for opts in ({}, {"shard_optimizer": True}):
+        torch.manual_seed(0)
+        model = GPT(layers=4)  # tied: stages 0 and 1 both hold tok.weight
+        ref64 = copy.deepcopy(model).double()
+        batch = _lm_batches(1)[0]
+        sm = shardc.compile(model, mesh, example_inputs=batch, microbatches=4, **opts)
+        sm(*[shardc.shard_batch(t, mesh) for t in batch]).backward()
+        ref64(*batch).backward()
+        norm64 = torch.nn.utils.clip_grad_norm_(ref64.parameters(), 0.1).item()
+        total = shardc.clip_grad_norm_(sm, 0.1).item()
+        # the compiled gradients are within fp32 rounding of float64's (checked by the cases
+        # above, ~1e-7 relative); the norm of them can be no further off than that
+        # (Minkowski), and counting the tied weight twice would be ~10% off
+        assert abs(total - norm64) <= 1e-5 * norm64, (opts, total, norm64)
+        ref = dict(ref64.named_parameters())
+        for n, g in sm.full_grads().items():
+            err = (g.double() - ref[n].grad).norm().item()
+            assert err <= 1e-5 * ref[n].grad.norm().item() + 1e-9, (opts, n, err)
 
 
 def test_clip_grad_norm_over_every_stage(ranks: Any) -> None:
