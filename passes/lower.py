@@ -145,6 +145,15 @@ class Lowering:
         # the dtype the next collective of a parameter's redistribution sends in (pcast)
         self._send: torch.dtype | None = None
         self._token_wise: set[fx.Node] | None = None
+        # the program's draws from the default generator, numbered in program order: a
+        # pipeline stage is handed, by that number, the piece of the mask one device drew
+        # for the whole batch (runtime/ops.py, shardc/program/pipeline.py)
+        self.draws = 0
+
+    def draw_site(self) -> dict[str, int]:
+        """The keyword argument that numbers the next draw of the program."""
+        self.draws += 1
+        return {"site": self.draws - 1}
 
     def token_wise(self) -> set[fx.Node]:
         """The global graph's nodes whose value may be cut along tokens up to the next

@@ -30,7 +30,7 @@ import contextlib
 import itertools
 from collections import defaultdict
 from fractions import Fraction
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -99,6 +99,9 @@ class Runtime:
         # The compiled module's first batch decides; its later step programs (another
         # input shape) reuse each choice, and another compiled module makes its own
         self.gemm_forms: dict[tuple, str] = {}
+        # draw number -> the whole tensor that draw would make, when another drew it (a
+        # pipeline stage: its micro-batch's rows of one device's mask); None: draw here
+        self.draws: Callable[[int], torch.Tensor] | None = None
         _RUNTIMES[self.key] = self
 
     @property

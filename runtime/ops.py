@@ -166,25 +166,44 @@ def mean_over_shards(local_sum: torch.Tensor, global_count: torch.Tensor, shards
     return local_sum * (shards / global_count.to(local_sum.dtype))
 
 
+def _provided(rt: str, site: int | None, global_shape: list[int]) -> torch.Tensor | None:
+    """The whole draw numbered ``site`` when someone else drew it (a pipeline stage is
+    handed its micro-batch's rows of the mask one device drew for the whole batch:
+    ``Runtime.draws``), else None: draw it here."""
+    source = get_runtime(rt).draws
+    if source is None or site is None:
+        return None
+    whole = source(site)
+    if list(whole.shape) != list(global_shape):
+        raise RuntimeError(f"shardc: draw {site} was handed a tensor of shape {list(whole.shape)}, "
+                           f"not the {list(global_shape)} the program draws")
+    return whole
+
+
 def global_bernoulli(x: torch.Tensor, p: float, global_shape: list[int], rt: str,
-                     dims: tuple[tuple[str, ...], ...], interleave: tuple[int, ...]) -> torch.Tensor:
+                     dims: tuple[tuple[str, ...], ...], interleave: tuple[int, ...],
+                     site: int | None = None) -> torch.Tensor:
     """``torch.bernoulli(x, p)`` as one device draws it for the global tensor, cut to this
     rank's piece. ``x``'s values are never read (only its dtype and device): in-place
     dropout decomposes into ``bernoulli(empty_like(h), 1 - p)``, and drawing on a gathered
     uninitialised tensor, as the replicated fallback did, moved the whole tensor for
     nothing. The draw is the same op on the same global shape and dtype, so it consumes
     the default generator as one device does."""
-    whole = torch.bernoulli(torch.empty(global_shape, dtype=x.dtype, device=x.device), p)
+    whole = _provided(rt, site, global_shape)
+    if whole is None:
+        whole = torch.bernoulli(torch.empty(global_shape, dtype=x.dtype, device=x.device), p)
     return _this_ranks_piece(whole, rt, dims, interleave).contiguous()
 
 
 def global_draw_like(x: torch.Tensor, op: Any, args: list, kwargs: dict, global_shape: list[int],
                      rt: str, dims: tuple[tuple[str, ...], ...],
-                     interleave: tuple[int, ...]) -> torch.Tensor:
+                     interleave: tuple[int, ...], site: int | None = None) -> torch.Tensor:
     """``op(x, *args, **kwargs)``, a draw that reads only ``x``'s shape, dtype and device
     (``randn_like``, ``exponential``, ...), as one device draws it for the global tensor,
     cut to this rank's piece (``passes/rules/random.py``)."""
-    whole = op(torch.empty(global_shape, dtype=x.dtype, device=x.device), *args, **kwargs)
+    whole = _provided(rt, site, global_shape)
+    if whole is None:
+        whole = op(torch.empty(global_shape, dtype=x.dtype, device=x.device), *args, **kwargs)
     return _this_ranks_piece(whole, rt, dims, interleave).contiguous()
 
 
@@ -197,7 +216,8 @@ def _this_ranks_piece(whole: torch.Tensor, rt: str, dims: tuple[tuple[str, ...],
 
 
 def global_dropout(x: torch.Tensor, p: float, train: bool, global_shape: list[int],
-                   rt: str, dims: tuple[tuple[str, ...], ...], interleave: tuple[int, ...]) -> torch.Tensor:
+                   rt: str, dims: tuple[tuple[str, ...], ...], interleave: tuple[int, ...],
+                   site: int | None = None) -> torch.Tensor:
     """Dropout whose mask is drawn for the whole global tensor from the default generator,
     exactly as a single device would draw it, then cut to this rank's shard: replicas
     draw the same mask and training matches the single-device run.
@@ -209,8 +229,10 @@ def global_dropout(x: torch.Tensor, p: float, train: bool, global_shape: list[in
     is the mask already scaled by 1/(1-p), as one device multiplies it in."""
     if not train or p == 0.0:
         return x.clone()
-    ones = torch.ones(global_shape, dtype=x.dtype, device=x.device)
-    scaled_mask = torch.nn.functional.dropout(ones, p, True)
+    scaled_mask = _provided(rt, site, global_shape)
+    if scaled_mask is None:
+        ones = torch.ones(global_shape, dtype=x.dtype, device=x.device)
+        scaled_mask = torch.nn.functional.dropout(ones, p, True)
     return x * _this_ranks_piece(scaled_mask, rt, dims, interleave)
 
 

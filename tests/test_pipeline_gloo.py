@@ -22,6 +22,7 @@ import copy
 import faulthandler
 import math
 import traceback
+import warnings
 from typing import Any, Callable
 
 import pytest
@@ -40,9 +41,22 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 _lm_batches = lm_batches
 
 
+def _gpt2_dropout() -> torch.nn.Module:
+    """transformers' GPT-2 with its default dropouts: embedding, residual and attention
+    (the probabilities' dropout inside scaled_dot_product_attention)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from shardc.tools.models import HFCausalLM
+
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=4, n_head=8, use_cache=False,
+                     resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0)
+    return HFCausalLM(GPT2LMHeadModel(cfg))
+
+
 # four blocks, so that p = 4 has a block a stage
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
-    "gpt": lambda: GPT(layers=4), "llama": lambda: llama(layers=4), "gpt2": lambda: gpt2(layers=4)}
+    "gpt": lambda: GPT(layers=4), "llama": lambda: llama(layers=4), "gpt2": lambda: gpt2(layers=4),
+    "gpt-dropout": lambda: GPT(layers=4, dropout=0.1), "gpt2-dropout": _gpt2_dropout}
 _model = built_once(MODELS)
 
 
@@ -142,6 +156,31 @@ def test_sharded_optimizer_in_stages_trains_like_one_device(ranks: Any, case: tu
     ranks.run(_zero_case, shardc.Mesh.parse(case[1]).world_size, case)
 
 
+# dropout: each stage is handed its micro-batches' rows of the masks one device draws for
+# the whole batch (shardc/program/draws.py), so a model with dropout is judged exactly as
+# the cases above: with data (chunk k of every shard's rows), x (sequence parallelism
+# applies the mask to cut tokens), z, zero bubble, four stages, block recompute (a block
+# recomputed in backward is handed the same rows), and GPT-2's dropouts, attention's too
+DROPOUT_CASES = [("gpt-dropout", "p2x1y1z1d1", "1f1b", 2), ("gpt-dropout", "p2x1y1z1d2", "gpipe", 4),
+                 ("gpt-dropout", "p2x2y1z1d1", "zero_bubble", 2), ("gpt-dropout", "p4x1y1z1d1", "1f1b", 4),
+                 ("gpt2-dropout", "p2x1y1z1d2", "1f1b", 2), ("gpt2-dropout", "p2x1y1z2d1", "gpipe", 2),
+                 ("gpt-dropout", "p2x1y1z1d2", "1f1b", 2, {"activation_checkpoint": "blocks"})]
+
+
+def _dropout_case(rank: int, world: int, case: tuple) -> None:
+    name, spec, schedule, m, *extra = case
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        failures = _train_failures(name, spec, schedule, m, opts=extra[0] if extra else None)
+    failures += [f"{name}@{spec}: {w.message}" for w in caught if "random numbers" in str(w.message)]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-m{c[3]}{'-recompute' if len(c) > 4 else ''}")
+def test_dropout_draws_one_devices_masks(ranks: Any, case: tuple) -> None:
+    ranks.run(_dropout_case, shardc.Mesh.parse(case[1]).world_size, case)
+
+
 class PaddedGPT(GPT):
     """A GPT whose loss ignores padded targets (-100), as language-model batches have."""
 
@@ -159,6 +198,17 @@ class SummedGPT(GPT):
         for b in self.blocks:
             x = b(x)
         return F.cross_entropy(self.head(self.ln_f(x)).flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+class NoisyGPT(GPT):
+    """Adds noise drawn for the features alone, not shaped like the batch: a draw whose
+    rows no micro-batch owns, so the stages cannot be handed one device's."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1])) + 0.01 * torch.randn(self.tok.weight.shape[1])
+        for b in self.blocks:
+            x = b(x)
+        return F.cross_entropy(self.head(self.ln_f(x)).flatten(0, 1), targets.flatten())
 
 
 class LogitsGPT(GPT):
@@ -256,6 +306,10 @@ def _refusals(rank: int, world: int) -> None:
     with pytest.raises(shardc.ShardcError, match=r"returns its loss, one floating-point scalar.* "
                                                  r"it returns a tensor of shape \(4, 16, 64\)"):
         shardc.compile(LogitsGPT(layers=4), "p2x1y1z1d2", example_inputs=batch[:1])
+    # a draw the stages cannot take from one device's is drawn stage by stage, and said
+    with pytest.warns(shardc.ShardcWarning, match=r"random numbers .*aten\.randn\.default"):
+        noisy = shardc.compile(NoisyGPT(layers=4), "p4x1y1z1d1", example_inputs=batch)
+    assert math.isfinite(noisy(*batch).item())
     # and a good compile after them: nobody was left waiting in a collective
     sm = shardc.compile(GPT(layers=4), "p4x1y1z1d1", example_inputs=batch)
     assert math.isfinite(sm(*batch).item())

@@ -230,7 +230,7 @@ def sdpa_dropout_rule(L: Lowering, node: fx.Node) -> Any:
             att = L.emit(aten.add.Tensor, (att, m), layout=lay, val=meta(B, H, Lq, S))
     att = L.emit(aten._softmax.default, (att, -1, False), layout=lay, val=meta(B, H, Lq, S))
     att = L.emit(R.global_dropout, (att, p, True, [B, H, Lq, S], L.rt, lay.dims, lay.interleave),
-                 layout=lay, val=meta(B, H, Lq, S))
+                 L.draw_site() if p > 0 else None, layout=lay, val=meta(B, H, Lq, S))
     out = L.emit(aten.matmul.default, (att, vn), layout=lay, val=gval)
     L.decisions.append(f"{L.src.module or node.name}: attention with dropout p={p} in the math "
                        "form, per head, one device's mask")

@@ -30,7 +30,7 @@ def dropout_rule(L: Lowering, node: fx.Node) -> Any:
     xn = L.to_layout(x, lay)
     gval = x.val
     n = L.emit(R.global_dropout, (xn, p, train, list(gval.shape), L.rt, lay.dims, lay.interleave),
-               layout=lay, val=gval)
+               L.draw_site() if train and p > 0 else None, layout=lay, val=gval)
     out = Val(n, lay, gval)
     if node.target is aten.native_dropout.default:
         mask_val = node.meta["val"][1]
@@ -54,19 +54,19 @@ def bernoulli_rule(L: Lowering, node: fx.Node) -> Any:
     lay = Layout(x.layout.ndim, x.layout.dims, (), x.layout.interleave).clean(L.mesh)
     gval = node.meta["val"]
     n = L.emit(R.global_bernoulli, (x.node, float(p), list(gval.shape), L.rt, lay.dims,
-                                    lay.interleave), layout=lay, val=gval)
+                                    lay.interleave), L.draw_site(), layout=lay, val=gval)
     return Val(n, lay, gval)
 
 
 # draws that read only their first argument's shape, dtype and device (a user's own
 # generator, or a bound given as a tensor, runs whole, as one device would draw it)
-_LIKE = existing_ops("randn_like.default", "rand_like.default", "randint_like.default",
+DRAWS_LIKE = existing_ops("randn_like.default", "rand_like.default", "randint_like.default",
                      "randint_like.low_dtype", "randint_like.Tensor", "exponential.default",
                      "uniform.default", "normal_functional.default", "log_normal.default",
                      "cauchy.default", "geometric.default")
 
 
-@register_rule(*_LIKE)
+@register_rule(*DRAWS_LIKE)
 def draw_like_rule(L: Lowering, node: fx.Node) -> Any:
     """A draw shaped like ``x`` (diffusion's ``noise = torch.randn_like(latents)``, a VAE's
     reparameterisation, Gumbel noise ``empty_like(h).exponential_()``): drawn for the
@@ -81,5 +81,5 @@ def draw_like_rule(L: Lowering, node: fx.Node) -> Any:
     gval = node.meta["val"]
     n = L.emit(R.global_draw_like, (x.node, node.target, list(node.args[1:]), dict(node.kwargs),
                                     list(gval.shape), L.rt, lay.dims, lay.interleave),
-               layout=lay, val=gval)
+               L.draw_site(), layout=lay, val=gval)
     return Val(n, lay, gval)

@@ -76,7 +76,7 @@ def is_random(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
     t = node.target
-    if t is R.global_dropout or t is R.global_bernoulli:
+    if t is R.global_dropout or t is R.global_bernoulli or t is R.global_draw_like:
         return True
     if isinstance(t, torch._ops.OpOverload):
         return torch.Tag.nondeterministic_seeded in t.tags

@@ -36,6 +36,7 @@ from shardc.core.precision import CastAtUse
 from shardc.passes.stages import Stage, cut_stages, local_casts, unlifted_graph
 from shardc.program import validate
 from shardc.program.build import build, check_batch
+from shardc.program.draws import Draws, program_sites, stage_draws
 from shardc.program.module import ShardedModule
 from shardc.program.report import CommReport, CommRow, comm_report
 from shardc.runtime.groups import axis_groups, pipe_group
@@ -45,11 +46,6 @@ from shardc.runtime.volume import as_number
 _aten = torch.ops.aten
 _LOSSES = {_aten.cross_entropy_loss.default: (2, 3, 4), _aten.nll_loss.default: (2, 3, 4),
            _aten.nll_loss_nd.default: (2, 3, 4)}  # arg positions: weight, reduction, ignore_index
-# ops that draw random numbers in the pre-dispatch graph
-_RANDOM = {_aten.dropout.default, _aten.native_dropout.default, _aten.bernoulli.p, _aten.bernoulli.default,
-           _aten.rand.default, _aten.randn.default, _aten.rand_like.default, _aten.randn_like.default,
-           _aten.randint.low, _aten.randint.default, _aten.feature_dropout.default,
-           _aten.alpha_dropout.default}
 _CARRIERS = {_aten.alias.default, _aten.clone.default, _aten.view.default, _aten.reshape.default,
              _aten._to_copy.default, _aten.to.dtype, _aten.contiguous.default, _aten.squeeze.default}
 # options the pipeline does not run yet, with what the stage program would have to do
@@ -163,7 +159,7 @@ class PipelineModule(nn.Module):
 
     def __init__(self, program: ShardedModule, stages: list[Stage], mesh: Mesh, rank: int,
                  options: Options, microbatches: int, loss_rule: tuple[str, Any],
-                 model: nn.Module) -> None:
+                 model: nn.Module, draws: Draws | None = None) -> None:
         super().__init__()
         # the model's names: its parameters in order, each state-dict key's tensor (a tied
         # parameter's second name reads the first's) and what no stage holds
@@ -192,6 +188,9 @@ class PipelineModule(nn.Module):
         self._split = options.schedule == "zero_bubble"  # backward as B then W
         self._loss_rule = loss_rule
         self.p2p = P2P(mesh, rank)
+        # one device's dropout masks, handed to this stage micro-batch by micro-batch
+        # (shardc/program/draws.py); None: each micro-batch draws its own
+        self._draws = draws
         self._step_grads: dict[str, torch.Tensor | None] = {}
         # parameters read by several stages (a tied embedding and head): which stages
         holders: dict[str, list[int]] = {}
@@ -246,16 +245,46 @@ class PipelineModule(nn.Module):
         params = [p for p in self.parameters()]
         training = torch.is_grad_enabled() and any(p.requires_grad for p in params)
         weights = self._weights(chunks) if self.index == self.mesh.pipe - 1 else None
+        with self._one_devices_draws():
+            return self._step(chunks, params, training, weights)
+
+    @contextlib.contextmanager
+    def _one_devices_draws(self) -> Iterator[None]:
+        """The step's draws made as one device makes them, up front, and handed to this
+        stage's program for the whole step (shardc/program/draws.py)."""
+        if self._draws is None:
+            yield
+            return
+        rt = self.program.runtime
+        self._draws.replay(_device_of(self.program))
+        rt.draws = self._draws.source
+        try:
+            yield
+        finally:
+            rt.draws = None
+            self._draws.release()
+
+    def _at(self, k: int) -> None:
+        """Micro-batch ``k`` runs next: its rows of each draw."""
+        if self._draws is not None:
+            self._draws.k = k
+
+    def _step(self, chunks: list[list[Any]], params: list[nn.Parameter], training: bool,
+              weights: Any) -> torch.Tensor:
+        m = self.microbatches
         if not training:
+            evaluated: list[Any] = []
             with torch.no_grad():
-                losses: list[Any] = [self._forward(k, chunks[k], keep=False)[2] for k in range(m)]
+                for k in range(m):
+                    self._at(k)
+                    evaluated.append(self._forward(k, chunks[k], keep=False)[2])
             self.p2p.finish()
-            return self._share_loss(losses, weights)
+            return self._share_loss(evaluated, weights)
         old = {n: p.grad for n, p in self.named_parameters()}
         for p in params:
             p.grad = None
         saved: dict[int, Any] = {}
-        losses = [None] * m
+        losses: list[Any] = [None] * m
         order = actions(self.schedule, self.mesh.pipe, self.index, m)
         # the action that makes the step's last parameter gradients reduces them all
         last_b = max(i for i, (kind, _) in enumerate(order) if kind == ("W" if self._split else "B"))
@@ -268,6 +297,7 @@ class PipelineModule(nn.Module):
                 self.p2p.waited = 0.0
                 # a profiler range per action: shardc trace draws the schedule as it ran
                 with torch.profiler.record_function(f"shardc.pipe {kind}{k}"):
+                    self._at(k)  # a block recomputed in backward draws what its forward drew
                     if kind == "F":
                         saved[k] = self._forward(k, chunks[k], keep=True)
                         losses[k] = saved[k][2]
@@ -591,11 +621,9 @@ def _per_microbatch(r: CommRow) -> bool:
     return r.phase == "backward" and not (r.param is not None and r.collective == "reduce_scatter")
 
 
-def _draws(n: fx.Node) -> bool:
-    """Does ``n`` draw random numbers? (A dropout of probability 0 draws none.)"""
-    if n.op != "call_function" or n.target not in _RANDOM:
-        return False
-    return not ("dropout" in str(n.target) and len(n.args) > 1 and n.args[1] == 0)
+def micro_rows(micro: tuple) -> int:
+    """One micro-batch's rows (the batch dim of the inputs, cut into micro-batches)."""
+    return next((x.shape[0] for x in micro if isinstance(x, torch.Tensor) and x.dim() > 0), 1)
 
 
 def _now() -> float:
@@ -648,6 +676,7 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, option
                 f"of data x z = {n} shards each do not divide; use a multiple of {m * n}.")
     rank = dist.get_rank()
     failure: Exception | None = None
+    why: str | None = None  # why one device's draws cannot be handed to this stage
     module: PipelineModule | None = None
     try:
         micro = tuple(_microbatch(x, m, 0) for x in example_inputs)
@@ -678,28 +707,42 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, option
         program = build(st.module, mesh, tuple(stage_inputs), options, rank, layouts or None,
                         blocks=st.blocks, cast_at_use=False)
         validate.after_compile(program, st.module, tuple(stage_inputs))
-        if model.training and any(_draws(n) for n in gm.graph.nodes):
-            warnings.warn(
-                "shardc.compile: with pipe > 1 each stage draws its random numbers (dropout masks) "
-                "micro-batch by micro-batch, so they are not the numbers one device draws for the "
-                "whole batch: the same distribution, not the same values (docs/pipeline.md).",
-                ShardcWarning, stacklevel=3)
-        module = PipelineModule(program, stages, mesh, rank, options, m, _loss_rule(gm), model)
+        every = stage_draws(stages, micro_rows(micro), n)
+        if isinstance(every, list):
+            why = program_sites(program, [d for d in every if d.stage == st.index])
+        else:
+            why = every
+        draws = Draws(every, st.index, m, n) if isinstance(every, list) and every and why is None else None
+        module = PipelineModule(program, stages, mesh, rank, options, m, _loss_rule(gm), model, draws)
     except Exception as e:  # noqa: BLE001 - every rank learns of it below, then it is raised
         failure = e
     # a rank whose stage failed to compile must not leave the others waiting in a send
     got: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(got, None if failure is None else f"{type(failure).__name__}: {failure}")
+    mine = (None if failure is None else f"{type(failure).__name__}: {failure}", why)
+    dist.all_gather_object(got, mine)
     if failure is not None:
         raise failure
-    bad = [(r, msg) for r, msg in enumerate(got) if msg is not None]
+    bad = [(r, msg) for r, (msg, _) in enumerate(got) if msg is not None]
     if bad:
         r, msg = bad[0]
         raise ShardcError(f"shardc.compile: rank {r} failed to compile its pipeline stage: {msg}")
+    # one device's draws only if every stage can take them: the replay moves every rank's
+    # generator, and a stage that drew on its own would move it otherwise
+    unmatched = [(r, w) for r, (_, w) in enumerate(got) if w is not None]
+    assert module is not None
+    if unmatched and model.training:
+        module._draws = None
+        r, w = unmatched[0]
+        warnings.warn(
+            "shardc.compile: with pipe > 1 each stage draws its random numbers (dropout masks) "
+            f"micro-batch by micro-batch, not as one device draws them for the whole batch ({w}, "
+            f"rank {r}): the same distribution, not the same values (docs/pipeline.md).",
+            ShardcWarning, stacklevel=3)
+    elif unmatched:
+        module._draws = None
     # every rank makes the mesh's groups here (new groups are collective over the world):
     # made lazily, at a stage's first forward, they hung the step, since the later
     # stages' ranks are then waiting in a receive, not in the group's creation
     axis_groups(mesh)
-    assert module is not None
     return module
 
