@@ -160,11 +160,13 @@ def test_sharded_optimizer_in_stages_trains_like_one_device(ranks: Any, case: tu
 # the whole batch (shardc/program/draws.py), so a model with dropout is judged exactly as
 # the cases above: with data (chunk k of every shard's rows), x (sequence parallelism
 # applies the mask to cut tokens), z, zero bubble, four stages, block recompute (a block
-# recomputed in backward is handed the same rows), and GPT-2's dropouts, attention's too
+# recomputed in backward is handed the same rows), the inductor backend (draws run
+# eagerly between its compiled pieces), and GPT-2's dropouts, attention's too
 DROPOUT_CASES = [("gpt-dropout", "p2x1y1z1d1", "1f1b", 2), ("gpt-dropout", "p2x1y1z1d2", "gpipe", 4),
                  ("gpt-dropout", "p2x2y1z1d1", "zero_bubble", 2), ("gpt-dropout", "p4x1y1z1d1", "1f1b", 4),
                  ("gpt2-dropout", "p2x1y1z1d2", "1f1b", 2), ("gpt2-dropout", "p2x1y1z2d1", "gpipe", 2),
-                 ("gpt-dropout", "p2x1y1z1d2", "1f1b", 2, {"activation_checkpoint": "blocks"})]
+                 ("gpt-dropout", "p2x1y1z1d2", "1f1b", 2, {"activation_checkpoint": "blocks"}),
+                 ("gpt-dropout", "p2x1y1z1d1", "1f1b", 2, {"backend": "inductor"})]
 
 
 def _dropout_case(rank: int, world: int, case: tuple) -> None:
@@ -176,7 +178,7 @@ def _dropout_case(rank: int, world: int, case: tuple) -> None:
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("case", DROPOUT_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-m{c[3]}{'-recompute' if len(c) > 4 else ''}")
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-m{c[3]}" + "".join(f"-{v}" for v in (c[4] if len(c) > 4 else {}).values()))
 def test_dropout_draws_one_devices_masks(ranks: Any, case: tuple) -> None:
     ranks.run(_dropout_case, shardc.Mesh.parse(case[1]).world_size, case)
 
