@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import MLPChain
+from models import GPT, MLPChain
 
 import shardc
 from shardc.core.machine import Machine
@@ -218,3 +218,39 @@ def test_pipeline_planning_needs_a_machine_that_prices_compute() -> None:
                                                     exact_top=1, **kw) if c.mesh.pipe > 1}
     plain, zero = staged(), staged(shard_optimizer=True)
     assert zero["p2x1y1z1d2"].param_bytes_per_rank == plain["p2x1y1z1d2"].param_bytes_per_rank / 2
+
+
+def test_context_meshes_are_planned_where_a_sequence_does_not_fit() -> None:
+    """``context=True`` ranks meshes that cut the sequence beside the 4D ones, each from its
+    own compiled pattern: the ring's sends are its ``context`` bytes, equal to the
+    compiled program's report. By default they are ranked only where nothing without
+    them fits: on a machine whose memory a 1k-token sequence's activations overflow
+    on every 4D mesh, the plan is of context meshes alone, and ``context=False`` fits
+    nothing."""
+    from dataclasses import replace
+
+    from shardc.program.offline import compile_offline
+
+    model = GPT(layers=2, seq=1024)
+    batch = (torch.randint(0, 64, (2, 1024)), torch.randint(0, 64, (2, 1024)))
+    everything = shardc.plan(model, 4, "perlmutter", batch, context=True, exact_top=20)
+    cut = [c for c in everything if c.mesh.context > 1]
+    whole = [c for c in everything if c.mesh.context == 1]
+    assert cut and whole
+    assert all(c.exact for c in everything)  # every pattern compiled for itself
+    best_cut = min(cut, key=lambda c: c.memory_bytes_per_rank)
+    report = shardc.comm_report(compile_offline(model, batch, best_cut.mesh, refuse_indivisible=True))
+    for axis, b in best_cut.bytes_per_axis.items():
+        assert float(report.total_bytes(axis=axis)) == pytest.approx(b, rel=1e-9, abs=1e-6), axis
+    assert best_cut.bytes_per_axis["context"] > 0
+    # the default on a machine with room: the 4D meshes alone, as before
+    assert all(c.mesh.context == 1 for c in shardc.plan(model, 4, "perlmutter", batch, exact_top=3))
+    # a machine that holds the leanest context mesh and no 4D one
+    lo = min(c.memory_bytes_per_rank for c in whole)
+    assert best_cut.memory_bytes_per_rank < lo
+    tight = replace(Machine.preset("perlmutter"), memory_bytes=(lo + best_cut.memory_bytes_per_rank) / 2)
+    p = shardc.plan(model, 4, tight, batch, exact_top=3)
+    assert p and all(c.mesh.context > 1 for c in p)
+    assert any(d.reason.startswith("memory") and d.mesh.context == 1 for d in p.dropped)
+    with pytest.raises(shardc.ShardcError, match="no mesh of 4 ranks fits"):
+        shardc.plan(model, 4, tight, batch, exact_top=3, context=False, pipeline=False)

@@ -35,7 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from shardc.core.context import GLOBAL_VAL, PLACEMENT
 from shardc.core.machine import Machine
-from shardc.core.mesh import AXES, Mesh
+from shardc.core.mesh import CUT_AXES, Mesh
 from shardc.passes.schedule import SCHEDULE
 from shardc.passes.step_nodes import collective_nodes
 from shardc.planning.memory import alias_of
@@ -70,6 +70,12 @@ class StepShape:
 
     def traffic_for(self, sizes: dict[str, int]) -> float:
         return per_rank(self.traffic, sizes)
+
+
+def axis_sizes(mesh: Mesh) -> dict[str, int]:
+    """Axis name -> size for every axis that cuts a tensor (the 4D grid and ``context``):
+    what the planner's terms are divided by."""
+    return {a: mesh.size(a) for a in CUT_AXES}
 
 
 def per_rank(terms: Sequence[tuple[float, tuple[str, ...]]], sizes: dict[str, int]) -> float:
@@ -207,15 +213,15 @@ def predict(shape: StepShape | None, bytes_per_axis: dict[str, float], mesh: Mes
     """The step time of ``mesh`` (a member of ``shape``'s pattern) on ``machine``;
     without a shape (a machine of bandwidth alone), its communication time."""
     bw = {a: (bytes_per_axis[a] / machine.axis_bandwidth(mesh, a) if bytes_per_axis.get(a) else 0.0)
-          for a in AXES}
+          for a in CUT_AXES}
     if shape is None:
-        return StepTime(0.0, bw, {a: 0.0 for a in AXES}, 0.0)
-    lat = {a: shape.calls.get(a, 0) * machine.axis_latency(mesh, a) for a in AXES}
-    sizes = mesh.sizes
+        return StepTime(0.0, bw, {a: 0.0 for a in CUT_AXES}, 0.0)
+    lat = {a: shape.calls.get(a, 0) * machine.axis_latency(mesh, a) for a in CUT_AXES}
+    sizes = axis_sizes(mesh)
     compute = (shape.flops_for(sizes) / machine.gemm_flops if machine.gemm_flops else 0.0) \
         + (shape.traffic_for(sizes) / machine.memory_bandwidth if machine.memory_bandwidth else 0.0) \
         + shape.ops * machine.op_overhead
     hideable = sum(machine.bandwidth_overlap * bw[a] * shape.overlapped_share.get(a, 0.0)
                    + machine.latency_overlap * shape.overlapped_calls.get(a, 0)
-                   * machine.axis_latency(mesh, a) for a in AXES)
+                   * machine.axis_latency(mesh, a) for a in CUT_AXES)
     return StepTime(compute, bw, lat, min(hideable, compute))

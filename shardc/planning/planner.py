@@ -38,11 +38,11 @@ from rich.table import Table
 from shardc.core.context import GLOBAL_VAL, KIND, PLACEMENT, SOURCE
 from shardc.core.errors import OptionError, ShardcError
 from shardc.core.machine import Machine
-from shardc.core.mesh import AXES, Mesh
+from shardc.core.mesh import CONTEXT, CUT_AXES, GRID_AXES, Mesh
 from shardc.core.options import EXPERT_AXES, Options
 from shardc.passes.rules.routing import find_regions
 from shardc.passes.trace import signature, trace
-from shardc.planning.cost import StepShape, StepTime, per_rank, predict, step_shape
+from shardc.planning.cost import StepShape, StepTime, axis_sizes, per_rank, predict, step_shape
 from shardc.planning.memory import estimate
 from shardc.planning.stages import StageShares, pipeline_terms, stage_shares
 from shardc.program.offline import compile_offline
@@ -50,6 +50,7 @@ from shardc.program.pipeline import refuse_with_stages
 from shardc.program.report import comm_report
 from shardc.runtime.volume import ring_factor
 
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
 # fp32 weight, gradient and AdamW's two moments; mixed precision with fp32 master weights
 # also comes to 16 (2 + 2 + 4 + 4 + 4), the ZeRO paper's figure
 BYTES_PER_PARAMETER = 16
@@ -164,7 +165,7 @@ class _Pattern:
     step: StepShape | None = None  # calls, ops, overlaps, FLOPs: machines that model them
 
     def bytes_per_axis(self, sizes: dict[str, int]) -> dict[str, float]:
-        out = {a: 0.0 for a in AXES}
+        out = {a: 0.0 for a in CUT_AXES}
         for coll, axis, num, divs, times in self.comm:
             g = sizes[axis]
             v = num * (g if times else 1) / math.prod(sizes[d] for d in divs)
@@ -173,7 +174,7 @@ class _Pattern:
 
 
 def _pattern_of(mesh: Mesh) -> tuple[bool, ...]:
-    return tuple(mesh.size(a) > 1 for a in AXES)
+    return tuple(mesh.size(a) > 1 for a in CUT_AXES)
 
 
 def _local_terms(n: fx.Node) -> tuple[int, tuple[str, ...]] | None:
@@ -217,7 +218,7 @@ def _activation_terms(gm: fx.GraphModule, checkpointing: bool) -> list[tuple[int
                 inputs.append(ta)
     if not checkpointing or not per_block:
         return everything
-    two = {a: 2 for a in AXES}
+    two = {a: 2 for a in CUT_AXES}
     biggest = max(per_block.values(), key=lambda ts: per_rank(ts, two))
     return outside + inputs + biggest
 
@@ -314,7 +315,7 @@ def _weight_gemms(ep: torch.export.ExportedProgram) -> list[_Gemm]:
 def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
          example_inputs: tuple, *, checkpointing: bool = False, exact_top: int = 10,
          verify: bool = True, memory: str = "formula", optimizer: str | int = "adamw",
-         pipeline: bool | None = None, **compile_kw: Any) -> Plan:
+         pipeline: bool | None = None, context: bool | None = None, **compile_kw: Any) -> Plan:
     """Every mesh of ``world_size`` ranks, ranked by predicted step time (communication
     time on a machine of bandwidth alone: ``Candidate`` has the terms); the
     ones the model or batch does not divide, or that do not fit in device memory, are in
@@ -345,6 +346,12 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
     no 4D mesh fits in memory; ``False`` never. A pipeline candidate's ``options`` carry its
     ``microbatches`` (``compile``'s, else ``pipe``); its memory is the formula's even
     with ``memory="traced"``, and ``verify`` checks 4D winners only.
+
+    Context parallelism (``context``): ``True`` ranks the meshes with ``context > 1`` (the
+    sequence cut, attention by a ring: ``docs/long_sequences.md``) beside the others, each
+    compiled for its pattern like a 4D mesh, the ring's sends in its ``context`` terms;
+    ``None`` (the default) ranks them where the model attends and no mesh without them
+    fits in memory (a sequence whose activations one rank cannot hold); ``False`` never.
     """
     if memory not in ("formula", "traced"):
         raise ValueError(f"shardc.plan: memory must be 'formula' or 'traced', got {memory!r}.")
@@ -360,20 +367,25 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
     routed = any(n.target in r.gemms for r in find_regions(traced.graph_module.graph) for n in r.kinds)
     weight_elements = sum({g.param: g.k * g.n for g in gemms}.values())
     dropped: list[Dropped] = []
-    meshes: list[Mesh] = []
-    for m in Mesh.all(world_size):
-        if batch % (m.data * m.z):
-            dropped.append(Dropped(m, f"batch: {batch} sequences do not split over data x z = "
-                                      f"{m.data * m.z}"))
-            continue
-        # parameters, gradients and AdamW state of the GEMM weights alone, cut at most
-        # over x, y and z: a lower bound of the memory a rank needs
-        mem_lb = BYTES_PER_PARAMETER * weight_elements / (m.x * m.y * m.z)
-        if mem_lb > machine.memory_bytes:
-            dropped.append(Dropped(m, f"memory: at least {mem_lb / 2**30:.1f} GiB per rank of "
-                                      f"weights and optimizer state > {machine.memory_bytes / 2**30:.1f} GiB"))
-            continue
-        meshes.append(m)
+
+    def admitted(members: list[Mesh]) -> list[Mesh]:
+        out = []
+        for m in members:
+            if batch % (m.data * m.z):
+                dropped.append(Dropped(m, f"batch: {batch} sequences do not split over data x z = "
+                                          f"{m.data * m.z}"))
+                continue
+            # parameters, gradients and AdamW state of the GEMM weights alone, cut at most
+            # over x, y and z: a lower bound of the memory a rank needs
+            mem_lb = BYTES_PER_PARAMETER * weight_elements / (m.x * m.y * m.z)
+            if mem_lb > machine.memory_bytes:
+                dropped.append(Dropped(m, f"memory: at least {mem_lb / 2**30:.1f} GiB per rank of "
+                                          f"weights and optimizer state > {machine.memory_bytes / 2**30:.1f} GiB"))
+                continue
+            out.append(m)
+        return out
+
+    meshes = admitted(Mesh.all(world_size))
     if not meshes and pipeline is not None and not pipeline:
         _nothing_fits(world_size, machine, dropped)
 
@@ -411,7 +423,7 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
         if not by_pattern:
             return [], []
         # the first estimate: every axis in use, so every term of every pattern is present
-        full = tuple(any(p[i] for p in by_pattern) for i in range(len(AXES)))
+        full = tuple(any(p[i] for p in by_pattern) for i in range(len(CUT_AXES)))
         first = analysis_for(full, by_pattern.get(full, []))
         evaluated: dict[Mesh, Candidate | Dropped] = {}
         exact_patterns: set[tuple[bool, ...]] = set()
@@ -447,6 +459,14 @@ def plan(model: torch.nn.Module, world_size: int, machine: Machine | str,
                           [m for m in meshes if all(m.size(a) > 1 for a in axes)])
         cands += more
         dropped += [replace(d, reason=f"expert_axes={axes}: {d.reason}") for d in lost]
+    attends = any(n.target is _SDPA for n in traced.graph_module.graph.nodes)
+    if context or (context is None and attends and not cands):
+        # the sequence cut over context: its ring's sends are the comm report's context
+        # rows, and every activation is cut, so a sequence too long for 4D meshes fits
+        more, lost = rank(compile_kw, admitted(
+            [m for m in Mesh.all(world_size, GRID_AXES + (CONTEXT,)) if m.context > 1]))
+        cands += more
+        dropped += lost
     spans_nodes = world_size > machine.gpus_per_node and bool(machine.gemm_flops)
     if pipeline or (pipeline is None and (not cands or spans_nodes)):
         more, lost = _staged_candidates(model, inputs, world_size, machine, batch, weight_elements,
@@ -528,7 +548,7 @@ def _with_stages(m: Mesh, p: int) -> Mesh:
 def _staged(c: Candidate, p: int, m: int, schedule: str, shares: StageShares, machine: Machine) -> Candidate:
     mesh = _with_stages(c.mesh, p)
     st = c.step
-    zeros = {a: 0.0 for a in AXES}
+    zeros = {a: 0.0 for a in CUT_AXES}
     t = pipeline_terms(shares, m, schedule, mesh, machine,
                        st.bandwidth if st is not None else c.per_axis_s,
                        st.latency if st is not None else zeros,
@@ -555,7 +575,7 @@ def _expert_axes_to_try(routed: bool, compile_kw: dict) -> list[tuple[str, ...]]
 
 def _evaluate(m: Mesh, a: _Pattern, machine: Machine, exact: bool,
               experts: tuple[str, ...] | None = None) -> Candidate | Dropped:
-    sizes = m.sizes
+    sizes = axis_sizes(m)
     bad = next(((n, axes, what) for n, axes, what in a.constraints
                 if n % math.prod(sizes[x] for x in axes)), None)
     if bad is not None:
@@ -573,7 +593,7 @@ def _evaluate(m: Mesh, a: _Pattern, machine: Machine, exact: bool,
         step = predict(a.step, per_axis_bytes, m, machine)
     except ValueError as e:
         return Dropped(m, f"machine: {e}")
-    per_axis = {x: step.bandwidth[x] + step.latency[x] for x in AXES}
+    per_axis = {x: step.bandwidth[x] + step.latency[x] for x in CUT_AXES}
     return Candidate(m, step.comm, per_axis, mem, pbytes, abytes, per_axis_bytes, exact,
                      step if a.step is not None else None, experts)
 
@@ -590,7 +610,7 @@ def _nothing_fits(world_size: int, machine: Machine, dropped: list[Dropped]) -> 
 
 
 def _smallest_of_pattern(pattern: tuple[bool, ...], batch: int) -> Mesh | None:
-    sizes = {a: (2 if on else 1) for a, on in zip(AXES, pattern)}
+    sizes = {a: (2 if on else 1) for a, on in zip(CUT_AXES, pattern)}
     m = Mesh(**sizes)
     return m if batch % (m.data * m.z) == 0 else None
 
@@ -620,7 +640,7 @@ def _verify(model: torch.nn.Module, inputs: tuple, best: Candidate, compile_kw: 
     """Compile the winner for real: its report must equal the pattern's prediction."""
     rep = comm_report(compile_offline(model, inputs, best.mesh, refuse_indivisible=True,
                                       **compile_kw, **best.options))
-    for a in AXES:
+    for a in CUT_AXES:
         got, want = float(rep.total_bytes(axis=a)), best.bytes_per_axis[a]
         if not math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-6):
             raise AssertionError(f"shardc.plan: the prediction for {best.mesh} over {a} ({want}) "
@@ -628,18 +648,20 @@ def _verify(model: torch.nn.Module, inputs: tuple, best: Candidate, compile_kw: 
 
 
 def print_plan(model: torch.nn.Module, inputs: tuple, world_size: int, machine: str, top: int = 10,
-               checkpointing: bool = False, pipeline: bool | None = None) -> Plan:
+               checkpointing: bool = False, pipeline: bool | None = None,
+               context: bool | None = None) -> Plan:
 
 
     t0 = time.perf_counter()
     p = plan(model, world_size, machine, inputs, checkpointing=checkpointing, exact_top=max(top, 1),
-             pipeline=pipeline)
+             pipeline=pipeline, context=context)
     took = time.perf_counter() - t0
     t = Table(title=f"top {min(top, len(p))} of {len(p)} meshes for {world_size} ranks on "
                     f"{p.machine.name} (planned in {took:.1f} s)")
     step = p.machine.models_step()
     staged = any(c.mesh.pipe > 1 for c in p[:top])
-    axes = list(AXES) + (["pipe"] if staged else [])
+    axes = [a for a in CUT_AXES if a != CONTEXT or any(c.mesh.context > 1 for c in p[:top])]
+    axes += ["pipe"] if staged else []
     cols = ["rank", "mesh"] + [f"t_{a} (s)" for a in axes] + ["comm (s)"]
     cols += ["compute (s)", "hidden (s)"] + (["bubble (s)"] if staged else []) + ["step (s)"] if step else []
     for col in cols + ["memory/rank"]:

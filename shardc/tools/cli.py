@@ -67,7 +67,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     model, inputs = load_spec(args.spec)
     print_plan(model, inputs, world_size=args.world_size, machine=args.machine, top=args.top,
-               checkpointing=args.checkpointing, pipeline=args.pipeline)
+               checkpointing=args.checkpointing, pipeline=args.pipeline, context=args.context)
     return 0
 
 
@@ -155,6 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="rank meshes with pipeline stages too (needs a machine that states its "
                          "compute); default: where the world spans nodes on such a machine, or "
                          "when no 4D mesh fits")
+    pl.add_argument("--context", action=argparse.BooleanOptionalAction, default=None,
+                    help="rank meshes with the sequence cut over context too (attention by a "
+                         "ring); default: for a model that attends, when no mesh without it fits")
     pl.set_defaults(fn=cmd_plan)
 
     pm = sub.add_parser("profile-machine", help="measure the intra-node bandwidth table")
