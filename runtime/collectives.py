@@ -77,6 +77,9 @@ class Runtime:
         self.routed: dict[str, list[int]] = {}
         # and how they were spread over the experts and ranks (runtime.experts.ExpertLoad)
         self.expert_load: dict[str, Any] = {}
+        # a pipeline stage runs its expert segments once a micro-batch: while True, each
+        # call adds its rows to the step's (the pipeline clears them when a step starts)
+        self.routed_adds = False
         # gradient accumulation (``ShardedModule.no_sync``): while ``sync`` is False the
         # backward skips every gradient reduction. A weight's full, unreduced gradient
         # waits in ``deferred`` (keyed by its all-gather node) for the next synced

@@ -59,6 +59,10 @@ class _Stash(threading.local):
 
     def __init__(self) -> None:
         self.saved: dict[tuple[str, str], "_Saved"] = {}
+        # the same, for autograd's context to take (``_setup``): several calls of one
+        # segment can await their backward at once (a pipeline's micro-batches in
+        # flight), and each must get its own
+        self.last: dict[tuple[str, str], "_Saved"] = {}
 
 
 STASH = _Stash()
@@ -89,6 +93,14 @@ class ExpertLoad:
     sent_per_expert: list[int]  # this rank's token-expert rows bound for each expert (all E)
     received_per_rank: list[int]  # rows this rank's experts got from each rank of the last axis
     received_per_expert: list[int]  # rows each of this rank's experts got, from every rank
+
+    def plus(self, other: "ExpertLoad") -> "ExpertLoad":
+        """Both calls' rows (a pipeline step's micro-batches)."""
+        def add(a: list[int], b: list[int]) -> list[int]:
+            return [x + y for x, y in zip(a, b)]
+        return ExpertLoad(self.axis, add(self.sent_per_expert, other.sent_per_expert),
+                          add(self.received_per_rank, other.received_per_rank),
+                          add(self.received_per_expert, other.received_per_expert))
 
 
 @dataclass
@@ -197,8 +209,15 @@ def expert_region(rows: list[torch.Tensor], offs: torch.Tensor, others: list[tor
         rows, counts, base, span, hop = _hop(rows, counts, base, span, rt, a, phase)
         hops.append(hop)
     local = counts[base:base + span]
-    r.expert_load[key] = ExpertLoad(axis, first.tolist(), hops[-1].got, local.tolist())
-    r.routed[key] = [sum(h.got) for h in hops]
+    load = ExpertLoad(axis, first.tolist(), hops[-1].got, local.tolist())
+    routed = [sum(h.got) for h in hops]
+    if r.routed_adds and key in r.routed:
+        if not r.recomputing:  # a recomputed block routes its rows again: the same ones
+            r.expert_load[key] = r.expert_load[key].plus(load)
+            r.routed[key] = [a + b for a, b in zip(r.routed[key], routed)]
+    else:
+        r.expert_load[key] = load
+        r.routed[key] = routed
     with _autograd_inside():
         # contiguous: an expert weight arrives as the view the model made of it (transformers
         # transposes it for the GEMM), and a GEMM on it, and into its gradient, is slower
@@ -206,7 +225,7 @@ def expert_region(rows: list[torch.Tensor], offs: torch.Tensor, others: list[tor
                   for t in [*rows, *others]]
         outs = list(seg.fn(*leaves[:len(rows)], torch.cumsum(local, 0).to(offs.dtype),
                            *leaves[len(rows):]))
-    STASH.saved[(rt, key)] = _Saved(leaves, outs, hops)
+    STASH.saved[(rt, key)] = STASH.last[(rt, key)] = _Saved(leaves, outs, hops)
     return _back([o.detach() for o in outs], hops, rt, phase)
 
 
@@ -254,6 +273,7 @@ def _(grads: list[torch.Tensor], rt: str, axis: str, key: str) -> list[torch.Ten
 def _setup(ctx: Any, inputs: tuple, output: Any) -> None:
     rows, _offs, others, _experts, rt, axis, key = inputs
     ctx.info = (rt, axis, key)
+    ctx.saved = STASH.last.pop((rt, key), None)  # None while a trace runs the fake op
     ctx.outs = [(o.shape, o.dtype, o.device) for o in output]
     ctx.floating = ([t.is_floating_point() for t in rows], [t.is_floating_point() for t in others])
 
@@ -263,6 +283,8 @@ def _backward(ctx: Any, grads: list[torch.Tensor]) -> tuple:
     seg = SEGMENTS[key]
     grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
              for g, (shape, dtype, device) in zip(grads, ctx.outs)]
+    if ctx.saved is not None:  # this call's, not the segment's latest call's
+        STASH.saved[(rt, key)] = ctx.saved
     found = iter(expert_region_backward(list(grads), rt, axis, key))
     rows_f, others_f = ctx.floating
     g_rows = [next(found) if f else None for f in rows_f]

@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from harness import lm_batches
 
 import shardc
 
@@ -186,6 +187,52 @@ def test_experts_cut_with_other_options(ranks, options: dict) -> None:
     the rest sharded over the ranks that replicate each (shard_optimizer), and the
     options that run the program another way."""
     ranks.run(_one, 4, "olmoe", "x1y1z2d2", "z", options)
+
+
+# experts inside pipeline stages: each stage's expert segments run on its own ranks'
+# experts, once a micro-batch, with several micro-batches in flight (GPipe holds all of
+# them, each backward with its own routing); the routed rows add up over the step, so
+# the bytes handed to torch.distributed equal the report's (test_pipeline_gloo's judge)
+PIPE_CASES = [("mixtral", "p2x1y1z1d2", "1f1b", 2, "data"), ("mixtral", "p2x1y1z1d2", "gpipe", 4, "data"),
+              ("gpt-oss", "p2x1y1z2d1", "gpipe", 2, "z"), ("qwen3-moe", "p2x1y1z2d1", "1f1b", 2, "z"),
+              ("olmoe", "p2x1y1z1d2", "1f1b", 2, "data", {"shard_optimizer": True})]
+
+
+def _in_stages(rank: int, world_size: int, case: tuple) -> None:
+    import transformers.integrations.moe as moe
+    from test_pipeline_gloo import _train_failures
+
+    moe._can_use_grouped_mm = lambda *args, **kwargs: False  # see _one
+    name, spec, schedule, m, axis, *extra = case
+    axes = tuple(axis.split(","))
+    opts = {"expert_axes": axes, **(extra[0] if extra else {})}
+    failures = _train_failures(name, spec, schedule, m, make=MOES[name], opts=opts)
+    mesh = shardc.Mesh.parse(spec)
+    torch.manual_seed(0)
+    batch = lm_batches(1)[0]
+    sm = shardc.compile(MOES[name](), mesh, batch, schedule=schedule, microbatches=m, **opts)
+    g = math.prod(mesh.size(a) for a in axes)
+    weights = _expert_weights(sm.program)
+    if not weights:
+        failures.append(f"{name}@{spec}: stage {sm.index} holds no expert GEMM")
+    for pname, (local, whole) in weights.items():
+        if local[0] * g > whole[0]:
+            failures.append(f"{name}@{spec}: {pname} is {local} on a rank, of {whole}")
+    # the load over the step: every micro-batch's rows
+    sm(*[shardc.shard_batch(t, mesh) for t in batch]).backward()
+    sent = sum(sum(v.sent_per_expert) for v in sm.program.expert_load().values())
+    top_k = 2
+    rows = batch[0].numel() // (mesh.size("data") * mesh.size("z")) * top_k
+    if sent != rows * len(sm.program.expert_load()):
+        failures.append(f"{name}@{spec}: the step's load counts {sent} rows sent, not {rows} a segment")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=f"{c[0]}-{c[1]}-{c[2]}-m{c[3]}-{c[4]}") for c in PIPE_CASES])
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_experts_cut_in_pipeline_stages(ranks, case: tuple) -> None:
+    ranks.run(_in_stages, 4, case)
 
 
 def _checkpoint(rank: int, world_size: int, root: str) -> None:

@@ -303,6 +303,9 @@ def _refusals(rank: int, world: int) -> None:
     with pytest.raises(shardc.OptionError, match="activation_checkpoint='blocks' with schedule='zero_bubble'"):
         shardc.compile(GPT(layers=4), "p2x1y1z1d2", example_inputs=batch, schedule="zero_bubble",
                        activation_checkpoint="blocks")
+    with pytest.raises(shardc.OptionError, match=r"expert_axes=\('data',\) with schedule='zero_bubble'"):
+        shardc.compile(GPT(layers=4), "p2x1y1z1d2", example_inputs=batch, schedule="zero_bubble",
+                       expert_axes=("data",))
     with pytest.raises(shardc.OptionError, match="bucket_mb=4 with schedule='zero_bubble'"):
         shardc.compile(GPT(layers=4), "p2x1y1z1d2", example_inputs=batch, schedule="zero_bubble", bucket_mb=4)
     with pytest.raises(shardc.ShardcError, match=r"returns its loss, one floating-point scalar.* "

@@ -26,7 +26,7 @@ fi
 # the one-process tier (fake process groups), then the gloo tests the range broke
 tier=(tests/test_torch_range.py tests/test_layers.py tests/test_options.py tests/test_compile.py tests/test_step_passes.py
       tests/test_placement.py tests/test_mesh.py tests/test_agreement.py tests/test_memory_options.py
-      tests/test_stages.py tests/test_ring.py tests/test_sequence_parallel.py)
+      tests/test_stages.py tests/test_ring.py tests/test_sequence_parallel.py tests/test_planner.py)
 gloo=(tests/test_step_graph_gloo.py tests/test_hash_seed_gloo.py tests/test_backend_inductor.py tests/test_experts.py
       tests/test_experts_gloo.py tests/test_pipeline_gloo.py tests/test_context_gloo.py
       tests/test_sequence_parallel_gloo.py)

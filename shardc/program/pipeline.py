@@ -38,7 +38,7 @@ from shardc.program import validate
 from shardc.program.build import build, check_batch
 from shardc.program.draws import Draws, program_sites, stage_draws
 from shardc.program.module import ShardedModule
-from shardc.program.report import CommReport, CommRow, comm_report
+from shardc.program.report import ROUTED, CommReport, CommRow, comm_report
 from shardc.runtime.groups import axis_groups, pipe_group
 from shardc.runtime.pipeline import P2P, SplitBackward, actions, bubble_fraction
 from shardc.runtime.volume import as_number
@@ -50,8 +50,7 @@ _CARRIERS = {_aten.alias.default, _aten.clone.default, _aten.view.default, _aten
              _aten._to_copy.default, _aten.to.dtype, _aten.contiguous.default, _aten.squeeze.default}
 # options the pipeline does not run yet, with what the stage program would have to do
 _NOT_YET = {
-    "reshard_after_forward": False, "gemm_modes": "default",
-    "expert_axes": None}
+    "reshard_after_forward": False, "gemm_modes": "default"}
 
 
 def refuse_with_stages(options: Options, input_layouts: Any) -> None:
@@ -68,6 +67,12 @@ def refuse_with_stages(options: Options, input_layouts: Any) -> None:
             "schedule='zero_bubble': its backward runs in two passes (input gradients, then weight "
             "gradients later), and each would recompute every block, its collectives too. Use "
             "schedule='1f1b' or 'gpipe' with recompute.")
+    if options.expert_axes and options.schedule == "zero_bubble":
+        raise OptionError(
+            f"shardc.compile: expert_axes={options.expert_axes!r} with schedule='zero_bubble': an "
+            "expert segment's backward is one op that makes its rows' and its experts' gradients "
+            "together, so it cannot be split into the input pass and a later weight pass. Use "
+            "schedule='1f1b' or 'gpipe' with expert parallelism.")
     if input_layouts:
         raise OptionError("shardc.compile: input_layouts with pipe > 1 is not supported yet: a "
                           "pipeline's inputs arrive as shard_batch cuts them (dim 0 over data and z).")
@@ -186,6 +191,8 @@ class PipelineModule(nn.Module):
         self.microbatches = microbatches
         self.schedule = options.schedule
         self._split = options.schedule == "zero_bubble"  # backward as B then W
+        # expert segments run once a micro-batch: the step's routed rows add up
+        program.runtime.routed_adds = True
         self._loss_rule = loss_rule
         self.p2p = P2P(mesh, rank)
         # one device's dropout masks, handed to this stage micro-batch by micro-batch
@@ -245,6 +252,8 @@ class PipelineModule(nn.Module):
         params = [p for p in self.parameters()]
         training = torch.is_grad_enabled() and any(p.requires_grad for p in params)
         weights = self._weights(chunks) if self.index == self.mesh.pipe - 1 else None
+        self.program.runtime.routed.clear()  # this step's routing, micro-batch by micro-batch
+        self.program.runtime.expert_load.clear()
         with self._one_devices_draws():
             return self._step(chunks, params, training, weights)
 
@@ -615,7 +624,10 @@ def _per_microbatch(r: CommRow) -> bool:
     """Does the stage program issue this collective once a micro-batch? Forward and
     backward activation collectives, yes; a weight gradient's reduction (a step row, or
     the reduce-scatter behind a weight's all-gather) is deferred by ``no_sync`` and issued
-    once, on the step's last backward."""
+    once, on the step's last backward. An expert row the routing sized holds the whole
+    last step's rows already (the stage adds up its micro-batches': ``Runtime.routed_adds``)."""
+    if ROUTED in r.op:
+        return False
     if r.phase == "forward":
         return True
     return r.phase == "backward" and not (r.param is not None and r.collective == "reduce_scatter")

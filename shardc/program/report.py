@@ -203,6 +203,10 @@ def build_rows(gm: fx.GraphModule, mesh: Mesh, storage: dict[str, Layout],
     return rows
 
 
+# the label of an expert row whose bytes the last step's routing decided
+ROUTED = "routed, last step"
+
+
 def expert_rows(n: fx.Node, mesh: Mesh, routed: dict[str, list[int]] | None) -> list[CommRow]:
     """The all-to-alls of one expert segment (``runtime.experts.expert_region``), one row
     each, in the order it issues them. Its experts are cut over one axis or several; the
@@ -221,7 +225,7 @@ def expert_rows(n: fx.Node, mesh: Mesh, routed: dict[str, list[int]] | None) -> 
     divs = tuple(a for a in (n.meta.get(PLACEMENT) or _first_layout(n)).dims[0])
     outs = list(n.meta[GLOBAL_VAL])
     floating_in = [x.meta[GLOBAL_VAL] for x in rows_in if x.meta[GLOBAL_VAL].dtype.is_floating_point]
-    label = "uniform-routing estimate" if got is None else "routed, last step"
+    label = "uniform-routing estimate" if got is None else ROUTED
 
     def row(what: str, phase: str, axis: str, t: Any, held: int | None) -> CommRow:
         """``held``: the rows sent, when the routing decided them (None: the rank's own)."""
