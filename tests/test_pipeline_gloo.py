@@ -202,6 +202,30 @@ class SummedGPT(GPT):
         return F.cross_entropy(self.head(self.ln_f(x)).flatten(0, 1), targets.flatten(), reduction="sum")
 
 
+class SquaresGPT(GPT):
+    """A loss summed by hand, not by a loss op: the squared error of the logits' softmax
+    against the targets' one-hot rows, summed over every row."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            x = b(x)
+        p = self.head(self.ln_f(x)).softmax(-1)
+        return (p - F.one_hot(targets.clamp(min=0), p.shape[-1]).to(p.dtype)).pow(2).sum() * 0.5
+
+
+class MaskedMeanGPT(GPT):
+    """A masked mean written as sum / count: each micro-batch's own count divides it."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            x = b(x)
+        per = F.cross_entropy(self.head(self.ln_f(x)).flatten(0, 1), targets.flatten(), reduction="none")
+        keep = (targets.flatten() % 3 != 0).to(per.dtype)
+        return (per * keep).sum() / keep.sum()
+
+
 class NoisyGPT(GPT):
     """Adds noise drawn for the features alone, not shaped like the batch: a draw whose
     rows no micro-batch owns, so the stages cannot be handed one device's."""
@@ -238,8 +262,11 @@ def _padded_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _loss_kinds(rank: int, world: int) -> None:
     failures = []
+    # a loss summed by hand: read from the graph as a sum over rows, the micro-batches'
+    # losses added, not averaged (which was m times too small)
     for name, make, spec in [("padded", lambda: PaddedGPT(layers=4), "p2x1y1z1d2"),
-                             ("summed", lambda: SummedGPT(layers=4), "p2x2y1z1d1")]:
+                             ("summed", lambda: SummedGPT(layers=4), "p2x2y1z1d1"),
+                             ("squares", lambda: SquaresGPT(layers=4), "p2x1y1z1d2")]:
         torch.manual_seed(0)
         model = make()
         failures += _train_failures(name, spec, "1f1b", 4, make=lambda model=model: model,
@@ -311,6 +338,9 @@ def _refusals(rank: int, world: int) -> None:
     with pytest.raises(shardc.ShardcError, match=r"returns its loss, one floating-point scalar.* "
                                                  r"it returns a tensor of shape \(4, 16, 64\)"):
         shardc.compile(LogitsGPT(layers=4), "p2x1y1z1d2", example_inputs=batch[:1])
+    # a loss that is not a mean over rows is averaged over micro-batches, and said
+    with pytest.warns(shardc.ShardcWarning, match=r"not a mean over rows \(aten\.sum\.default at"):
+        shardc.compile(MaskedMeanGPT(layers=4), "p4x1y1z1d1", example_inputs=batch)
     # a draw the stages cannot take from one device's is drawn stage by stage, and said
     with pytest.warns(shardc.ShardcWarning, match=r"random numbers .*aten\.randn\.default"):
         noisy = shardc.compile(NoisyGPT(layers=4), "p4x1y1z1d1", example_inputs=batch)

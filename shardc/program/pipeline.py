@@ -37,6 +37,7 @@ from shardc.passes.stages import Stage, cut_stages, local_casts, unlifted_graph
 from shardc.program import validate
 from shardc.program.build import build, check_batch
 from shardc.program.draws import Draws, program_sites, stage_draws
+from shardc.program.loss_terms import loss_terms
 from shardc.program.module import ShardedModule
 from shardc.program.report import ROUTED, CommReport, CommRow, comm_report
 from shardc.runtime.groups import axis_groups, pipe_group
@@ -88,13 +89,14 @@ def _microbatch(x: Any, m: int, k: int) -> Any:
 def _loss_rule(gm: fx.GraphModule) -> tuple[str, Callable[..., torch.Tensor] | None]:
     """How micro-batch losses add up: ("count", counter) for a mean cross-entropy whose
     targets come from the inputs alone (counter(*inputs) -> the rows it counts), ("sum",
-    None) for a summed one, else ("mean", None)."""
+    None) for a summed one or a sum of sums over rows, else ("mean", None)."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     node = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
     while isinstance(node, fx.Node) and node.target in _CARRIERS:
         node = node.args[0]
     if not isinstance(node, fx.Node) or node.target not in _LOSSES:
-        return "mean", None
+        # a sum of means (or of sums) over rows: read from the graph (loss_terms)
+        return loss_terms(gm)[0], None
     iw, ir, ii = _LOSSES[node.target]
     args = list(node.args) + [None] * 6
     weight = node.kwargs.get("weight", args[iw])
@@ -719,6 +721,14 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, option
         program = build(st.module, mesh, tuple(stage_inputs), options, rank, layouts or None,
                         blocks=st.blocks, cast_at_use=False)
         validate.after_compile(program, st.module, tuple(stage_inputs))
+        coupled = loss_terms(gm)[1]
+        if coupled is not None:
+            warnings.warn(
+                "shardc.compile: with pipe > 1 the loss is computed micro-batch by micro-batch and "
+                f"the micro-batches' losses averaged, but this loss is not a mean over rows ({coupled} "
+                "reduces over the batch's rows and feeds it), so the step's loss and gradients "
+                "differ from one device's on the global batch, as under gradient accumulation "
+                "(docs/pipeline.md).", ShardcWarning, stacklevel=3)
         every = stage_draws(stages, micro_rows(micro), n)
         if isinstance(every, list):
             why = program_sites(program, [d for d in every if d.stage == st.index])
