@@ -108,6 +108,7 @@ class _Saved:
     leaves: list[torch.Tensor]  # the segment's inputs (received rows, then others), as leaves
     outs: list[torch.Tensor]  # its outputs, attached to the leaves by autograd
     hops: list["_Hop"]  # the way the rows came
+    recomputed: bool = False  # made by a block's recompute, for the backward that follows
 
 
 @contextlib.contextmanager
@@ -225,7 +226,7 @@ def expert_region(rows: list[torch.Tensor], offs: torch.Tensor, others: list[tor
                   for t in [*rows, *others]]
         outs = list(seg.fn(*leaves[:len(rows)], torch.cumsum(local, 0).to(offs.dtype),
                            *leaves[len(rows):]))
-    STASH.saved[(rt, key)] = STASH.last[(rt, key)] = _Saved(leaves, outs, hops)
+    STASH.saved[(rt, key)] = STASH.last[(rt, key)] = _Saved(leaves, outs, hops, r.recomputing)
     return _back([o.detach() for o in outs], hops, rt, phase)
 
 
@@ -283,7 +284,10 @@ def _backward(ctx: Any, grads: list[torch.Tensor]) -> tuple:
     seg = SEGMENTS[key]
     grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
              for g, (shape, dtype, device) in zip(grads, ctx.outs)]
-    if ctx.saved is not None:  # this call's, not the segment's latest call's
+    held = STASH.saved.get((rt, key))
+    # this call's, not the segment's latest call's; but a block's recompute ran the call
+    # again just now, and autograd's saved tensors of the first run are the recompute's
+    if ctx.saved is not None and not (held is not None and held.recomputed):
         STASH.saved[(rt, key)] = ctx.saved
     found = iter(expert_region_backward(list(grads), rt, axis, key))
     rows_f, others_f = ctx.floating

@@ -195,7 +195,9 @@ def test_experts_cut_with_other_options(ranks, options: dict) -> None:
 # the bytes handed to torch.distributed equal the report's (test_pipeline_gloo's judge)
 PIPE_CASES = [("mixtral", "p2x1y1z1d2", "1f1b", 2, "data"), ("mixtral", "p2x1y1z1d2", "gpipe", 4, "data"),
               ("gpt-oss", "p2x1y1z2d1", "gpipe", 2, "z"), ("qwen3-moe", "p2x1y1z2d1", "1f1b", 2, "z"),
-              ("olmoe", "p2x1y1z1d2", "1f1b", 2, "data", {"shard_optimizer": True})]
+              ("olmoe", "p2x1y1z1d2", "1f1b", 2, "data", {"shard_optimizer": True}),
+              # a block recomputed in backward runs its segment again, for that backward
+              ("mixtral", "p2x1y1z1d2", "1f1b", 2, "data", {"activation_checkpoint": "blocks"})]
 
 
 def _in_stages(rank: int, world_size: int, case: tuple) -> None:
@@ -228,7 +230,9 @@ def _in_stages(rank: int, world_size: int, case: tuple) -> None:
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=f"{c[0]}-{c[1]}-{c[2]}-m{c[3]}-{c[4]}") for c in PIPE_CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=f"{c[0]}-{c[1]}-{c[2]}-m{c[3]}-{c[4]}"
+                                               + "".join(f"-{k}" for k in (c[5] if len(c) > 5 else {})))
+                                  for c in PIPE_CASES])
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_experts_cut_in_pipeline_stages(ranks, case: tuple) -> None:
