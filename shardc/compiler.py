@@ -99,10 +99,6 @@ def compile(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | N
 def _compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: Any, options: Options | None,
                       option_keywords: dict[str, Any], input_layouts: Any) -> Any:
     """A mesh with pipeline stages: shardc/program/pipeline.py."""
-    if mesh.size(CONTEXT) > 1:
-        # the stages' sends and micro-batches do not know the sequence cut yet
-        raise ShardcError(f"shardc.compile: {mesh} has pipeline stages and a context axis; shardc "
-                          "does not run the two together yet. Use pipe=1 or context=1.")
     if not isinstance(model, nn.Module):
         raise TypeError(f"shardc.compile: model must be a torch.nn.Module, got {type(model).__name__}.")
     check_device(model)

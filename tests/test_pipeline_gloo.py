@@ -126,6 +126,20 @@ def test_recompute_in_stages_trains_like_one_device(ranks: Any, case: tuple) -> 
     ranks.run(_recompute_case, shardc.Mesh.parse(case[1]).world_size, case)
 
 
+# a context axis inside the stages: every stage's attention runs its ring over the
+# sequence's blocks; what crosses a boundary travels as this rank's block of the sequence
+# (a per-token value: the residual stream, Llama's rotary cos and sin) or whole (the
+# rest), its gradient gathered back where the stage had returned it whole
+CONTEXT_CASES = [("gpt", "p2x1y1c2z1d1", "1f1b", 2), ("llama", "p2x1y1c2z1d1", "gpipe", 2),
+                 ("gpt2", "p2x1y1c2z1d1", "zero_bubble", 2), ("gpt-dropout", "p2x1y1c2z1d1", "1f1b", 4),
+                 ("llama", "p2x1y1c2z1d2", "1f1b", 2), ("gpt", "p2x2y1c2z1d1", "gpipe", 2)]
+
+
+@pytest.mark.parametrize("case", CONTEXT_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-m{c[3]}")
+def test_context_axis_in_stages_trains_like_one_device(ranks: Any, case: tuple) -> None:
+    ranks.run(_run_cases, shardc.Mesh.parse(case[1]).world_size, [case])
+
+
 # the optimizer sharded over data inside each stage (ZeRO-1/2 beside the pipeline, as
 # Megatron's distributed optimizer runs): every schedule, the tied embedding and head of
 # GPT-2 (two stages sum its gradient, then each scatters its slice), gradient buckets,

@@ -29,7 +29,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from shardc.core.errors import OptionError, ShardcError, ShardcWarning
-from shardc.core.mesh import PIPE, Mesh
+from shardc.core.mesh import BATCH_AXES, CONTEXT, PIPE, SEQUENCE_DIM, Mesh
 from shardc.core.options import Options
 from shardc.core.placement import Layout, local_slice
 from shardc.core.precision import CastAtUse
@@ -82,7 +82,8 @@ def refuse_with_stages(options: Options, input_layouts: Any) -> None:
 def _microbatch(x: Any, m: int, k: int) -> Any:
     if isinstance(x, torch.Tensor) and x.dim() > 0:
         step = x.shape[0] // m
-        return x[k * step:(k + 1) * step]
+        # contiguous: a piece of a sequence block (a context axis) is strided in the batch
+        return x[k * step:(k + 1) * step].contiguous()
     return x
 
 
@@ -166,7 +167,7 @@ class PipelineModule(nn.Module):
 
     def __init__(self, program: ShardedModule, stages: list[Stage], mesh: Mesh, rank: int,
                  options: Options, microbatches: int, loss_rule: tuple[str, Any],
-                 model: nn.Module, draws: Draws | None = None) -> None:
+                 model: nn.Module, draws: Draws | None = None, seq: int | None = None) -> None:
         super().__init__()
         # the model's names: its parameters in order, each state-dict key's tensor (a tied
         # parameter's second name reads the first's) and what no stage holds
@@ -200,6 +201,8 @@ class PipelineModule(nn.Module):
         # one device's dropout masks, handed to this stage micro-batch by micro-batch
         # (shardc/program/draws.py); None: each micro-batch draws its own
         self._draws = draws
+        # the model's sequence length where a context axis cuts it (None: none does)
+        self._seq = seq
         self._step_grads: dict[str, torch.Tensor | None] = {}
         # parameters read by several stages (a tied embedding and head): which stages
         holders: dict[str, list[int]] = {}
@@ -334,8 +337,12 @@ class PipelineModule(nn.Module):
 
     def _local_shape(self, val: torch.Tensor) -> tuple[int, ...]:
         n = self.mesh.size("data") * self.mesh.size("z")
-        shape = tuple(val.shape)
-        return (shape[0] // n,) + shape[1:] if _cut(val, n) else shape
+        shape = list(val.shape)
+        if _cut(val, n):
+            shape[0] //= n
+        if _per_token(val, self._seq, self.mesh.size(CONTEXT)):
+            shape[SEQUENCE_DIM] //= self.mesh.size(CONTEXT)
+        return tuple(shape)
 
     def _forward(self, k: int, inputs: list[Any], keep: bool) -> Any:
         st = self.stage
@@ -367,12 +374,18 @@ class PipelineModule(nn.Module):
 
     def _as_cut(self, o: torch.Tensor, val: torch.Tensor, n: int) -> torch.Tensor:
         """A boundary value whose dim 0 data x z divides travels as this rank's rows of
-        it; a stage that returned it whole (it does not depend on the batch) is cut here."""
+        it; a stage that returned it whole (it does not depend on the batch) is cut here.
+        With a context axis, a per-token value travels as this rank's block of the
+        sequence (``shard_batch``'s cut), cut here if the stage returned it whole."""
+        c = self.mesh.coords(self.rank)
         if _cut(val, n) and o.shape[0] == val.shape[0]:
-            c = self.mesh.coords(self.rank)
             i = c["data"] * self.mesh.size("z") + c["z"]
             step = o.shape[0] // n
-            return o[i * step:(i + 1) * step]
+            o = o[i * step:(i + 1) * step]
+        g = self.mesh.size(CONTEXT)
+        if _per_token(val, self._seq, g) and o.shape[SEQUENCE_DIM] == val.shape[SEQUENCE_DIM]:
+            step = o.shape[SEQUENCE_DIM] // g
+            o = o.narrow(SEQUENCE_DIM, c[CONTEXT] * step, step)
         return o
 
     def _backward(self, k: int, saved: Any, weights: Any, sync: bool) -> SplitBackward | None:
@@ -393,8 +406,11 @@ class PipelineModule(nn.Module):
                 g = r if g is None else g + r
             if g is None:
                 continue
+            if _per_token(val, self._seq, self.mesh.size(CONTEXT)) and \
+                    o.shape[SEQUENCE_DIM] == val.shape[SEQUENCE_DIM]:
+                g = self._gather(g, (CONTEXT,), SEQUENCE_DIM)
             if _cut(val, n) and o.shape[0] == val.shape[0]:
-                g = self._gather_rows(g)
+                g = self._gather(g, ("z", "data"), 0)
             if o.requires_grad:
                 roots.append(o)
                 seeds.append(g)
@@ -422,17 +438,18 @@ class PipelineModule(nn.Module):
             self.p2p.send(a.grad if a.grad is not None else torch.zeros_like(a), st.inputs[i][0], "backward")
         return split
 
-    def _gather_rows(self, g: torch.Tensor) -> torch.Tensor:
-        """The whole gradient of a value the stage returned whole, from every batch shard's
-        rows (z inner, data outer: ``shard_batch``'s order)."""
+    def _gather(self, g: torch.Tensor, axes: tuple[str, ...], dim: int) -> torch.Tensor:
+        """The whole gradient of a value the stage returned whole, from every piece of
+        ``dim`` over ``axes`` (innermost first: z then data for the batch shards'
+        rows, ``shard_batch``'s order; context for the sequence's blocks)."""
         groups = axis_groups(self.mesh)
-        for axis in ("z", "data"):
+        for axis in axes:
             size = self.mesh.size(axis)
             if size == 1:
                 continue
             parts = [torch.empty_like(g) for _ in range(size)]
             dist.all_gather(parts, g.contiguous(), group=groups[axis])
-            g = torch.cat(parts)
+            g = torch.cat(parts, dim)
         return g
 
     def _weights(self, chunks: list[list[Any]]) -> list[torch.Tensor]:
@@ -444,7 +461,8 @@ class PipelineModule(nn.Module):
             return [torch.full((), 1.0 / m, dtype=torch.float64)] * m
         counts = torch.stack([counter(*c).to(torch.float64) for c in chunks])
         groups = axis_groups(self.mesh)
-        for axis in ("z", "data"):  # the counts of the whole micro-batch, not this shard's
+        # the counts of the whole micro-batch, not this shard's (nor this sequence block's)
+        for axis in (CONTEXT, "z", "data"):
             if self.mesh.size(axis) > 1:
                 dist.all_reduce(counts, group=groups[axis])
         total = counts.sum()
@@ -557,12 +575,16 @@ class PipelineModule(nn.Module):
         st = self.stage
         rows: list[CommRow] = []
 
+        g = self.mesh.size(CONTEXT)
+
         def row(what: str, phase: str, val: Any, times: int, batched: bool = True) -> CommRow:
             whole = _nbytes(tuple(val.shape), val.dtype) * times
             cut = batched and _cut(val, n)
-            local = whole // n if cut else whole
+            tok = batched and _per_token(val, self._seq, g)
+            local = whole // (n if cut else 1) // (g if tok else 1)
+            divs = (("data", "z") if cut else ()) + ((CONTEXT,) if tok else ())
             return CommRow(f"stage{st.index}", what, ", ".join(st.blocks), None, "send", PIPE, phase, local,
-                           whole, ("data", "z") if cut else ())
+                           whole, divs)
 
         for j, (cons, val) in enumerate(zip(st.consumers, st.output_vals)):
             for c in sorted(c for c in cons if c >= 0):
@@ -655,6 +677,33 @@ def _cut(val: Any, n: int) -> bool:
     return isinstance(val, torch.Tensor) and val.dim() > 0 and n > 1 and val.shape[0] % n == 0
 
 
+def _per_token(val: Any, seq: int | None, g: int) -> bool:
+    """Is this boundary value cut along the sequence over ``g`` context ranks? A value
+    whose dim 1 is the model's sequence (``seq`` tokens), as ``shard_batch`` cuts the
+    inputs; anything else (a mask of one row a head, a pooled vector) travels whole."""
+    return (g > 1 and seq is not None and isinstance(val, torch.Tensor) and val.dim() > SEQUENCE_DIM
+            and val.shape[SEQUENCE_DIM] == seq and seq % g == 0)
+
+
+def _boundary_layout(val: Any, n: int, g: int, seq: int | None) -> Layout | None:
+    """The layout a stage's program takes a boundary value in, where the inputs' default
+    (dim 0 over data x z, dim 1 over context) is not how it travels; None where it is."""
+    rows, tok = _cut(val, n), _per_token(val, seq, g)
+    if not isinstance(val, torch.Tensor) or val.dim() == 0:
+        return None
+    if (rows or n == 1) and (tok or g == 1 or val.dim() <= SEQUENCE_DIM):
+        return None
+    lay = Layout.of(val.dim(), {a: 0 for a in BATCH_AXES}, order=("data", "z")) if rows else \
+        Layout.replicate(val.dim())
+    return lay.with_shard(CONTEXT, SEQUENCE_DIM) if tok else lay
+
+
+def _sequence(micro: tuple) -> int | None:
+    """The model's sequence length: dim 1 of its first input with one."""
+    return next((int(x.shape[SEQUENCE_DIM]) for x in micro
+                 if isinstance(x, torch.Tensor) and x.dim() > SEQUENCE_DIM), None)
+
+
 def _carries_grad(val: Any) -> bool:
     return isinstance(val, torch.Tensor) and val.requires_grad and val.dtype.is_floating_point
 
@@ -694,6 +743,7 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, option
     module: PipelineModule | None = None
     try:
         micro = tuple(_microbatch(x, m, 0) for x in example_inputs)
+        seq = _sequence(micro) if mesh.size(CONTEXT) > 1 else None
         compute = options.precision.compute
         if compute == torch.float32:
             gm = unlifted_graph(model, micro)
@@ -714,8 +764,9 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, option
             if _carries_grad(val):
                 x.requires_grad_(True)
             stage_inputs.append(x)
-            if x.dim() > 0 and not _cut(val, n) and n > 1:
-                layouts[i] = Layout.replicate(x.dim())
+            lay = _boundary_layout(val, n, mesh.size(CONTEXT), seq)
+            if lay is not None:
+                layouts[i] = lay
         check_batch(tuple(stage_inputs), mesh, layouts)
         st.module.train(model.training)  # the stage was traced in the model's mode
         program = build(st.module, mesh, tuple(stage_inputs), options, rank, layouts or None,
@@ -735,7 +786,7 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, option
         else:
             why = every
         draws = Draws(every, st.index, m, n) if isinstance(every, list) and every and why is None else None
-        module = PipelineModule(program, stages, mesh, rank, options, m, _loss_rule(gm), model, draws)
+        module = PipelineModule(program, stages, mesh, rank, options, m, _loss_rule(gm), model, draws, seq)
     except Exception as e:  # noqa: BLE001 - every rank learns of it below, then it is raised
         failure = e
     # a rank whose stage failed to compile must not leave the others waiting in a send
