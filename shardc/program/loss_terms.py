@@ -103,7 +103,7 @@ def loss_terms(gm: fx.GraphModule) -> tuple[str, str | None]:
         if seen is not None and not _integral(n):  # tuples too (a getitem reads them)
             stats[n] = seen
         elif n in batched and _floating(n) and _reduces_rows(n) is not None:
-            stats[n] = f"{n.target} at {n.name}"
+            stats[n] = f"{n.target} at {n.name} reduces over the batch's rows before the loss does"
     out = next(n for n in gm.graph.nodes if n.op == "output")
     root = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
     kinds: set[str] = set()
@@ -116,13 +116,13 @@ def loss_terms(gm: fx.GraphModule) -> tuple[str, str | None]:
         if kind is not None:
             inner = next((stats[a] for a in n.all_input_nodes if a in stats), None)
             if kind == "other" or inner is not None:
-                return "mean", inner or f"{n.target} at {n.name}"
+                return "mean", inner or f"{n.target} at {n.name} takes a statistic of the rows other than a sum or mean"
             kinds.add(kind)
             continue
         floating = [a for a in n.all_input_nodes if a in batched and _floating(a)]
         if _name(n) not in _LINEAR or (_name(n) in ("mul", "div") and len(floating) > 1) or (
                 _name(n) == "div" and len(n.args) > 1 and n.args[1] in floating):
-            return "mean", stats.get(n) or f"{n.target} at {n.name}"
+            return "mean", stats.get(n) or f"{n.target} at {n.name} is not linear in the loss's terms"
         todo += floating
     if len(kinds) > 1:
         return "mean", "the loss adds a sum over the rows to a mean over them"

@@ -87,17 +87,17 @@ def _microbatch(x: Any, m: int, k: int) -> Any:
     return x
 
 
-def _loss_rule(gm: fx.GraphModule) -> tuple[str, Callable[..., torch.Tensor] | None]:
+def _loss_rule(gm: fx.GraphModule, terms: str) -> tuple[str, Callable[..., torch.Tensor] | None]:
     """How micro-batch losses add up: ("count", counter) for a mean cross-entropy whose
     targets come from the inputs alone (counter(*inputs) -> the rows it counts), ("sum",
-    None) for a summed one or a sum of sums over rows, else ("mean", None)."""
+    None) for a summed one, else (``terms``, None): ``loss_terms``' reading of the graph."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     node = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
     while isinstance(node, fx.Node) and node.target in _CARRIERS:
         node = node.args[0]
     if not isinstance(node, fx.Node) or node.target not in _LOSSES:
-        # a sum of means (or of sums) over rows: read from the graph (loss_terms)
-        return loss_terms(gm)[0], None
+        # a sum of means (or of sums) over rows: ``terms``, read from the graph (loss_terms)
+        return terms, None
     iw, ir, ii = _LOSSES[node.target]
     args = list(node.args) + [None] * 6
     weight = node.kwargs.get("weight", args[iw])
@@ -657,7 +657,7 @@ def _per_microbatch(r: CommRow) -> bool:
     return r.phase == "backward" and not (r.param is not None and r.collective == "reduce_scatter")
 
 
-def micro_rows(micro: tuple) -> int:
+def _micro_rows(micro: tuple) -> int:
     """One micro-batch's rows (the batch dim of the inputs, cut into micro-batches)."""
     return next((x.shape[0] for x in micro if isinstance(x, torch.Tensor) and x.dim() > 0), 1)
 
@@ -772,21 +772,21 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, option
         program = build(st.module, mesh, tuple(stage_inputs), options, rank, layouts or None,
                         blocks=st.blocks, cast_at_use=False)
         validate.after_compile(program, st.module, tuple(stage_inputs))
-        coupled = loss_terms(gm)[1]
+        terms, coupled = loss_terms(gm)
         if coupled is not None:
             warnings.warn(
                 "shardc.compile: with pipe > 1 the loss is computed micro-batch by micro-batch and "
-                f"the micro-batches' losses averaged, but this loss is not a mean over rows ({coupled} "
-                "reduces over the batch's rows and feeds it), so the step's loss and gradients "
-                "differ from one device's on the global batch, as under gradient accumulation "
-                "(docs/pipeline.md).", ShardcWarning, stacklevel=3)
-        every = stage_draws(stages, micro_rows(micro), n)
+                f"the micro-batches' losses averaged, but this loss does not add up over micro-batches "
+                f"({coupled}), so the step's loss and gradients differ from one device's on the "
+                "global batch, as under gradient accumulation (docs/pipeline.md).",
+                ShardcWarning, stacklevel=3)
+        every = stage_draws(stages, _micro_rows(micro), n)
         if isinstance(every, list):
             why = program_sites(program, [d for d in every if d.stage == st.index])
         else:
             why = every
         draws = Draws(every, st.index, m, n) if isinstance(every, list) and every and why is None else None
-        module = PipelineModule(program, stages, mesh, rank, options, m, _loss_rule(gm), model, draws, seq)
+        module = PipelineModule(program, stages, mesh, rank, options, m, _loss_rule(gm, terms), model, draws, seq)
     except Exception as e:  # noqa: BLE001 - every rank learns of it below, then it is raised
         failure = e
     # a rank whose stage failed to compile must not leave the others waiting in a send
