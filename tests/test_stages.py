@@ -11,6 +11,7 @@ from models import GPT, llama
 
 import shardc
 from shardc.passes.stages import balance, cut_stages, unlifted_graph
+from shardc.program.loss_terms import loss_terms
 from shardc.program.pipeline import _loss_rule
 from shardc.runtime.pipeline import actions, bubble_fraction
 
@@ -144,16 +145,55 @@ class _Squares(nn.Module):
         return ((x - y) ** 2).mean()
 
 
+class _SummedSquares(_Squares):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return 0.5 * ((x - y) ** 2).sum() + 3.0
+
+
+class _MaskedMean(_Squares):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        keep = (y > 0).to(x.dtype)
+        return (((x - y) ** 2) * keep).sum() / keep.sum()
+
+
+class _BatchNormed(_Squares):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return F.mse_loss(self.norm(x), y)
+
+
+def _rule(model: nn.Module, batch: tuple) -> tuple:
+    gm = unlifted_graph(model, batch)
+    terms, why = loss_terms(gm)
+    return _loss_rule(gm, terms) + (why,)
+
+
 def test_loss_rule_is_read_from_the_traced_loss() -> None:
     batch = _batch()
-    kind, counter = _loss_rule(unlifted_graph(GPT(layers=2), batch))
-    assert kind == "count" and counter is not None
+    kind, counter, why = _rule(GPT(layers=2), batch)
+    assert kind == "count" and counter is not None and why is None
     targets = batch[1].clone()
     targets[0, :5] = -100
     assert int(counter(batch[0], targets)) == targets.numel() - 5
-    assert _loss_rule(unlifted_graph(_Summed(layers=2), batch))[0] == "sum"
+    assert _rule(_Summed(layers=2), batch)[0] == "sum"
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    assert _loss_rule(unlifted_graph(_Squares(), (x, y)))[0] == "mean"
+    assert _rule(_Squares(), (x, y)) == ("mean", None, None)
+    # a sum over rows written by hand (scaled, plus a constant) adds micro-batches' losses
+    assert _rule(_SummedSquares(), (x, y)) == ("sum", None, None)
+    # no combination of micro-batches' losses gives these: averaged, and said why
+    kind, _, why = _rule(_MaskedMean(), (x, y))
+    assert kind == "mean" and why is not None and "reduces over the batch's rows" in why
+    kind, _, why = _rule(_BatchNormed(), (x, y))
+    assert kind == "mean" and why is not None and "batch_norm" in why
 
 
 def test_pipeline_options_are_checked() -> None:
