@@ -24,7 +24,7 @@ each micro-batch: the same distribution, not one device's values.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -194,7 +194,3 @@ class Draws:
         # chunk k of each data x z shard's rows, shard after shard
         rows = whole.view(self.shards, self.m, d.shape[0] // self.shards, *d.shape[1:])[:, self.k]
         return rows.reshape(d.shape)
-
-    @property
-    def source(self) -> Callable[[int], torch.Tensor]:
-        return self.site

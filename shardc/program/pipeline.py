@@ -271,7 +271,7 @@ class PipelineModule(nn.Module):
             return
         rt = self.program.runtime
         self._draws.replay(_device_of(self.program))
-        rt.draws = self._draws.source
+        rt.draws = self._draws.site
         try:
             yield
         finally:
