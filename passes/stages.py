@@ -224,15 +224,18 @@ def local_casts(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def cut_stages(model: nn.Module, gm: fx.GraphModule, n_stages: int) -> list[Stage]:
-    """Cut ``gm`` (``unlifted_graph`` of ``model``) into ``n_stages`` stages."""
+def cut_stages(model: nn.Module, gm: fx.GraphModule, n_stages: int, per_rank: int = 1) -> list[Stage]:
+    """Cut ``gm`` (``unlifted_graph`` of ``model``) into ``n_stages`` stages (``per_rank``
+    of them a pipe rank: the interleaved schedule's chunks, for the error's words)."""
     blocks = repeated_blocks(model)
     if len(blocks) < n_stages:
+        ask = f"pipe={n_stages // per_rank} x virtual_stages={per_rank} = {n_stages} stages" \
+            if per_rank > 1 else f"pipe={n_stages}"
         raise ShardcError(
-            f"shardc.compile: pipe={n_stages} cuts the model between its repeated blocks (the "
+            f"shardc.compile: {ask} cuts the model between its repeated blocks (the "
             f"children of a ModuleList or Sequential of one class), and it has {len(blocks)}"
             f"{' (' + ', '.join(blocks[:4]) + ')' if blocks else ''}: at most {len(blocks)} stages. "
-            "Use a smaller pipe axis.")
+            f"Use a smaller pipe axis{' or fewer virtual_stages' if per_rank > 1 else ''}.")
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     out_node = nodes[-1]

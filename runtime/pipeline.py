@@ -27,11 +27,14 @@ from shardc.core.mesh import PIPE, Mesh
 from shardc.core.options import SCHEDULES
 from shardc.runtime.collectives import guarded
 
-Action = tuple[str, int]  # ("F" or "B", micro-batch)
+Action = tuple[str, int]  # ("F", "B" or "W", micro-batch)
+# (kind, micro-batch, chunk): chunk c of pipe rank r runs stage c * pipe + r
+Step = tuple[str, int, int]
 
 
 def actions(schedule: str, stages: int, stage: int, microbatches: int) -> list[Action]:
-    """The order in which ``stage`` runs its micro-batches' forwards and backwards.
+    """The order in which ``stage`` runs its micro-batches' forwards and backwards, for
+    the schedules that hold one stage a rank (``chunk_actions`` has every schedule's).
 
     GPipe: every forward, then every backward (m micro-batches' activations live at once).
     1F1B: ``stages - stage - 1`` forwards to fill the pipe, then one forward and one
@@ -49,7 +52,41 @@ def actions(schedule: str, stages: int, stage: int, microbatches: int) -> list[A
         return out
     if schedule == "zero_bubble":
         return _zero_bubble(stages, microbatches)[stage]
-    raise ValueError(f"unknown schedule {schedule!r}; shardc runs {SCHEDULES}")
+    raise ValueError(f"no one-chunk order for schedule {schedule!r}; shardc runs {SCHEDULES}")
+
+
+def chunk_actions(schedule: str, stages: int, stage: int, microbatches: int, chunks: int = 1) -> list[Step]:
+    """Every schedule's order for pipe rank ``stage``, as (kind, micro-batch, chunk)."""
+    if schedule == "interleaved":
+        return _interleaved(stages, stage, microbatches, chunks)
+    return [(kind, k, 0) for kind, k in actions(schedule, stages, stage, microbatches)]
+
+
+def _interleaved(p: int, r: int, m: int, v: int) -> list[Step]:
+    """Interleaved 1F1B (Megatron's virtual pipeline): rank r holds the model's chunks r,
+    r + p, ..., r + (v-1)p, so a micro-batch visits every rank v times and the pipe
+    fills and drains v times faster: the bubble falls to (p-1)/(v*m + p-1).
+
+    Micro-batches go in groups of p. The forwards take each group chunk by chunk (all p
+    of the group through chunk 0, then chunk 1, ...); the backwards take the groups in
+    the same order, chunks last to first. Rank r runs 2(p-r-1) + (v-1)p forwards to
+    fill the pipe, then one forward and one backward in turn, then the backwards left.
+    That needs m to be a multiple of p (``compile`` checks it)."""
+    if m % p:
+        raise ValueError(f"the interleaved schedule needs micro-batches ({m}) a multiple of stages ({p})")
+    total = m * v
+
+    def nth(i: int, forward: bool) -> tuple[int, int]:
+        group, within = divmod(i, p * v)
+        chunk = within // p
+        return group * p + within % p, (chunk if forward else v - 1 - chunk)
+
+    warm = min(2 * (p - r - 1) + (v - 1) * p, total)
+    out: list[Step] = [("F", *nth(i, True)) for i in range(warm)]
+    for i in range(total - warm):
+        out += [("F", *nth(warm + i, True)), ("B", *nth(i, False))]
+    out += [("B", *nth(i, False)) for i in range(total - warm, total)]
+    return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -98,42 +135,65 @@ def _zero_bubble(stages: int, microbatches: int) -> list[list[Action]]:
     return orders
 
 
-def bubble_fraction(schedule: str, stages: int, microbatches: int) -> float:
+def bubble_fraction(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:
     """The schedule's idle share of a step with equal stages and a backward twice a
     forward: (p-1)/(m+p-1) for GPipe and 1F1B (1F1B saves memory, not time); for the
-    zero-bubble order, its simulated share with F = B = W."""
+    zero-bubble and interleaved orders, their simulated share (``simulate``; zero bubble
+    with F = B = W)."""
+    p, m = stages, microbatches
     if schedule == "zero_bubble":
-        orders = _zero_bubble(stages, microbatches)
-        span = _span(orders, stages, microbatches)
-        return 1 - 3 * microbatches / span
-    return (stages - 1) / (microbatches + stages - 1)
+        orders = [[(kind, k, 0) for kind, k in o] for o in _zero_bubble(p, m)]
+        return 1 - 3 * m / simulate(orders, p, 1, {"F": 1, "B": 1, "W": 1})
+    if schedule == "interleaved":
+        orders = [_interleaved(p, r, m, chunks) for r in range(p)]
+        return 1 - 3 * m * chunks / simulate(orders, p, chunks, {"F": 1, "B": 2})
+    return (p - 1) / (m + p - 1)
 
 
-def _span(orders: list[list[Action]], p: int, m: int) -> int:
-    """The ticks the orders take with unit costs, each stage waiting for its inputs."""
-    done: dict[tuple[str, int, int], int] = {}
-    pos, free = [0] * p, [0] * p
-    while any(pos[s] < len(orders[s]) for s in range(p)):
-        for s in range(p):
-            if pos[s] >= len(orders[s]):
-                continue
-            kind, k = orders[s][pos[s]]
-            deps = [("F", s - 1, k)] if kind == "F" and s > 0 else \
-                [("B", s + 1, k)] if kind == "B" and s < p - 1 else []
-            if kind == "B":
-                deps.append(("F", s, k))
-            if kind == "W":
-                deps.append(("B", s, k))
-            if all(d in done for d in deps):
-                start = max([free[s]] + [done[d] for d in deps])
-                done[(kind, s, k)] = free[s] = start + 1
-                pos[s] += 1
-    return max(done.values())
+def simulate(orders: list[list[Step]], p: int, chunks: int, cost: dict[str, float]) -> float:
+    """The time ``orders`` (one list a pipe rank) take when each rank runs its actions in
+    its order, each action waiting for its inputs (sends never block: a rank waits only in
+    a receive), with ``cost`` per kind of action; ``RuntimeError`` if they deadlock."""
+    last = p * chunks - 1
+    done: dict[tuple[str, int, int], float] = {}
+    pos, free = [0] * p, [0.0] * p
+    moved = True
+    while moved:
+        moved = False
+        for r in range(p):
+            while pos[r] < len(orders[r]):
+                kind, k, c = orders[r][pos[r]]
+                j = c * p + r
+                deps = [("F", j - 1, k)] if kind == "F" and j > 0 else []
+                if kind == "B":
+                    deps += [("F", j, k)] + ([("B", j + 1, k)] if j < last else [])
+                if kind == "W":
+                    deps.append(("B", j, k))
+                if not all(d in done for d in deps):
+                    break
+                start = max([free[r]] + [done[d] for d in deps])
+                done[(kind, j, k)] = free[r] = start + cost[kind]
+                pos[r] += 1
+                moved = True
+    stuck = [r for r in range(p) if pos[r] < len(orders[r])]
+    if stuck:
+        raise RuntimeError(f"the pipeline orders deadlock: ranks {stuck} wait at "
+                           f"{[orders[r][pos[r]] for r in stuck]}")
+    return max(free)
 
 
 class P2P:
     """This rank's sends and receives to the same coordinates in other stages, counted
-    per phase in bytes (what the comm report's ``pipe`` rows predict)."""
+    per phase in bytes (what the comm report's ``pipe`` rows predict).
+
+    The schedule's messages are named (``key``) and received by name. Both sides know, from
+    every rank's action list, the order in which a peer sends this rank its messages
+    (``expect``); a receive takes the peer's messages in that order and keeps any that
+    come before the one asked for until it is asked for. So the link's order is the
+    sender's, whatever the receiver's order of asking (with interleaved chunks on two
+    ranks, one link carries activations and gradients in orders the two ranks' actions
+    do not share), which NCCL (blind to tags) needs. A message to a chunk of this same
+    rank is handed over in memory and counts no bytes."""
 
     def __init__(self, mesh: Mesh, rank: int) -> None:
         self.mesh = mesh
@@ -143,18 +203,49 @@ class P2P:
         self.calls: Counter[tuple[str, str, str]] = Counter()
         self._works: list[tuple[Any, torch.Tensor]] = []
         self.waited = 0.0  # seconds blocked in receives since the last reset_wait()
+        # per peer (pipe index): the keys, shapes and dtypes it sends this rank, in its order
+        self._plan: dict[int, list[tuple[Any, tuple[int, ...], torch.dtype]]] = {}
+        self._next: dict[int, int] = {}
+        self._held: dict[Any, torch.Tensor] = {}
 
     def peer(self, stage: int) -> int:
         return self.mesh.rank({**self.coords, PIPE: stage})
 
-    def send(self, t: torch.Tensor, stage: int, phase: str) -> None:
+    def expect(self, plan: dict[int, list[tuple[Any, tuple[int, ...], torch.dtype]]]) -> None:
+        """Start a step whose named messages from each peer come in ``plan``'s order."""
+        self._held.clear()  # (empty after a step that ran to its end)
+        self._plan = plan
+        self._next = {q: 0 for q in plan}
+
+    def send(self, t: torch.Tensor, stage: int, phase: str, key: Any = None) -> None:
+        if key is not None and stage == self.coords[PIPE]:
+            # another chunk of this rank: a copy, so the reader's in-place ops and the
+            # writer's saved tensor never share memory
+            self._held[key] = t.detach().clone()
+            return
         t = t.detach().contiguous()
-        key = ("send", PIPE, phase)
-        self.sent[key] += t.numel() * t.element_size()
-        self.calls[key] += 1
+        key_ = ("send", PIPE, phase)
+        self.sent[key_] += t.numel() * t.element_size()
+        self.calls[key_] += 1
         with guarded(None, "isend", None, f"pipeline {phase} to stage {stage}"):
             work = dist.isend(t, self.peer(stage))
         self._works.append((work, t))  # the buffer must live until the send completes
+
+    def take(self, key: Any, stage: int, device: torch.device, phase: str) -> torch.Tensor:
+        """The message ``key`` from pipe rank ``stage`` (receiving the ones it sends before)."""
+        if key in self._held:
+            return self._held.pop(key)
+        plan = self._plan.get(stage, [])
+        while True:
+            i = self._next.get(stage, 0)
+            if i >= len(plan):
+                raise RuntimeError(f"shardc pipeline: stage {stage} sends no message {key} to this rank")
+            got, shape, dtype = plan[i]
+            self._next[stage] = i + 1
+            buf = self.recv(shape, dtype, device, stage, phase)
+            if got == key:
+                return buf
+            self._held[got] = buf
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, stage: int,
              phase: str) -> torch.Tensor:

@@ -340,8 +340,9 @@ def _model_items(sm: Any) -> list[tuple[str, str | None]]:
 
 def _stage_of(sm: Any) -> tuple[Any, Any]:
     """(the compiled program, the pipeline or None): a pipeline rank saves and loads its
-    stage's program, whose keys are the model's it holds (shardc/program/pipeline.py)."""
-    return (sm.program, sm) if hasattr(sm, "stages") else (sm, None)
+    stage's program (its chunks' under the interleaved schedule, as one), whose keys are
+    the model's it holds (shardc/program/pipeline.py)."""
+    return (sm.held(), sm) if hasattr(sm, "stages") else (sm, None)
 
 
 def _save_state(sm: Any, pipeline: Any, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:

@@ -152,6 +152,10 @@ def _prepare(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | 
         raise OptionError(f"shardc.compile: microbatches={options.microbatches} cuts a step for pipeline "
                           f"stages, and {mesh} has none (pipe=1). Use a mesh with pipe > 1, or "
                           "accumulate gradients over calls under sm.no_sync().")
+    if options.virtual_stages not in (None, 1):
+        raise OptionError(f"shardc.compile: virtual_stages={options.virtual_stages} cuts the model into "
+                          f"chunks for pipeline stages, and {mesh} has none (pipe=1). Use a mesh with "
+                          "pipe > 1 and schedule='interleaved'.")
     if dist.get_backend() != "fake" and dist.get_world_size() > 1:
         ep = trace(model, example_inputs, options.precision.compute)
         checked = mesh

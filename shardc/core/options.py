@@ -15,9 +15,9 @@ from shardc.core.precision import as_precision
 GEMM_MODES = ("auto", "default", "NN", "NT", "TN")
 CHECKPOINT_POLICIES = ("none", "blocks")
 BACKENDS = ("eager", "inductor")
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble")  # runtime/pipeline.py runs these
-# the API names these; refused until built
-PLANNED_SCHEDULES = ("interleaved",)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")  # runtime/pipeline.py runs these
+# the model chunks a rank holds under schedule="interleaved" when virtual_stages is unset
+DEFAULT_VIRTUAL_STAGES = 2
 CONTEXT_LAYOUTS = ("auto", "balanced", "contiguous")
 CONTEXT_ATTENTIONS = ("ring", "ulysses")  # how the rank's program runs (shardc/program/backend.py)
 
@@ -82,6 +82,12 @@ class Options:
     travel one axis at a time). ``expert_capacity`` (a capacity factor with padding and
     dropped tokens) is refused for now.
 
+    ``microbatches``, ``schedule`` and ``virtual_stages`` (a mesh with ``pipe > 1``;
+    docs/pipeline.md): the micro-batches a step's batch is cut into, the order the stages
+    run them in ("gpipe", "1f1b", "interleaved", "zero_bubble"), and under "interleaved"
+    the model chunks each rank holds (default 2: the model cut into pipe x 2 stages,
+    chunk c of pipe rank r being stage c * pipe + r).
+
     ``context_attention`` and ``context_layout`` (a mesh with ``context > 1``;
     docs/long_sequences.md): attention on the cut sequence by a ring (``"ring"``, default:
     keys and values passed rank to rank) or by all-to-alls (``"ulysses"``: from the
@@ -131,6 +137,9 @@ class Options:
     # as many as stages) and the order the stages run them in
     microbatches: Any = None
     schedule: str = "1f1b"
+    # schedule="interleaved": the model chunks (virtual stages) each rank holds, so the
+    # model is cut into pipe x virtual_stages stages (None: DEFAULT_VIRTUAL_STAGES)
+    virtual_stages: Any = None
     # a mesh with context > 1: how the sequence is cut inside the program ("balanced":
     # stripes, so a causal ring gives the ranks even work; "contiguous": the blocks the
     # inputs arrive in; "auto": balanced with the ring, contiguous with ulysses) and how
@@ -229,13 +238,18 @@ class Options:
                                   "(or None: as many as pipeline stages).")
         if self.microbatches is not None and self.microbatches < 1:
             raise OptionError(f"shardc.compile: microbatches must be >= 1, got {self.microbatches}.")
-        if self.schedule not in SCHEDULES + PLANNED_SCHEDULES:
-            raise OptionError(f"shardc.compile: schedule={self.schedule!r} is not one of "
-                              f"{SCHEDULES + PLANNED_SCHEDULES}.")
-        if self.schedule in PLANNED_SCHEDULES:
-            raise OptionError(
-                f"shardc.compile: schedule={self.schedule!r} is not implemented yet; the pipeline "
-                f"runs {' and '.join(map(repr, SCHEDULES))} (docs/pipeline.md).")
+        if self.schedule not in SCHEDULES:
+            raise OptionError(f"shardc.compile: schedule={self.schedule!r} is not one of {SCHEDULES}.")
+        if self.virtual_stages is not None:
+            if not isinstance(self.virtual_stages, int) or isinstance(self.virtual_stages, bool):
+                raise OptionTypeError(f"shardc.compile: virtual_stages={self.virtual_stages!r} must be "
+                                      "an int (or None).")
+            if self.virtual_stages < 1:
+                raise OptionError(f"shardc.compile: virtual_stages must be >= 1, got {self.virtual_stages}.")
+            if self.virtual_stages > 1 and self.schedule != "interleaved":
+                raise OptionError(
+                    f"shardc.compile: virtual_stages={self.virtual_stages} with schedule="
+                    f"{self.schedule!r}: only schedule='interleaved' runs several model chunks a rank.")
         if self.expert_capacity is not None:
             raise OptionError(
                 f"shardc.compile: expert_capacity={self.expert_capacity!r}: a capacity factor "
@@ -252,6 +266,14 @@ class Options:
             raise OptionError("shardc.compile: context_attention='ulysses' with context_layout='balanced': "
                               "Ulysses's all-to-all moves plain blocks of the sequence, and its local "
                               "attention is balanced anyway. Use context_layout='contiguous' (or 'auto').")
+
+    @property
+    def chunks(self) -> int:
+        """The model chunks (virtual stages) a pipeline rank holds: 1 but under
+        ``schedule="interleaved"``."""
+        if self.schedule != "interleaved":
+            return 1
+        return self.virtual_stages or DEFAULT_VIRTUAL_STAGES
 
     @property
     def balanced_context(self) -> bool:

@@ -166,31 +166,36 @@ def program_sites(program: Any, mine: list[Draw]) -> str | None:
 
 class Draws:
     """A pipeline rank's share of one device's draws for one step: ``replay`` at the
-    step's start, then ``site(number)`` for the micro-batch ``k`` set last."""
+    step's start, then ``site(number)`` for the stage and micro-batch ``at`` set last
+    (a rank runs one stage, or one a chunk under the interleaved schedule)."""
 
-    def __init__(self, every: list[Draw], stage: int, microbatches: int, shards: int) -> None:
+    def __init__(self, every: list[Draw], stages: list[int], microbatches: int, shards: int) -> None:
         self.every = every
-        self.mine = [d for d in every if d.stage == stage]
-        self.stage = stage
+        self.mine = {s: [d for d in every if d.stage == s] for s in stages}
+        self.stage = stages[0]
         self.m = microbatches
         self.shards = shards
         self.k = 0
-        self._whole: list[torch.Tensor] = []
+        self._whole: dict[int, list[torch.Tensor]] = {}
+
+    def at(self, stage: int, k: int) -> None:
+        """Stage ``stage`` runs micro-batch ``k`` next."""
+        self.stage, self.k = stage, k
 
     def replay(self, device: torch.device) -> None:
         """Draw every draw of the model, as one device does for the whole batch, keeping
-        this stage's (every rank's generator moves on as one device's)."""
-        self._whole = []
+        this rank's stages' (every rank's generator moves on as one device's)."""
+        self._whole = {s: [] for s in self.mine}
         for d in self.every:
             t = d.whole(self.m, device)
-            if d.stage == self.stage:
-                self._whole.append(t)
+            if d.stage in self._whole:
+                self._whole[d.stage].append(t)
 
     def release(self) -> None:
-        self._whole = []
+        self._whole = {}
 
     def site(self, number: int) -> torch.Tensor:
-        d, whole = self.mine[number], self._whole[number]
+        d, whole = self.mine[self.stage][number], self._whole[self.stage][number]
         # chunk k of each data x z shard's rows, shard after shard
         rows = whole.view(self.shards, self.m, d.shape[0] // self.shards, *d.shape[1:])[:, self.k]
         return rows.reshape(d.shape)

@@ -92,7 +92,7 @@ def explain(sm: Any) -> str:
     bytes forward and backward, the choices the compiler made, and every op that had no
     sharding rule (run replicated)."""
     if hasattr(sm, "stages"):  # a pipeline rank: the pipeline, then its stage's program
-        return sm.explain() + "\n\n" + explain(sm.program)
+        return "\n\n".join([sm.explain()] + [explain(program) for program in sm.programs])
     gm: fx.GraphModule = sm.graph_module
     mesh = sm.mesh
     rep = comm_report(sm)

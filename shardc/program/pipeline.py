@@ -41,7 +41,7 @@ from shardc.program.loss_terms import loss_terms
 from shardc.program.module import ShardedModule
 from shardc.program.report import ROUTED, CommReport, CommRow, comm_report
 from shardc.runtime.groups import axis_groups, pipe_group
-from shardc.runtime.pipeline import P2P, SplitBackward, actions, bubble_fraction
+from shardc.runtime.pipeline import P2P, SplitBackward, bubble_fraction, chunk_actions
 from shardc.runtime.volume import as_number
 
 _aten = torch.ops.aten
@@ -153,19 +153,58 @@ class _StepLoss(torch.autograd.Function):
         return None, None, None
 
 
+class ChunkPrograms:
+    """A pipeline rank's chunk programs read as one program (the interleaved schedule's
+    rank holds several): their parameters, layouts and state keys together, each tensor
+    the chunk's own, so what reads or writes through it (a checkpoint) reaches the
+    chunks' tensors."""
+
+    def __init__(self, programs: list[ShardedModule]) -> None:
+        self.programs = programs
+        self.mesh = programs[0].mesh
+        self.ctx = programs[0].ctx
+        self.param_layouts: dict[str, Layout] = {}
+        self._global_shapes: dict[str, Any] = {}
+        self._canonical: dict[str, str] = {}
+        self._buffers_full: dict[str, torch.Tensor] = {}
+        self._state_keys: list[str] = []
+        for program in programs:
+            self.param_layouts.update(program.param_layouts)
+            self._global_shapes.update(program._global_shapes)
+            self._canonical.update(program._canonical)
+            self._buffers_full.update(program._buffers_full)
+            self._state_keys += [k for k in program._state_keys if k not in self._state_keys]
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for program in self.programs:
+            yield from program.named_parameters()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def get_parameter(self, name: str) -> nn.Parameter:
+        for program in self.programs:
+            if name in program.param_layouts:
+                return program.get_parameter(name)
+        raise AttributeError(f"no chunk of this pipeline rank holds parameter {name!r}")
+
+
 class PipelineModule(nn.Module):
     """This rank's stage of a pipeline, run over a step's micro-batches.
 
     ``named_parameters()`` are the stage's parameters, with the model's names and each one
     the shard of its stage's layout; an optimizer over them steps this rank's part.
-    ``stage`` is this rank's ``Stage`` (``stage.blocks``: its repeated blocks) and
-    ``stages`` all of them."""
+    ``stages`` are every stage of the model; this rank runs ``mine`` (one, or under the
+    interleaved schedule one a chunk: chunk c of pipe rank r is stage c * pipe + r), each
+    compiled into the program ``programs[c]``; ``stage`` and ``program`` are the one
+    stage's and program where a rank holds one."""
 
     stages: list[Stage]
-    stage: Stage
-    program: ShardedModule
+    mine: list[Stage]
+    programs: list[ShardedModule]
 
-    def __init__(self, program: ShardedModule, stages: list[Stage], mesh: Mesh, rank: int,
+    def __init__(self, programs: list[ShardedModule], stages: list[Stage], mesh: Mesh, rank: int,
                  options: Options, microbatches: int, loss_rule: tuple[str, Any],
                  model: nn.Module, draws: Draws | None = None, seq: int | None = None) -> None:
         super().__init__()
@@ -178,24 +217,28 @@ class PipelineModule(nn.Module):
             str(node.target) for st in stages for node in st.module.graph.nodes if node.op == "get_attr"}
         self._unheld = {k: v.detach().clone() for k, v in model.state_dict().items()
                         if self._state_names[k] not in held}
-        # the stage program answers for the model's keys it holds, a tied parameter's
+        # each stage program answers for the model's keys it holds, a tied parameter's
         # second name included, so its state dict and checkpoints use the model's keys
-        mine = set(program.param_layouts) | set(program._buffers_full)
-        program._state_keys = [k for k, name in self._state_names.items() if name in mine]
-        program._canonical = {k: name for k, name in self._state_names.items()
-                              if name in program.param_layouts}
-        self.program = program
+        for program in programs:
+            held_here = set(program.param_layouts) | set(program._buffers_full)
+            program._state_keys = [k for k, name in self._state_names.items() if name in held_here]
+            program._canonical = {k: name for k, name in self._state_names.items()
+                                  if name in program.param_layouts}
+            # expert segments run once a micro-batch: the step's routed rows add up
+            program.runtime.routed_adds = True
+        # registered as submodules (parameters, train/eval, .to follow them), read as a list
+        self.chunk = nn.ModuleList(programs)
+        object.__setattr__(self, "programs", list(programs))
         object.__setattr__(self, "stages", stages)
         self.mesh = mesh
         self.rank = rank
         self.index = mesh.coords(rank)[PIPE]
-        object.__setattr__(self, "stage", stages[self.index])
+        self.chunks = len(programs)
+        object.__setattr__(self, "mine", [stages[c * mesh.pipe + self.index] for c in range(self.chunks)])
         self.options = options
         self.microbatches = microbatches
         self.schedule = options.schedule
         self._split = options.schedule == "zero_bubble"  # backward as B then W
-        # expert segments run once a micro-batch: the step's routed rows add up
-        program.runtime.routed_adds = True
         self._loss_rule = loss_rule
         self.p2p = P2P(mesh, rank)
         # one device's dropout masks, handed to this stage micro-batch by micro-batch
@@ -204,15 +247,38 @@ class PipelineModule(nn.Module):
         # the model's sequence length where a context axis cuts it (None: none does)
         self._seq = seq
         self._step_grads: dict[str, torch.Tensor | None] = {}
-        # parameters read by several stages (a tied embedding and head): which stages
+        # parameters read by several stages (a tied embedding and head): which pipe ranks
+        # (compile_pipeline refuses one read by two chunks of a rank)
         holders: dict[str, list[int]] = {}
         for st in stages:
             for name in st.params:
-                holders.setdefault(name, []).append(st.index)
+                holders.setdefault(name, []).append(st.index % mesh.pipe)
         self.shared = {n: h for n, h in holders.items() if len(h) > 1 and self.index in h}
+        self._owner = {n: c for c, program in enumerate(programs) for n, _ in program.named_parameters()}
         # the last training step's actions: (kind, micro-batch, start, end, seconds of it
-        # spent waiting for another stage), from the step's start
-        self.last_timeline: list[tuple[str, int, float, float, float]] = []
+        # spent waiting for another stage, chunk), from the step's start
+        self.last_timeline: list[tuple[str, int, float, float, float, int]] = []
+        self._plans: dict[bool, dict[int, list[tuple[Any, tuple[int, ...], torch.dtype]]]] = {}
+
+    @property
+    def stage(self) -> Stage:
+        """This rank's stage (a rank that holds one)."""
+        return self._one(self.mine)
+
+    @property
+    def program(self) -> ShardedModule:
+        """This rank's stage program (a rank that holds one; ``programs`` has every chunk's)."""
+        return self._one(list(self.programs))
+
+    def held(self) -> ShardedModule | ChunkPrograms:
+        """What this rank holds, as one program (checkpoints save and load through it)."""
+        return self.programs[0] if self.chunks == 1 else ChunkPrograms(list(self.programs))
+
+    def _one(self, items: list[Any]) -> Any:
+        if len(items) != 1:
+            raise ShardcError(f"this pipeline rank holds {len(items)} chunks (schedule='interleaved'): "
+                                 "read .mine and .programs, one per chunk")
+        return items[0]
 
     # ------------------------------------------------------------------ module API
     def named_parameters(self, prefix: str = "", recurse: bool = True,
@@ -220,7 +286,8 @@ class PipelineModule(nn.Module):
         # in the model's order (a stage program lists a tied weight where a later
         # stage first reads it), so an optimizer's groups list them as one device's do
         rank = {n: i for i, n in enumerate(self._param_order)}
-        items = list(self.program.named_parameters("", recurse, remove_duplicate))
+        items = [item for program in self.programs
+                 for item in program.named_parameters("", recurse, remove_duplicate)]
         items.sort(key=lambda item: rank.get(item[0], len(rank)))
         for name, p in items:
             yield (f"{prefix}.{name}" if prefix else name), p
@@ -235,14 +302,16 @@ class PipelineModule(nn.Module):
         yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.program.zero_grad(set_to_none)
+        for program in self.programs:
+            program.zero_grad(set_to_none)
 
     @property
     def ctx(self) -> Any:
-        return self.program.ctx
+        return self.programs[0].ctx
 
     def extra_repr(self) -> str:
-        return (f"mesh={self.mesh}, stage={self.index} of {self.mesh.pipe} ({', '.join(self.stage.blocks)}), "
+        blocks = "; ".join(", ".join(st.blocks) for st in self.mine)
+        return (f"mesh={self.mesh}, stage={self.index} of {self.mesh.pipe} ({blocks}), "
                 f"microbatches={self.microbatches}, schedule={self.schedule!r}")
 
     # ------------------------------------------------------------------ the step
@@ -257,8 +326,10 @@ class PipelineModule(nn.Module):
         params = [p for p in self.parameters()]
         training = torch.is_grad_enabled() and any(p.requires_grad for p in params)
         weights = self._weights(chunks) if self.index == self.mesh.pipe - 1 else None
-        self.program.runtime.routed.clear()  # this step's routing, micro-batch by micro-batch
-        self.program.runtime.expert_load.clear()
+        for program in self.programs:
+            program.runtime.routed.clear()  # this step's routing, micro-batch by micro-batch
+            program.runtime.expert_load.clear()
+        self.p2p.expect(self._plan(training))
         with self._one_devices_draws():
             return self._step(chunks, params, training, weights)
 
@@ -269,19 +340,20 @@ class PipelineModule(nn.Module):
         if self._draws is None:
             yield
             return
-        rt = self.program.runtime
-        self._draws.replay(_device_of(self.program))
-        rt.draws = self._draws.site
+        self._draws.replay(_device_of(self.programs[0]))
+        for program in self.programs:
+            program.runtime.draws = self._draws.site
         try:
             yield
         finally:
-            rt.draws = None
+            for program in self.programs:
+                program.runtime.draws = None
             self._draws.release()
 
-    def _at(self, k: int) -> None:
-        """Micro-batch ``k`` runs next: its rows of each draw."""
+    def _at(self, k: int, c: int) -> None:
+        """Micro-batch ``k`` runs next on chunk ``c``: its rows of the chunk's draws."""
         if self._draws is not None:
-            self._draws.k = k
+            self._draws.at(self.mine[c].index, k)
 
     def _step(self, chunks: list[list[Any]], params: list[nn.Parameter], training: bool,
               weights: Any) -> torch.Tensor:
@@ -289,40 +361,46 @@ class PipelineModule(nn.Module):
         if not training:
             evaluated: list[Any] = []
             with torch.no_grad():
-                for k in range(m):
-                    self._at(k)
-                    evaluated.append(self._forward(k, chunks[k], keep=False)[2])
+                for k, c in self._eval_order():
+                    self._at(k, c)
+                    loss = self._forward(k, c, chunks[k], keep=False)[2]
+                    if loss is not None:
+                        evaluated.append(loss)
             self.p2p.finish()
             return self._share_loss(evaluated, weights)
         old = {n: p.grad for n, p in self.named_parameters()}
         for p in params:
             p.grad = None
-        saved: dict[int, Any] = {}
+        saved: dict[tuple[int, int], Any] = {}
         losses: list[Any] = [None] * m
-        order = actions(self.schedule, self.mesh.pipe, self.index, m)
-        # the action that makes the step's last parameter gradients reduces them all
-        last_b = max(i for i, (kind, _) in enumerate(order) if kind == ("W" if self._split else "B"))
-        pending_w: dict[int, SplitBackward] = {}
+        order = self.order()
+        # the action that makes a chunk's last parameter gradients reduces them all
+        last_b = {c: max(i for i, (kind, _, c2) in enumerate(order)
+                         if c2 == c and kind == ("W" if self._split else "B"))
+                  for c in range(self.chunks)}
+        pending_w: dict[tuple[int, int], SplitBackward] = {}
         timeline = []
         t0 = _now()
         try:
-            for i, (kind, k) in enumerate(order):
+            for i, (kind, k, c) in enumerate(order):
                 start = _now() - t0
                 self.p2p.waited = 0.0
                 # a profiler range per action: shardc trace draws the schedule as it ran
-                with torch.profiler.record_function(f"shardc.pipe {kind}{k}"):
-                    self._at(k)  # a block recomputed in backward draws what its forward drew
+                with torch.profiler.record_function(f"shardc.pipe {self.label(kind, k, c)}"):
+                    self._at(k, c)  # a block recomputed in backward draws what its forward drew
                     if kind == "F":
-                        saved[k] = self._forward(k, chunks[k], keep=True)
-                        losses[k] = saved[k][2]
+                        saved[k, c] = self._forward(k, c, chunks[k], keep=True)
+                        if saved[k, c][2] is not None:
+                            losses[k] = saved[k, c][2]
                     elif kind == "B":
-                        split = self._backward(k, saved.pop(k), weights, sync=(i == last_b))
+                        split = self._backward(k, c, saved.pop((k, c)), weights, sync=(i == last_b[c]))
                         if split is not None:
-                            pending_w[k] = split
+                            pending_w[k, c] = split
                     else:
-                        with self.program.backward_in_parts() if i == last_b else self.program.no_sync():
-                            pending_w.pop(k).weights_grad()
-                timeline.append((kind, k, start, _now() - t0, self.p2p.waited))
+                        program = self.programs[c]
+                        with program.backward_in_parts() if i == last_b[c] else program.no_sync():
+                            pending_w.pop((k, c)).weights_grad()
+                timeline.append((kind, k, start, _now() - t0, self.p2p.waited, c))
             self.p2p.finish()
             self._sum_shared()
         finally:
@@ -344,32 +422,75 @@ class PipelineModule(nn.Module):
             shape[SEQUENCE_DIM] //= self.mesh.size(CONTEXT)
         return tuple(shape)
 
-    def _forward(self, k: int, inputs: list[Any], keep: bool) -> Any:
-        st = self.stage
-        dev = _device_of(self.program)
+    # ------------------------------------------------------------------ the schedule
+    def order(self) -> list[tuple[str, int, int]]:
+        """This rank's actions in a training step: (kind, micro-batch, chunk)."""
+        return chunk_actions(self.schedule, self.mesh.pipe, self.index, self.microbatches, self.chunks)
+
+    def label(self, kind: str, k: int, c: int) -> str:
+        """An action's name: ``F3`` (micro-batch 3's forward), ``F3c1`` on chunk 1."""
+        return f"{kind}{k}" if self.chunks == 1 else f"{kind}{k}c{c}"
+
+    def _eval_order(self) -> list[tuple[int, int]]:
+        """Forwards only (no gradients): micro-batch by micro-batch, each through the chunks."""
+        return [(k, c) for k in range(self.microbatches) for c in range(self.chunks)]
+
+    def _sends(self, st: Stage, kind: str, k: int) -> list[tuple[int, Any, Any]]:
+        """What stage ``st`` sends in its action ``kind`` of micro-batch ``k``, in order:
+        (the stage it goes to, the message's key, the boundary value). Forward: each
+        output to each later stage that reads it; backward: each input's gradient to the
+        stage that made it. The key names the producing stage's output, so both ends
+        name a message alike: (kind, from, to, micro-batch, producer's output index)."""
+        out: list[tuple[int, Any, Any]] = []
+        if kind == "F":
+            for j, (cons, val) in enumerate(zip(st.consumers, st.output_vals)):
+                out += [(c, ("F", st.index, c, k, j), val) for c in sorted(cons) if c >= 0]
+        elif kind == "B":
+            for i in sorted(range(len(st.inputs)), key=lambda i: st.inputs[i]):
+                src, j = st.inputs[i]
+                if src >= 0 and _carries_grad(st.input_vals[i]):
+                    out.append((src, ("B", st.index, src, k, j), st.input_vals[i]))
+        return out
+
+    def _plan(self, training: bool) -> dict[int, list[tuple[Any, tuple[int, ...], torch.dtype]]]:
+        """Per other pipe rank, the messages it sends this rank in a step, in its order."""
+        if training not in self._plans:
+            p = self.mesh.pipe
+            plan: dict[int, list[tuple[Any, tuple[int, ...], torch.dtype]]] = {}
+            for q in range(p):
+                if q == self.index:
+                    continue
+                acts = chunk_actions(self.schedule, p, q, self.microbatches, self.chunks) if training \
+                    else [("F", k, c) for k, c in self._eval_order()]
+                plan[q] = [(key, self._local_shape(val), val.dtype)
+                           for kind, k, c in acts
+                           for dest, key, val in self._sends(self.stages[c * p + q], kind, k)
+                           if dest % p == self.index]
+            self._plans[training] = plan
+        return self._plans[training]
+
+    def _forward(self, k: int, c: int, inputs: list[Any], keep: bool) -> Any:
+        st, program = self.mine[c], self.programs[c]
+        p = self.mesh.pipe
+        dev = _device_of(program)
         args: list[Any] = [None] * len(st.inputs)
-        # receive in (stage, output index) order: the producer's send order
-        for i in sorted(range(len(st.inputs)), key=lambda i: st.inputs[i]):
-            src, j = st.inputs[i]
-            val = st.input_vals[i]
+        for i, ((src, j), val) in enumerate(zip(st.inputs, st.input_vals)):
             if src < 0:
                 args[i] = inputs[j]
                 continue
-            a = self.p2p.recv(self._local_shape(val), val.dtype, dev, src, "forward")
+            a = self.p2p.take(("F", src, st.index, k, j), src % p, dev, "forward")
             if keep and _carries_grad(val):
                 a.requires_grad_(True)
             args[i] = a
-        with self.program.no_sync():
-            outs = self.program(*args)
+        with program.no_sync():
+            outs = program(*args)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         loss = None
+        if -1 in (c for cons in st.consumers for c in cons):
+            loss = outs[[j for j, cons in enumerate(st.consumers) if -1 in cons][0]]
         n = self.mesh.size("data") * self.mesh.size("z")
-        for o, cons, val in zip(outs, st.consumers, st.output_vals):
-            for c in sorted(cons):
-                if c < 0:
-                    loss = o
-                    continue
-                self.p2p.send(self._as_cut(o, val, n), c, "forward")
+        for dest, key, val in self._sends(st, "F", k):
+            self.p2p.send(self._as_cut(outs[key[4]], val, n), dest % p, "forward", key)
         return args, outs, loss
 
     def _as_cut(self, o: torch.Tensor, val: torch.Tensor, n: int) -> torch.Tensor:
@@ -388,21 +509,22 @@ class PipelineModule(nn.Module):
             o = o.narrow(SEQUENCE_DIM, c[CONTEXT] * step, step)
         return o
 
-    def _backward(self, k: int, saved: Any, weights: Any, sync: bool) -> SplitBackward | None:
-        st = self.stage
+    def _backward(self, k: int, c: int, saved: Any, weights: Any, sync: bool) -> SplitBackward | None:
+        st, program = self.mine[c], self.programs[c]
+        p = self.mesh.pipe
         args, outs, loss = saved
-        dev = _device_of(self.program)
+        dev = _device_of(program)
         n = self.mesh.size("data") * self.mesh.size("z")
         roots, seeds = [], []
-        for o, cons, val in zip(outs, st.consumers, st.output_vals):
+        for j, (o, cons, val) in enumerate(zip(outs, st.consumers, st.output_vals)):
             if loss is o and -1 in cons:
                 roots.append(o)
                 seeds.append(weights[k].to(o.dtype))
             if not _carries_grad(val):
                 continue
             g = None
-            for c in sorted(c for c in cons if c >= 0):
-                r = self.p2p.recv(self._local_shape(val), val.dtype, dev, c, "backward")
+            for reader in sorted(r for r in cons if r >= 0):
+                r = self.p2p.take(("B", reader, st.index, k, j), reader % p, dev, "backward")
                 g = r if g is None else g + r
             if g is None:
                 continue
@@ -414,28 +536,29 @@ class PipelineModule(nn.Module):
             if o.requires_grad:
                 roots.append(o)
                 seeds.append(g)
-        sent = [i for i in sorted(range(len(st.inputs)), key=lambda i: st.inputs[i])
+        sent = [i for i in range(len(st.inputs))
                 if st.inputs[i][0] >= 0 and _carries_grad(st.input_vals[i])]
         split = None
         if self._split:
             # B: the inputs' gradients only; W (a later action) the parameters'
             # the tensors the program reads: under shard_optimizer a parameter is this
             # rank's slice over data, and its gradient arrives through the program copy
-            params = [self.program.read_param(n) for n, p in self.program.named_parameters() if p.requires_grad]
+            params = [program.read_param(name) for name, q in program.named_parameters() if q.requires_grad]
             grad_in = [i for i in sent if args[i].requires_grad]
             split = SplitBackward(roots, seeds, [args[i] for i in grad_in], params)
-            with self.program.no_sync():
+            with program.no_sync():
                 got = split.inputs_grad() if roots else [None] * len(grad_in)
             for i, g in zip(grad_in, got):
                 args[i].grad = g
         else:
-            ctx = contextlib.nullcontext() if sync else self.program.no_sync()
+            ctx = contextlib.nullcontext() if sync else program.no_sync()
             with ctx:
                 if roots:
                     torch.autograd.backward(roots, seeds)
-        for i in sent:
-            a = args[i]
-            self.p2p.send(a.grad if a.grad is not None else torch.zeros_like(a), st.inputs[i][0], "backward")
+        index = {(src, j): i for i, (src, j) in enumerate(st.inputs)}
+        for dest, key, _ in self._sends(st, "B", k):
+            a = args[index[dest, key[4]]]
+            self.p2p.send(a.grad if a.grad is not None else torch.zeros_like(a), dest % p, "backward", key)
         return split
 
     def _gather(self, g: torch.Tensor, axes: tuple[str, ...], dim: int) -> torch.Tensor:
@@ -479,19 +602,20 @@ class PipelineModule(nn.Module):
                         torch.zeros((), dtype=torch.float64))
             value = value.to(_read(losses[0]).dtype)
             for s in range(last):
-                self.p2p.send(value.to(_device_of(self.program)), s, "forward")
+                self.p2p.send(value.to(_device_of(self.programs[0])), s, "forward")
             self.p2p.finish()
             return value
-        dtype = self.stages[last].output_vals[-1].dtype
-        return self.p2p.recv((), dtype, _device_of(self.program), last, "forward")
+        dtype = self.stages[-1].output_vals[-1].dtype
+        return self.p2p.recv((), dtype, _device_of(self.programs[0]), last, "forward")
 
     def _sum_shared(self) -> None:
         """A parameter two stages read (a tied embedding and head): each stage computed its
         part of the gradient; both get the sum, added in stage order so they agree bitwise."""
         for name, holders in sorted(self.shared.items()):
-            p = self.program.get_parameter(name)
+            program = self.programs[self._owner[name]]
+            p = program.get_parameter(name)
             g = p.grad if p.grad is not None else torch.zeros_like(p)
-            full = self.program._gather_full(name, g)
+            full = program._gather_full(name, g)
             parts: dict[int, torch.Tensor] = {self.index: full}
             for s in holders:
                 if s != self.index:
@@ -502,7 +626,7 @@ class PipelineModule(nn.Module):
             total = parts[holders[0]].clone()
             for s in holders[1:]:
                 total += parts[s]
-            layout = self.program.param_layouts[name]
+            layout = program.param_layouts[name]
             p.grad = local_slice(total, layout, self.mesh.coords(self.rank), self.mesh).clone()
         self.p2p.finish()
 
@@ -518,7 +642,7 @@ class PipelineModule(nn.Module):
     # ------------------------------------------------------------------ readouts
     @property
     def fallbacks(self) -> list[Any]:
-        return self.program.fallbacks
+        return [f for program in self.programs for f in program.fallbacks]
 
     def _from_every_stage(self, mine: dict[str, Any]) -> dict[str, Any]:
         """Merge a per-stage dict over the stages (collective over ``pipe``)."""
@@ -532,15 +656,22 @@ class PipelineModule(nn.Module):
                     out[k] = v
         return out
 
+    def _merged(self, read: Callable[[ShardedModule], dict[str, Any]]) -> dict[str, Any]:
+        """``read`` of every chunk's program (each collective over its stage's ranks), merged."""
+        out: dict[str, Any] = {}
+        for program in self.programs:
+            out.update(read(program))
+        return out
+
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Every parameter of the model (every stage's) -> its full gradient, by the
         model's names (collective: every rank)."""
-        merged = self._from_every_stage(self.program.full_grads())
+        merged = self._from_every_stage(self._merged(lambda program: program.full_grads()))
         return {n: merged.get(n) for n in self._param_order}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict, full tensors, the model's keys (collective)."""
-        merged = self._from_every_stage(self.program.full_state_dict())
+        merged = self._from_every_stage(self._merged(lambda program: program.full_state_dict()))
         return {k: self._unheld[k] if k in self._unheld else merged[k] for k in self._state_names}
 
     def state_keys(self) -> list[str]:
@@ -558,26 +689,30 @@ class PipelineModule(nn.Module):
     def measured_comm(self) -> dict[tuple[str, str, str], int | float]:
         """Bytes this rank handed to torch.distributed since the last reset: the stage
         program's collectives (ring model) and the pipeline's sends (``pipe`` rows)."""
-        out = dict(self.program.measured_comm())
+        out: dict[tuple[str, str, str], int | float] = {}
+        for program in self.programs:
+            for k, v in program.measured_comm().items():
+                out[k] = out.get(k, 0) + v
         for k, v in self.p2p.sent.items():
             out[k] = out.get(k, 0) + v
         return out
 
     def reset_measured_comm(self) -> None:
-        self.program.reset_measured_comm()
+        for program in self.programs:
+            program.reset_measured_comm()
         self.p2p.reset()
 
     def _pipe_rows(self) -> list[CommRow]:
         """The bytes this rank sends to other stages in one training step, from the
-        stages' boundary values: what ``measured_comm``'s ``pipe`` rows must equal."""
+        stages' boundary values: what ``measured_comm``'s ``pipe`` rows must equal (a
+        value for another chunk of this rank moves nothing)."""
         n = self.mesh.size("data") * self.mesh.size("z")
         m = self.microbatches
-        st = self.stage
+        p = self.mesh.pipe
         rows: list[CommRow] = []
-
         g = self.mesh.size(CONTEXT)
 
-        def row(what: str, phase: str, val: Any, times: int, batched: bool = True) -> CommRow:
+        def row(st: Stage, what: str, phase: str, val: Any, times: int, batched: bool = True) -> CommRow:
             whole = _nbytes(tuple(val.shape), val.dtype) * times
             cut = batched and _cut(val, n)
             tok = batched and _per_token(val, self._seq, g)
@@ -586,30 +721,33 @@ class PipelineModule(nn.Module):
             return CommRow(f"stage{st.index}", what, ", ".join(st.blocks), None, "send", PIPE, phase, local,
                            whole, divs)
 
-        for j, (cons, val) in enumerate(zip(st.consumers, st.output_vals)):
-            for c in sorted(c for c in cons if c >= 0):
-                rows.append(row(f"output {j} to stage {c}", "forward", val, m))
-        for i, ((src, j), val) in enumerate(zip(st.inputs, st.input_vals)):
-            if src >= 0 and _carries_grad(val):
-                rows.append(row(f"gradient of input {i} (stage {src}'s output {j})", "backward", val, m))
+        for st in self.mine:
+            for j, (cons, val) in enumerate(zip(st.consumers, st.output_vals)):
+                for c in sorted(c for c in cons if c >= 0 and c % p != self.index):
+                    rows.append(row(st, f"output {j} to stage {c}", "forward", val, m))
+            for i, ((src, j), val) in enumerate(zip(st.inputs, st.input_vals)):
+                if src >= 0 and src % p != self.index and _carries_grad(val):
+                    rows.append(row(st, f"gradient of input {i} (stage {src}'s output {j})", "backward", val, m))
         for name, holders in sorted(self.shared.items()):
-            p = self.program.get_parameter(name)
-            full = torch.empty(self.program._global_shapes[name], dtype=p.dtype, device="meta")
-            rows.append(row(f"gradient of {name} (shared by stages {holders})", "backward", full,
-                            len(holders) - 1, batched=False))
-        if self.index == self.mesh.pipe - 1:
+            c = self._owner[name]
+            program = self.programs[c]
+            full = torch.empty(program._global_shapes[name], dtype=program.get_parameter(name).dtype,
+                               device="meta")
+            rows.append(row(self.mine[c], f"gradient of {name} (shared by pipe ranks {holders})", "backward",
+                            full, len(holders) - 1, batched=False))
+        if self.index == p - 1:
+            st = self.stages[-1]
             loss = torch.empty((), dtype=st.output_vals[-1].dtype, device="meta")
-            rows.append(row("the loss, to every other stage", "forward", loss, self.mesh.pipe - 1, batched=False))
+            rows.append(row(st, "the loss, to every other stage", "forward", loss, p - 1, batched=False))
         return rows
 
     def pipeline_report(self) -> CommReport:
-        """``shardc.comm_report`` of a pipeline rank: its stage program's collectives for
+        """``shardc.comm_report`` of a pipeline rank: its stage programs' collectives for
         one step (a forward and a backward row once a micro-batch, a gradient reduction
         once a step) and its sends to other stages."""
-        base = comm_report(self.program)
         m = self.microbatches
         rows = [replace(r, bytes=as_number(Fraction(r.bytes) * m), numerator=r.numerator * m)
-                if _per_microbatch(r) else r for r in base.rows]
+                if _per_microbatch(r) else r for program in self.programs for r in comm_report(program).rows]
         return CommReport(rows + self._pipe_rows(), self.mesh,
                           title=f"stage {self.index} of {self.mesh.pipe}, {m} micro-batches")
 
@@ -619,28 +757,34 @@ class PipelineModule(nn.Module):
         if not self.last_timeline:
             return 0.0
         span = self.last_timeline[-1][3]
-        return sum(w for *_, w in self.last_timeline) / span if span > 0 else 0.0
+        return sum(a[4] for a in self.last_timeline) / span if span > 0 else 0.0
+
+    def bubble_formula(self) -> float:
+        """The schedule's idle share with equal stages (``runtime.pipeline.bubble_fraction``)."""
+        return bubble_fraction(self.schedule, self.mesh.pipe, self.microbatches, self.chunks)
 
     def explain(self) -> str:
         """The stages, this rank's schedule and its last step's timeline."""
-        how = "simulated with F = B = W" if self._split else "(p-1)/(m+p-1)"
-        lines = [f"shardc pipeline on {self.mesh}: {self.mesh.pipe} stages, {self.microbatches} "
+        how = {"zero_bubble": "simulated with F = B = W", "interleaved": "simulated, (p-1)/(v*m+p-1)"}.get(
+            self.schedule, "(p-1)/(m+p-1)")
+        chunked = f", {self.chunks} chunks a rank" if self.chunks > 1 else ""
+        lines = [f"shardc pipeline on {self.mesh}: {len(self.stages)} stages{chunked}, {self.microbatches} "
                  f"micro-batches, schedule {self.schedule!r} (bubble with equal stages, {how}: "
-                 f"{bubble_fraction(self.schedule, self.mesh.pipe, self.microbatches):.1%})"]
+                 f"{self.bubble_formula():.1%})"]
         for st in self.stages:
-            here = "  <- this rank" if st.index == self.index else ""
+            here = "  <- this rank" if st.index % self.mesh.pipe == self.index else ""
             lines.append(f"  stage {st.index}: {len(st.blocks)} blocks ({st.blocks[0]} .. {st.blocks[-1]}), "
                          f"{st.flops / 1e6:.1f} MFLOP forward, {st.param_bytes / 2**20:.2f} MiB of "
                          f"parameters, {len(st.inputs)} inputs{here}")
-        order = actions(self.schedule, self.mesh.pipe, self.index, self.microbatches)
-        lines.append("  this rank runs: " + " ".join(f"{kind}{k}" for kind, k in order))
+        lines.append("  this rank runs: " + " ".join(self.label(*a) for a in self.order()))
         for r in self._pipe_rows():
             lines.append(f"  sends {r.op} ({r.phase}): {r.bytes} bytes a step")
         if self.last_timeline:
             lines.append(f"  last step: {self.last_timeline[-1][3] * 1e3:.1f} ms, idle {self.idle_fraction():.1%} "
                          "of it (waiting for other stages)")
             lines.append("  timeline (ms: start-end, waited): " + ", ".join(
-                f"{kind}{k} {s * 1e3:.1f}-{e * 1e3:.1f} ({w * 1e3:.1f})" for kind, k, s, e, w in self.last_timeline))
+                f"{self.label(kind, k, c)} {s * 1e3:.1f}-{e * 1e3:.1f} ({w * 1e3:.1f})"
+                for kind, k, s, e, w, c in self.last_timeline))
         return "\n".join(lines)
 
 
@@ -718,6 +862,45 @@ def _device_of(sm: ShardedModule) -> torch.device:
     return torch.device("cpu")
 
 
+def _compile_stage(st: Stage, micro: tuple, mesh: Mesh, options: Options, rank: int, n: int,
+                   seq: int | None, training: bool) -> ShardedModule:
+    """Stage ``st``'s program on this rank: its inputs from the model's or from earlier
+    stages (as they travel: ``_boundary_layout``), compiled by the ordinary compiler."""
+    stage_inputs: list[Any] = []
+    layouts: dict[int, Layout] = {}
+    for i, ((src, j), val) in enumerate(zip(st.inputs, st.input_vals)):
+        if src < 0:
+            stage_inputs.append(micro[j])
+            continue
+        x = torch.zeros(tuple(val.shape), dtype=val.dtype)
+        if _carries_grad(val):
+            x.requires_grad_(True)
+        stage_inputs.append(x)
+        lay = _boundary_layout(val, n, mesh.size(CONTEXT), seq)
+        if lay is not None:
+            layouts[i] = lay
+    check_batch(tuple(stage_inputs), mesh, layouts)
+    st.module.train(training)  # the stage was traced in the model's mode
+    program = build(st.module, mesh, tuple(stage_inputs), options, rank, layouts or None,
+                    blocks=st.blocks, cast_at_use=False)
+    validate.after_compile(program, st.module, tuple(stage_inputs))
+    return program
+
+
+def _refuse_shared_in_rank(stages: list[Stage], p: int) -> None:
+    """A parameter read by two chunks of one rank would be two parameters of the rank's
+    optimizer; refused until the chunks share it."""
+    seen: dict[tuple[str, int], int] = {}
+    for st in stages:
+        for name in st.params:
+            other = seen.setdefault((name, st.index % p), st.index)
+            if other != st.index:
+                raise ShardcError(
+                    f"shardc.compile: schedule='interleaved' puts stages {other} and {st.index} on pipe rank "
+                    f"{st.index % p}, and both read parameter {name!r}; a parameter shared by two chunks "
+                    "of one rank is not supported yet. Use fewer virtual_stages, or schedule='1f1b'.")
+
+
 def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
                      input_layouts: Any) -> PipelineModule:
     """Cut, compile this rank's stage, and settle with the other ranks (collective)."""
@@ -732,6 +915,12 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, option
         options = replace(options, bucket_mb=0)
     m = options.microbatches or mesh.pipe
     n = mesh.size("data") * mesh.size("z")
+    v = options.chunks
+    if options.schedule == "interleaved" and m % mesh.pipe:
+        raise OptionError(
+            f"shardc.compile: schedule='interleaved' runs micro-batches in groups of pipe = {mesh.pipe} "
+            f"(each group through every chunk in turn), and microbatches={m} is not a multiple of it. "
+            f"Use microbatches={(m // mesh.pipe + 1) * mesh.pipe} or schedule='1f1b'.")
     for i, x in enumerate(example_inputs):
         if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] % (m * n):
             raise ShardcError(
@@ -752,26 +941,10 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, option
             # holds its casts, its boundary values carry the policy's dtypes, and its own
             # trace must not cast its inputs again (a value one device keeps in fp32 stays so)
             gm = local_casts(unlifted_graph(CastAtUse(model, compute), micro))
-        stages = cut_stages(model, gm, mesh.pipe)
-        st = stages[mesh.coords(rank)[PIPE]]
-        stage_inputs: list[Any] = []
-        layouts: dict[int, Layout] = {}
-        for i, ((src, j), val) in enumerate(zip(st.inputs, st.input_vals)):
-            if src < 0:
-                stage_inputs.append(micro[j])
-                continue
-            x = torch.zeros(tuple(val.shape), dtype=val.dtype)
-            if _carries_grad(val):
-                x.requires_grad_(True)
-            stage_inputs.append(x)
-            lay = _boundary_layout(val, n, mesh.size(CONTEXT), seq)
-            if lay is not None:
-                layouts[i] = lay
-        check_batch(tuple(stage_inputs), mesh, layouts)
-        st.module.train(model.training)  # the stage was traced in the model's mode
-        program = build(st.module, mesh, tuple(stage_inputs), options, rank, layouts or None,
-                        blocks=st.blocks, cast_at_use=False)
-        validate.after_compile(program, st.module, tuple(stage_inputs))
+        stages = cut_stages(model, gm, mesh.pipe * v, per_rank=v)
+        mine = [stages[c * mesh.pipe + mesh.coords(rank)[PIPE]] for c in range(v)]
+        _refuse_shared_in_rank(stages, mesh.pipe)
+        programs = [_compile_stage(st, micro, mesh, options, rank, n, seq, model.training) for st in mine]
         terms, coupled = loss_terms(gm)
         if coupled is not None:
             warnings.warn(
@@ -782,17 +955,20 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, option
                 ShardcWarning, stacklevel=3)
         every = stage_draws(stages, _micro_rows(micro), n)
         if isinstance(every, list):
-            why = program_sites(program, [d for d in every if d.stage == st.index])
+            why = next((w for st, program in zip(mine, programs)
+                        if (w := program_sites(program, [d for d in every if d.stage == st.index])) is not None),
+                       None)
         else:
             why = every
-        draws = Draws(every, st.index, m, n) if isinstance(every, list) and every and why is None else None
-        module = PipelineModule(program, stages, mesh, rank, options, m, _loss_rule(gm, terms), model, draws, seq)
+        draws = Draws(every, [st.index for st in mine], m, n) \
+            if isinstance(every, list) and every and why is None else None
+        module = PipelineModule(programs, stages, mesh, rank, options, m, _loss_rule(gm, terms), model, draws, seq)
     except Exception as e:  # noqa: BLE001 - every rank learns of it below, then it is raised
         failure = e
     # a rank whose stage failed to compile must not leave the others waiting in a send
     got: list[Any] = [None] * dist.get_world_size()
-    mine = (None if failure is None else f"{type(failure).__name__}: {failure}", why)
-    dist.all_gather_object(got, mine)
+    outcome = (None if failure is None else f"{type(failure).__name__}: {failure}", why)
+    dist.all_gather_object(got, outcome)
     if failure is not None:
         raise failure
     bad = [(r, msg) for r, (msg, _) in enumerate(got) if msg is not None]

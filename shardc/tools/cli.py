@@ -104,6 +104,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
         opts["microbatches"] = args.microbatches
     if args.schedule is not None:
         opts["schedule"] = args.schedule
+    if args.virtual_stages is not None:
+        opts["virtual_stages"] = args.virtual_stages
     files = run_trace(args.spec, args.mesh, args.out, png=args.png, **opts)
     for path in files:
         print(f"wrote {path}")
@@ -191,7 +193,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("--microbatches", type=int, default=None,
                    help="a mesh with pipeline stages: micro-batches a step (default: pipe); prints "
                         "each rank's schedule as it ran and its idle share")
-    t.add_argument("--schedule", default=None, help="a mesh with pipeline stages: gpipe, 1f1b or zero_bubble")
+    t.add_argument("--schedule", default=None,
+                   help="a mesh with pipeline stages: gpipe, 1f1b, interleaved or zero_bubble")
+    t.add_argument("--virtual-stages", type=int, default=None,
+                   help="with --schedule interleaved: the model chunks a rank holds (default 2)")
     t.set_defaults(fn=cmd_trace)
 
     args = p.parse_args(argv)

@@ -27,7 +27,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import shardc
-from shardc.runtime.pipeline import bubble_fraction
 from shardc.tools.specs import load_spec
 
 _ISSUE = re.compile(r"shardc\.issue#(\d+) (\w+)@(\w+) (\w+) (\d+)B")
@@ -78,9 +77,9 @@ def trace_step(sm: Any, inputs: tuple, out_dir: str, warmup: int = 1) -> str:
         trace["shardcPipeline"] = {
             "stage": sm.index, "stages": sm.mesh.pipe, "schedule": sm.schedule,
             "microbatches": sm.microbatches, "idle_fraction": sm.idle_fraction(),
-            "bubble_formula": bubble_fraction(sm.schedule, sm.mesh.pipe, sm.microbatches),
-            "timeline": [{"action": f"{kind}{k}", "start_s": a, "end_s": b, "waited_s": w}
-                         for kind, k, a, b, w in sm.last_timeline]}
+            "chunks": sm.chunks, "bubble_formula": sm.bubble_formula(),
+            "timeline": [{"action": sm.label(kind, k, c), "start_s": a, "end_s": b, "waited_s": w}
+                         for kind, k, a, b, w, c in sm.last_timeline]}
     with open(path, "w") as f:
         json.dump(trace, f)
     return path
@@ -121,7 +120,8 @@ def pipeline_lines(files: list[str]) -> list[str]:
         if not pipe:
             continue
         acts = " ".join(f"{a['action']} {a['start_s'] * 1e3:.1f}-{a['end_s'] * 1e3:.1f}" for a in pipe["timeline"])
-        out.append(f"rank {rank}, stage {pipe['stage']} of {pipe['stages']} ({pipe['schedule']}, "
+        chunks = f"{pipe['chunks']} chunks a rank, " if pipe.get("chunks", 1) > 1 else ""
+        out.append(f"rank {rank}, stage {pipe['stage']} of {pipe['stages']} ({pipe['schedule']}, {chunks}"
                    f"{pipe['microbatches']} micro-batches): idle {pipe['idle_fraction']:.1%} of the step "
                    f"(bubble with equal stages {pipe['bubble_formula']:.1%}); {acts}")
     return out

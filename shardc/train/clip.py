@@ -44,32 +44,35 @@ def clip_grad_norm_(sm: Any, max_norm: float, norm_type: float = 2.0,
     pipeline (``pipe > 1``) the norm is over every stage's gradients, as one device's.
     """
     shared_elsewhere: set[str] = set()
-    if hasattr(sm, "stages"):  # a pipeline rank (shardc/program/pipeline.py): its stage's program
+    programs = [sm]
+    if hasattr(sm, "stages"):  # a pipeline rank (shardc/program/pipeline.py): its stage programs
         # a parameter two stages hold (a tied embedding and head) is counted by the first
         shared_elsewhere = {n for n, holders in sm.shared.items() if holders[0] != sm.index}
-        sm = sm.program
-    if not isinstance(sm, ShardedModule):
-        raise TypeError(f"shardc.clip_grad_norm_: expects the ShardedModule shardc.compile returned, "
-                        f"got {type(sm).__name__}. For a plain module use "
-                        "torch.nn.utils.clip_grad_norm_.")
+        programs = list(sm.programs)
+    for program in programs:
+        if not isinstance(program, ShardedModule):
+            raise TypeError(f"shardc.clip_grad_norm_: expects the ShardedModule shardc.compile returned, "
+                            f"got {type(program).__name__}. For a plain module use "
+                            "torch.nn.utils.clip_grad_norm_.")
     norm_type = float(norm_type)
     if not (norm_type > 0):
         raise ValueError(f"shardc.clip_grad_norm_: norm_type must be positive or inf, got {norm_type}.")
-    if not sm.runtime.sync or sm.pending_reductions():
+    if any(not program.runtime.sync or program.pending_reductions() for program in programs):
         raise ShardcError(
             "shardc.clip_grad_norm_: some gradients are not reduced yet (called inside "
             "sm.no_sync(), or after it without a synced backward), so each rank holds only "
             "its local part and the norm would be wrong. Run the last micro-batch's "
             "backward outside no_sync first.")
-    coords = sm.mesh.coords(sm.ctx.rank)
     grads: list[torch.Tensor] = []
     counted: list[torch.Tensor] = []
-    for name, p in sm.named_parameters():
-        if p.grad is None:
-            continue
-        grads.append(p.grad)
-        if _counted_here(sm, name, coords) and name not in shared_elsewhere:
-            counted.append(p.grad)
+    for program in programs:
+        coords = program.mesh.coords(program.ctx.rank)
+        for name, p in program.named_parameters():
+            if p.grad is None:
+                continue
+            grads.append(p.grad)
+            if _counted_here(program, name, coords) and name not in shared_elsewhere:
+                counted.append(p.grad)
     if not grads:
         return torch.tensor(0.0)
     device, dtype = grads[0].device, grads[0].dtype

@@ -68,7 +68,7 @@ class StepGuard:
             # one slot per parameter of the whole model, in its order, on every stage (the
             # all-reduce needs one length everywhere; a stage leaves others' slots at 0);
             # a tied parameter two stages hold is counted by the first
-            program, names = sm.program, sm._param_order
+            program, names = sm.held(), sm._param_order
             counted_elsewhere = {n for n, holders in sm.shared.items() if holders[0] != sm.index}
         held = dict(program.named_parameters())
         self._params: list[tuple[str, torch.Tensor | None, bool]] = []
