@@ -491,7 +491,7 @@ def _staged_candidates(model: torch.nn.Module, inputs: tuple, world_size: int, m
     4D candidate (``rank`` over the meshes of ``world_size / pipe`` ranks)."""
     try:
         refuse_with_stages(Options(**{k: v for k, v in compile_kw.items()
-                                      if k not in ("microbatches", "schedule")}), None)
+                                      if k not in ("microbatches", "schedule", "virtual_stages")}), None)
     except OptionError:
         if explicit:
             raise
@@ -507,14 +507,19 @@ def _staged_candidates(model: torch.nn.Module, inputs: tuple, world_size: int, m
                 "Machine(..., gemm_flops=...).")
         return [], []
     schedule = compile_kw.get("schedule", "1f1b")
-    kw = {k: v for k, v in compile_kw.items() if k not in ("microbatches", "schedule")}
+    chunks = Options(schedule=schedule, virtual_stages=compile_kw.get("virtual_stages")).chunks
+    kw = {k: v for k, v in compile_kw.items() if k not in ("microbatches", "schedule", "virtual_stages")}
     ps = [p for p in range(2, world_size + 1) if world_size % p == 0]
-    shares = stage_shares(model, inputs, ps)
+    shares = stage_shares(model, inputs, ps, chunks)
     out: list[Candidate] = []
     dropped: list[Dropped] = []
     for p in ps:
         s = shares[p]
         m = compile_kw.get("microbatches") or p
+        if chunks > 1 and m % p:
+            dropped.append(Dropped(Mesh(pipe=p, data=world_size // p),
+                                   f"schedule: the interleaved schedule needs micro-batches ({m}) a multiple of {p}"))
+            continue
         if isinstance(s, str):
             dropped.append(Dropped(Mesh(pipe=p, data=world_size // p), f"stages: {s}"))
             continue
@@ -532,7 +537,7 @@ def _staged_candidates(model: torch.nn.Module, inputs: tuple, world_size: int, m
         got, lost = rank(kw, inner, fits=False)
         dropped += [Dropped(_with_stages(d.mesh, p), d.reason) for d in lost]
         for c in got:
-            staged = _staged(c, p, m, schedule, s, machine)
+            staged = _staged(c, p, m, schedule, s, machine, chunks)
             if staged.memory_bytes_per_rank > machine.memory_bytes:
                 dropped.append(Dropped(staged.mesh, f"memory: {staged.memory_bytes_per_rank / 2**30:.1f} GiB "
                                                     f"per rank > {machine.memory_bytes / 2**30:.1f} GiB"))
@@ -545,7 +550,8 @@ def _with_stages(m: Mesh, p: int) -> Mesh:
     return Mesh(pipe=p, data=m.data, z=m.z, y=m.y, x=m.x)
 
 
-def _staged(c: Candidate, p: int, m: int, schedule: str, shares: StageShares, machine: Machine) -> Candidate:
+def _staged(c: Candidate, p: int, m: int, schedule: str, shares: StageShares, machine: Machine,
+            chunks: int = 1) -> Candidate:
     mesh = _with_stages(c.mesh, p)
     st = c.step
     zeros = {a: 0.0 for a in CUT_AXES}
@@ -553,7 +559,7 @@ def _staged(c: Candidate, p: int, m: int, schedule: str, shares: StageShares, ma
                        st.bandwidth if st is not None else c.per_axis_s,
                        st.latency if st is not None else zeros,
                        st.compute if st is not None else 0.0, st.hidden if st is not None else 0.0,
-                       c.bytes_per_axis, c.param_bytes_per_rank, c.activation_bytes_per_rank)
+                       c.bytes_per_axis, c.param_bytes_per_rank, c.activation_bytes_per_rank, chunks)
     step = StepTime(t.compute, t.bandwidth, t.latency, min(t.hidden, t.compute), t.bubble)
     per_axis = {a: t.bandwidth[a] + t.latency[a] for a in t.bandwidth}
     return Candidate(mesh, step.comm, per_axis, t.param_bytes + t.activation_bytes, t.param_bytes,

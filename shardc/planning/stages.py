@@ -14,11 +14,14 @@ and their optimizer state. Three terms are the pipeline's own:
 - **the bubble.** With equal stages, GPipe and 1F1B run ``(m + p - 1) / m`` times the
   work of the stage's micro-batches: the bubble term is ``(p - 1) / m`` of the stage's
   compute and its per-micro-batch communication (zero bubble is not modelled: it is
-  planned as 1F1B, an upper bound);
+  planned as 1F1B, an upper bound); the interleaved schedule, ``v`` chunks a rank,
+  fills and drains the pipe ``v`` times faster: ``(p - 1) / (v m)``;
 - **the sends between stages.** Every boundary value crosses once forward and its
   gradient once back, each rank sending its data x z share, over the link between
   stage ``s`` and ``s + 1``: the node's links when a stage fills a node or more (pipe is
-  the outermost axis), the measured table otherwise.
+  the outermost axis), the measured table otherwise. Interleaved, each of a rank's ``v``
+  chunks sends its boundary: ``v`` times the bytes (the cut into ``v p`` stages taken
+  as the ``p``-stage cut's boundary, each stage holding ``1 / v`` of a rank's blocks).
 
 Activation memory: 1F1B keeps at most ``p`` micro-batches of activations on the first
 stage (``min(p, m) / m`` of the batch), GPipe all ``m``.
@@ -47,9 +50,11 @@ class StageShares:
     boundary_bytes: float  # the most bytes one stage sends forward a step (global batch)
 
 
-def stage_shares(model: torch.nn.Module, inputs: tuple, ps: list[int]) -> dict[int, StageShares | str]:
+def stage_shares(model: torch.nn.Module, inputs: tuple, ps: list[int],
+                 chunks: int = 1) -> dict[int, StageShares | str]:
     """For each stage count of ``ps``: the shares of the compiler's cut, or why the model
-    cannot be cut so (too few repeated blocks, a graph export could not take)."""
+    cannot be cut so (too few repeated blocks, a graph export could not take); with
+    ``chunks`` a rank (interleaved), the cut must also hold ``p * chunks`` stages."""
     out: dict[int, StageShares | str] = {}
     try:
         gm = unlifted_graph(model, inputs)
@@ -57,6 +62,8 @@ def stage_shares(model: torch.nn.Module, inputs: tuple, ps: list[int]) -> dict[i
         return {p: f"the model could not be exported whole ({type(e).__name__})" for p in ps}
     for p in ps:
         try:
+            if chunks > 1:
+                cut_stages(model, gm, p * chunks, per_rank=chunks)  # enough blocks for every chunk
             stages = cut_stages(model, gm, p)
         except ShardcError as e:
             out[p] = str(e).split(": ", 1)[-1].split(". ")[0]
@@ -105,7 +112,7 @@ class PipelineTerms:
 def pipeline_terms(shares: StageShares, m: int, schedule: str, mesh: Mesh, machine: Machine,
                    bandwidth: dict[str, float], latency: dict[str, float], compute: float,
                    hidden: float, bytes_per_axis: dict[str, float], param_bytes: float,
-                   activation_bytes: float) -> PipelineTerms:
+                   activation_bytes: float, chunks: int = 1) -> PipelineTerms:
     """The step of ``mesh`` (``pipe > 1``) from its stage mesh's 4D prediction (the
     seconds and bytes the whole model costs on the stage's ranks): see the module's text."""
     p, f, fp = shares.p, shares.flops, shares.params
@@ -116,11 +123,11 @@ def pipeline_terms(shares: StageShares, m: int, schedule: str, mesh: Mesh, machi
     # gradient reductions once a step
     lat = {a: latency.get(a, 0.0) * (fp if a == "data" else f * m) for a in scale}
     n = mesh.data * mesh.z
-    sends = 2 * shares.boundary_bytes / n  # activations forward, their gradients back
+    sends = 2 * shares.boundary_bytes / n * chunks  # activations forward, their gradients back
     bw["pipe"] = sends / p2p_bandwidth(machine, mesh) if sends else 0.0
     lat["pipe"] = 0.0
     work = compute * f + sum(bw[a] + lat[a] for a in ("x", "y", "z")) - hidden * f
-    bubble = max(work, 0.0) * (p - 1) / m
+    bubble = max(work, 0.0) * (p - 1) / (m * chunks)
     in_flight = 1.0 if schedule == "gpipe" else min(p, m) / m
     moved = {a: bytes_per_axis.get(a, 0.0) * s for a, s in scale.items()}
     moved["pipe"] = sends
