@@ -21,13 +21,13 @@ import shardc
 pytestmark: list = []  # the cases are slow and distributed, one by one
 
 
-def _moe(config: str, model: str, **kw):
+def _moe(config: str, model: str, layers: int = 2, **kw):
     def make():
         import transformers
 
         from shardc.tools.models import HFCausalLM
 
-        cfg = getattr(transformers, config)(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+        cfg = getattr(transformers, config)(vocab_size=64, hidden_size=32, num_hidden_layers=layers,
                                             use_cache=False, tie_word_embeddings=False,
                                             num_attention_heads=8, max_position_embeddings=16, **kw)
         for k in ("attention_dropout", "hidden_dropout", "router_jitter_noise"):
@@ -41,6 +41,9 @@ def _moe(config: str, model: str, **kw):
 MOES = {
     "mixtral": _moe("MixtralConfig", "MixtralForCausalLM", num_key_value_heads=4, num_local_experts=8,
                     num_experts_per_tok=2, intermediate_size=32),
+    # four layers: two chunks a rank on two pipe ranks (the interleaved schedule)
+    "mixtral-4": _moe("MixtralConfig", "MixtralForCausalLM", layers=4, num_key_value_heads=4,
+                      num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
     # transformers' default load-balancing loss, from the router's logits, in the loss
     "mixtral-aux": _moe("MixtralConfig", "MixtralForCausalLM", num_key_value_heads=4, num_local_experts=8,
                         num_experts_per_tok=2, intermediate_size=32, output_router_logits=True),
@@ -197,7 +200,9 @@ PIPE_CASES = [("mixtral", "p2x1y1z1d2", "1f1b", 2, "data"), ("mixtral", "p2x1y1z
               ("gpt-oss", "p2x1y1z2d1", "gpipe", 2, "z"), ("qwen3-moe", "p2x1y1z2d1", "1f1b", 2, "z"),
               ("olmoe", "p2x1y1z1d2", "1f1b", 2, "data", {"shard_optimizer": True}),
               # a block recomputed in backward runs its segment again, for that backward
-              ("mixtral", "p2x1y1z1d2", "1f1b", 2, "data", {"activation_checkpoint": "blocks"})]
+              ("mixtral", "p2x1y1z1d2", "1f1b", 2, "data", {"activation_checkpoint": "blocks"}),
+              # two chunks a rank, each with its own experts and routing
+              ("mixtral-4", "p2x1y1z1d2", "interleaved", 2, "data")]
 
 
 def _in_stages(rank: int, world_size: int, case: tuple) -> None:
@@ -214,19 +219,21 @@ def _in_stages(rank: int, world_size: int, case: tuple) -> None:
     batch = lm_batches(1)[0]
     sm = shardc.compile(MOES[name](), mesh, batch, schedule=schedule, microbatches=m, **opts)
     g = math.prod(mesh.size(a) for a in axes)
-    weights = _expert_weights(sm.program)
-    if not weights:
-        failures.append(f"{name}@{spec}: stage {sm.index} holds no expert GEMM")
-    for pname, (local, whole) in weights.items():
-        if local[0] * g > whole[0]:
-            failures.append(f"{name}@{spec}: {pname} is {local} on a rank, of {whole}")
+    for program in sm.programs:  # one a rank, or one a chunk
+        weights = _expert_weights(program)
+        if not weights:
+            failures.append(f"{name}@{spec}: a chunk of stage {sm.index} holds no expert GEMM")
+        for pname, (local, whole) in weights.items():
+            if local[0] * g > whole[0]:
+                failures.append(f"{name}@{spec}: {pname} is {local} on a rank, of {whole}")
     # the load over the step: every micro-batch's rows
     sm(*[shardc.shard_batch(t, mesh) for t in batch]).backward()
-    sent = sum(sum(v.sent_per_expert) for v in sm.program.expert_load().values())
     top_k = 2
     rows = batch[0].numel() // (mesh.size("data") * mesh.size("z")) * top_k
-    if sent != rows * len(sm.program.expert_load()):
-        failures.append(f"{name}@{spec}: the step's load counts {sent} rows sent, not {rows} a segment")
+    for program in sm.programs:
+        sent = sum(sum(v.sent_per_expert) for v in program.expert_load().values())
+        if sent != rows * len(program.expert_load()):
+            failures.append(f"{name}@{spec}: the step's load counts {sent} rows sent, not {rows} a segment")
     assert not failures, "\n".join(failures)
 
 

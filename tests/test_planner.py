@@ -218,6 +218,14 @@ def test_pipeline_planning_needs_a_machine_that_prices_compute() -> None:
                                                     exact_top=1, **kw) if c.mesh.pipe > 1}
     plain, zero = staged(), staged(shard_optimizer=True)
     assert zero["p2x1y1z1d2"].param_bytes_per_rank == plain["p2x1y1z1d2"].param_bytes_per_rank / 2
+    # the interleaved schedule, two chunks a rank: the bubble halves ((p-1)/(v m) of the
+    # work), each rank sends twice the boundaries, and four stages of two chunks each
+    # would need eight blocks: dropped
+    inter = staged(schedule="interleaved")
+    a, b = plain["p2x1y1z1d2"], inter["p2x1y1z1d2"]
+    assert a.bubble_s > 0 and b.bubble_s == pytest.approx(a.bubble_s / 2)
+    assert a.bytes_per_axis["pipe"] > 0 and b.bytes_per_axis["pipe"] == 2 * a.bytes_per_axis["pipe"]
+    assert "p4x1y1z1d1" in plain and "p4x1y1z1d1" not in inter
 
 
 def test_context_meshes_are_planned_where_a_sequence_does_not_fit() -> None:

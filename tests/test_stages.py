@@ -13,7 +13,7 @@ import shardc
 from shardc.passes.stages import balance, cut_stages, unlifted_graph
 from shardc.program.loss_terms import loss_terms
 from shardc.program.pipeline import _loss_rule
-from shardc.runtime.pipeline import actions, bubble_fraction
+from shardc.runtime.pipeline import P2P, actions, bubble_fraction, chunk_actions, simulate
 
 pytestmark: list = []
 
@@ -128,6 +128,64 @@ def test_bubble_formula() -> None:
     assert bubble_fraction("gpipe", 2, 8) == pytest.approx(1 / 9)
 
 
+@pytest.mark.parametrize("p,v,m", [(2, 2, 2), (2, 2, 4), (2, 3, 2), (3, 2, 6), (4, 2, 4), (4, 2, 8),
+                                   (4, 3, 12), (8, 2, 16), (2, 1, 4)])
+def test_interleaved_order(p: int, v: int, m: int) -> None:
+    """Each rank runs every (micro-batch, chunk) forward once and its backward once after
+    it; the orders of all ranks together never deadlock (sends do not block); the bubble
+    with equal chunks (F 1, B 2) is Megatron's (p-1)/(v*m + p-1), v times less than
+    1F1B's pipe of p stages; and a rank holds at most 2(p-r-1) + (v-1)p + 1 chunks'
+    activations (its warm-up forwards, then one in flight)."""
+    orders = [chunk_actions("interleaved", p, r, m, v) for r in range(p)]
+    for r, acts in enumerate(orders):
+        assert sorted(acts) == sorted((kind, k, c) for kind in "FB" for k in range(m) for c in range(v))
+        for k in range(m):
+            for c in range(v):
+                assert acts.index(("F", k, c)) < acts.index(("B", k, c))
+        live = peak = 0
+        for kind, _, _ in acts:
+            live += 1 if kind == "F" else -1
+            peak = max(peak, live)
+        assert peak <= min(2 * (p - r - 1) + (v - 1) * p + 1, m * v)
+    simulate(orders, p, v, {"F": 1, "B": 2})  # raises on a deadlock
+    assert bubble_fraction("interleaved", p, m, v) == pytest.approx((p - 1) / (v * m + p - 1))
+    assert bubble_fraction("interleaved", p, m, v) <= bubble_fraction("1f1b", p, m)
+
+
+def test_simulate_finds_a_deadlock() -> None:
+    # stage 1 asks for micro-batch 1 before 0, stage 0 sends 0 first but then waits for
+    # backward 0, which stage 1 runs only after forward 1
+    orders = [[("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0)],
+              [("F", 1, 0), ("B", 1, 0), ("F", 0, 0), ("B", 0, 0)]]
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate(orders, 2, 1, {"F": 1, "B": 1})
+
+
+def test_messages_are_taken_in_the_senders_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that asks for the second message of a link first receives the first into
+    keeping (the link delivers in the sender's order), hands it out when asked, and takes
+    a message to another chunk of its own rank from memory, counting no bytes."""
+    wire = [torch.full((2,), 1.0), torch.full((3,), 2.0)]  # what the peer sent, in its order
+    p2p = P2P(shardc.Mesh.parse("p2x1y1z1d1"), 0)
+
+    def recv(shape: tuple, dtype: torch.dtype, device: torch.device, stage: int, phase: str) -> torch.Tensor:
+        got = wire.pop(0)
+        assert tuple(got.shape) == tuple(shape) and stage == 1
+        return got
+
+    monkeypatch.setattr(p2p, "recv", recv)
+    p2p.expect({1: [("a", (2,), torch.float32), ("b", (3,), torch.float32)]})
+    assert p2p.take("b", 1, torch.device("cpu"), "backward").tolist() == [2.0] * 3
+    assert p2p.take("a", 1, torch.device("cpu"), "forward").tolist() == [1.0] * 2
+    mine = torch.ones(4)
+    p2p.send(mine, 0, "forward", key="c")
+    mine.add_(1)  # the writer's tensor moves on; the reader has the value sent
+    assert p2p.take("c", 0, torch.device("cpu"), "forward").tolist() == [1.0] * 4
+    assert not p2p.sent
+    with pytest.raises(RuntimeError, match="sends no message"):
+        p2p.take("d", 1, torch.device("cpu"), "forward")
+
+
 class _Summed(GPT):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.head(self.tok(idx))
@@ -204,3 +262,13 @@ def test_pipeline_options_are_checked() -> None:
     with pytest.raises(shardc.OptionError, match="schedule='pipedream' is not one of"):
         shardc.Options(schedule="pipedream")
     assert shardc.Options(schedule="gpipe", microbatches=4).microbatches == 4
+    # the interleaved schedule's chunks a rank: 2 unless virtual_stages says, and only there
+    assert shardc.Options(schedule="interleaved").chunks == 2
+    assert shardc.Options(schedule="interleaved", virtual_stages=3).chunks == 3
+    assert shardc.Options(schedule="1f1b", virtual_stages=1).chunks == 1
+    with pytest.raises(shardc.OptionError, match="virtual_stages=2 with schedule='gpipe'"):
+        shardc.Options(schedule="gpipe", virtual_stages=2)
+    with pytest.raises(shardc.OptionError, match="virtual_stages must be >= 1"):
+        shardc.Options(schedule="interleaved", virtual_stages=0)
+    with pytest.raises(TypeError, match="virtual_stages='2' must be an int"):
+        shardc.Options(schedule="interleaved", virtual_stages="2")
