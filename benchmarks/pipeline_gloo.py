@@ -2,11 +2,13 @@
 
     python benchmarks/pipeline_gloo.py --ranks 2 --mesh p2x1y1z1d1 --microbatches 4 --schedules 1f1b,zero_bubble
     python benchmarks/pipeline_gloo.py --ranks 8 --mesh p4x1y1z1d2 --microbatches 8 --schedules gpipe
+    python benchmarks/pipeline_gloo.py --ranks 2 --mesh p2x1y1z1d1 --microbatches 4 --schedules interleaved,1f1b
 
 shardc runs each schedule given (each its own compiled copy of the model); torch runs the
 first one (1F1B where that is zero bubble). Both run the same GPT (``GPT.peer()``'s shape with ``--layers`` blocks, untied head) from
 the same weights, cut into the same stages (the blocks shardc's cut gave each stage), with
-the same schedule (torch's ``ScheduleGPipe`` / ``Schedule1F1B``), micro-batches and AdamW;
+the same schedule (torch's ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``, this
+one over the same chunks a rank), micro-batches and AdamW;
 with a data axis torch's stages are DDP modules over the data group (its pipeline stage
 defers their reduction to the last micro-batch, as shardc's no_sync does). Each round
 runs one training step of each, in turns, with a barrier around every step, so both see
@@ -69,7 +71,7 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
 
 
 def _measure(rank: int, args: argparse.Namespace) -> None:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
     from torch.nn.parallel import DistributedDataParallel
 
     import shardc
@@ -88,17 +90,27 @@ def _measure(rank: int, args: argparse.Namespace) -> None:
     local = [shardc.shard_batch(t, mesh) for t in batch]
     opts = [torch.optim.AdamW(x.parameters(), lr=1e-4) for x in sms]
 
-    # torch's pipeline over the same stages: the blocks shardc gave this rank's stage
-    first = int(sm.stage.blocks[0].split(".")[-1])
-    last = int(sm.stage.blocks[-1].split(".")[-1])
+    # torch's pipeline over the same stages: the blocks shardc gave this rank's stage (or
+    # each of its chunks, stage c * p + s, under the interleaved schedule)
     s, p = sm.index, mesh.pipe
-    mod: nn.Module = _TorchStage(peer_model, first, last, s == 0, s == p - 1)
-    if mesh.data > 1:
-        mod = DistributedDataParallel(mod, process_group=axis_groups(mesh)["data"])
-    stage = PipelineStage(mod, s, p, torch.device("cpu"), group=pipe_group(mesh))
-    kind = ScheduleGPipe if schedules[0] == "gpipe" else Schedule1F1B
-    sched = kind(stage, n_microbatches=args.microbatches, loss_fn=_loss)
-    peer_opt = torch.optim.AdamW(mod.parameters(), lr=1e-4)
+    n_stages = len(sm.stages)
+    mods: list[nn.Module] = []
+    stages = []
+    for st in sm.mine:
+        first = int(st.blocks[0].split(".")[-1])
+        last = int(st.blocks[-1].split(".")[-1])
+        mod: nn.Module = _TorchStage(peer_model, first, last, st.index == 0, st.index == n_stages - 1)
+        if mesh.data > 1:
+            mod = DistributedDataParallel(mod, process_group=axis_groups(mesh)["data"])
+        mods.append(mod)
+        stages.append(PipelineStage(mod, st.index, n_stages, torch.device("cpu"), group=pipe_group(mesh)))
+    if schedules[0] == "interleaved":
+        kind: Any = ScheduleInterleaved1F1B
+        sched = kind(stages, n_microbatches=args.microbatches, loss_fn=_loss)
+    else:
+        kind = ScheduleGPipe if schedules[0] == "gpipe" else Schedule1F1B
+        sched = kind(stages[0], n_microbatches=args.microbatches, loss_fn=_loss)
+    peer_opt = torch.optim.AdamW([q for mod in mods for q in mod.parameters()], lr=1e-4)
 
     def shardc_step(i: int) -> float:
         loss = sms[i](*local)
@@ -146,8 +158,6 @@ def _measure(rank: int, args: argparse.Namespace) -> None:
     idles: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(idles, [statistics.median(x) for x in idle])
     if rank == dist.get_world_size() - 1:
-        from shardc.runtime.pipeline import bubble_fraction
-
         print(f"shardc backend {args.backend}; mesh {mesh.spec()}, {args.layers} blocks, batch {args.batch}, "
               f"{args.microbatches} micro-batches, {args.rounds} rounds")
         print(f"stages: {[st.blocks for st in sm.stages]}")
@@ -159,7 +169,7 @@ def _measure(rank: int, args: argparse.Namespace) -> None:
             paired = statistics.median(x / y for x, y in zip(times[i], times[-1]))
             line = (f"{n}: median step {med * 1e3:.1f} ms, {med / peer:.3f}x torch's (paired {paired:.3f}); "
                     f"idle share per rank {[round(r[i], 3) for r in idles]}, the schedule's bubble "
-                    f"{bubble_fraction(schedules[i], p, args.microbatches):.3f}")
+                    f"{sms[i].bubble_formula():.3f}")
             if i > 0:
                 own = statistics.median(x / y for x, y in zip(times[i], times[0]))
                 line += f"; {med / statistics.median(times[0]):.3f}x shardc {schedules[0]} (paired {own:.3f})"
@@ -174,7 +184,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--schedules", default="1f1b", help="comma-separated: gpipe, 1f1b, zero_bubble")
+    ap.add_argument("--schedules", default="1f1b",
+                    help="comma-separated: gpipe, 1f1b, interleaved, zero_bubble (torch runs the first; "
+                         "1F1B for zero_bubble)")
     ap.add_argument("--backend", default="eager", choices=["eager", "inductor"])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
