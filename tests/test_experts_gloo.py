@@ -66,10 +66,6 @@ MOES = {
                         qk_nope_head_dim=4, v_head_dim=4, n_group=1, topk_group=1, intermediate_size=32),
     "granite-moe": _moe("GraniteMoeConfig", "GraniteMoeForCausalLM", num_key_value_heads=4, num_local_experts=8,
                         num_experts_per_tok=2, intermediate_size=16),
-    # gated delta-net linear attention beside full attention, routed and shared experts
-    "qwen3-next": _moe("Qwen3NextConfig", "Qwen3NextForCausalLM", num_key_value_heads=4, num_experts=8,
-                       num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-                       head_dim=4, intermediate_size=32),
     "minimax": _moe("MiniMaxConfig", "MiniMaxForCausalLM", num_key_value_heads=4, num_local_experts=8,
                     num_experts_per_tok=2, intermediate_size=16, head_dim=4),
 }
@@ -87,7 +83,6 @@ CASES = [
     ("qwen3-moe", "x1y1z2d2", "z,data"),
     ("gpt-oss", "x1y1z2d2", "data,z"),
     ("granite-moe", "x1y1z1d4", "data"),
-    ("qwen3-next", "x2y1z1d2", "data"),
     ("minimax", "x1y1z4d1", "z"),
 ]
 

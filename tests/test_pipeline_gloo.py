@@ -213,8 +213,7 @@ def test_dropout_draws_one_devices_masks(ranks: Any, case: tuple) -> None:
 # (sequence parallelism), z and context inside the stages, 3 chunks a rank, 8 stages on
 # 4 ranks, the optimizer sharded over data, dropout with one device's masks (each chunk
 # handed its own draws) and block recompute
-INTERLEAVED_CASES = [("gpt", "p2x1y1z1d1", "interleaved", 2), ("llama", "p2x1y1z1d1", "interleaved", 4),
-                     ("gpt2", "p2x1y1z1d2", "interleaved", 2), ("gpt", "p2x2y1z1d1", "interleaved", 4),
+INTERLEAVED_CASES = [("gpt", "p2x1y1z1d1", "interleaved", 2), ("gpt", "p2x2y1z1d1", "interleaved", 4),
                      ("llama", "p2x1y1z2d1", "interleaved", 2), ("gpt8", "p4x1y1z1d1", "interleaved", 4),
                      ("gpt6", "p2x1y1z1d1", "interleaved", 2, {"virtual_stages": 3}),
                      ("gpt", "p2x1y1c2z1d1", "interleaved", 2),
