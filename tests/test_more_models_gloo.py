@@ -102,10 +102,13 @@ MODELS = {
                     max_position_embeddings=16, sliding_window=8), "x2y1z1d2"),
     # gated delta-net linear attention beside full attention, and routed experts: its
     # softplus_backward returns a transposed layout on CPU, which a traced view of the
-    # step program once could not take (passes/strides.py)
+    # step program once could not take (passes/strides.py). One layer of each kind (the
+    # default puts full attention every 4th layer, so two layers were both linear, and
+    # each linear layer's chunked delta rule costs about half a minute of CI)
     "qwen3-next": (_hf("Qwen3NextConfig", "Qwen3NextForCausalLM", num_key_value_heads=4, num_experts=4,
                        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-                       head_dim=4, **_LLAMA_LIKE), "x1y1z1d4"),
+                       head_dim=4, layer_types=["linear_attention", "full_attention"], **_LLAMA_LIKE),
+                   "x1y1z1d4"),
     "deepseek-v3": (_hf("DeepseekV3Config", "DeepseekV3ForCausalLM", experts="batched_mm",
                         num_key_value_heads=8, n_routed_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=16, first_k_dense_replace=1, kv_lora_rank=8,

@@ -433,22 +433,25 @@ def _refusals(rank: int, world: int) -> None:
     batch = _lm_batches(1)[0]
     with pytest.raises(shardc.OptionError, match="reshard_after_forward=True with pipe > 1"):
         shardc.compile(GPT(layers=4), "p2x1y1z1d2", example_inputs=batch, reshard_after_forward=True)
-    with pytest.raises(shardc.ShardcError, match="it has 2 .*at most 2 stages"):
-        shardc.compile(GPT(layers=2), "p4x1y1z1d1", example_inputs=batch)
-    with pytest.raises(shardc.ShardcError, match="which 8 micro-batches of data x z = 2"):
-        shardc.compile(GPT(layers=4), "p2x1y1z1d2", example_inputs=batch, microbatches=8)
-    with pytest.raises(shardc.OptionError, match="pipe=1"):
-        shardc.compile(GPT(layers=4), "x1y1z1d4", example_inputs=batch, microbatches=2)
-    with pytest.raises(shardc.OptionError, match="microbatches=6 is not a multiple of it"):
-        shardc.compile(GPT(layers=4), "p4x1y1z1d1", example_inputs=batch, schedule="interleaved", microbatches=6)
-    with pytest.raises(shardc.ShardcError, match="pipe=4 x virtual_stages=2 = 8 stages .*it has 4"):
-        shardc.compile(GPT(layers=4), "p4x1y1z1d1", example_inputs=batch, schedule="interleaved")
-    with pytest.raises(shardc.OptionError, match="virtual_stages=2 with schedule='1f1b'"):
-        shardc.compile(GPT(layers=4), "p2x1y1z1d2", example_inputs=batch, virtual_stages=2)
-    with pytest.raises(shardc.OptionError, match="virtual_stages=2 cuts the model .*pipe=1"):
-        shardc.compile(GPT(layers=4), "x1y1z1d4", example_inputs=batch, schedule="interleaved", virtual_stages=2)
-    with pytest.raises(shardc.ShardcError, match="stages 0 and 2 on pipe rank 0, and both read parameter 'gain'"):
-        shardc.compile(SharedGainGPT(layers=4), "p2x1y1z1d2", example_inputs=batch, schedule="interleaved")
+    # (error, message, model, mesh, options): each refused on every rank, before any step
+    refused = [
+        (shardc.ShardcError, "it has 2 .*at most 2 stages", GPT(layers=2), "p4x1y1z1d1", {}),
+        (shardc.ShardcError, "which 8 micro-batches of data x z = 2", GPT(layers=4), "p2x1y1z1d2",
+         {"microbatches": 8}),
+        (shardc.OptionError, "pipe=1", GPT(layers=4), "x1y1z1d4", {"microbatches": 2}),
+        (shardc.OptionError, "microbatches=6 is not a multiple of it", GPT(layers=4), "p4x1y1z1d1",
+         {"schedule": "interleaved", "microbatches": 6}),
+        (shardc.ShardcError, "pipe=4 x virtual_stages=2 = 8 stages .*it has 4", GPT(layers=4), "p4x1y1z1d1",
+         {"schedule": "interleaved"}),
+        (shardc.OptionError, "virtual_stages=2 with schedule='1f1b'", GPT(layers=4), "p2x1y1z1d2",
+         {"virtual_stages": 2}),
+        (shardc.OptionError, "virtual_stages=2 cuts the model .*pipe=1", GPT(layers=4), "x1y1z1d4",
+         {"schedule": "interleaved", "virtual_stages": 2}),
+        (shardc.ShardcError, "stages 0 and 2 on pipe rank 0, and both read parameter 'gain'",
+         SharedGainGPT(layers=4), "p2x1y1z1d2", {"schedule": "interleaved"})]
+    for error, message, model, spec, kw in refused:
+        with pytest.raises(error, match=message):
+            shardc.compile(model, spec, example_inputs=batch, **kw)
     # one stage a rank: a parameter every stage reads is summed over the stages' ranks
     shared = shardc.compile(SharedGainGPT(layers=4), "p2x1y1z1d2", example_inputs=batch)
     shared(*[shardc.shard_batch(t, shared.mesh) for t in batch]).backward()
