@@ -277,7 +277,7 @@ class PipelineModule(nn.Module):
     def _one(self, items: list[Any]) -> Any:
         if len(items) != 1:
             raise ShardcError(f"this pipeline rank holds {len(items)} chunks (schedule='interleaved'): "
-                                 "read .mine and .programs, one per chunk")
+                              "read .mine and .programs, one per chunk")
         return items[0]
 
     # ------------------------------------------------------------------ module API
@@ -485,9 +485,7 @@ class PipelineModule(nn.Module):
         with program.no_sync():
             outs = program(*args)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-        loss = None
-        if -1 in (c for cons in st.consumers for c in cons):
-            loss = outs[[j for j, cons in enumerate(st.consumers) if -1 in cons][0]]
+        loss = next((o for o, cons in zip(outs, st.consumers) if -1 in cons), None)
         n = self.mesh.size("data") * self.mesh.size("z")
         for dest, key, val in self._sends(st, "F", k):
             self.p2p.send(self._as_cut(outs[key[4]], val, n), dest % p, "forward", key)
