@@ -234,7 +234,7 @@ class PipelineModule(nn.Module):
         self.rank = rank
         self.index = mesh.coords(rank)[PIPE]
         self.chunks = len(programs)
-        object.__setattr__(self, "mine", [stages[c * mesh.pipe + self.index] for c in range(self.chunks)])
+        object.__setattr__(self, "mine", rank_stages(stages, mesh.pipe, self.index))
         self.options = options
         self.microbatches = microbatches
         self.schedule = options.schedule
@@ -268,7 +268,7 @@ class PipelineModule(nn.Module):
     @property
     def program(self) -> ShardedModule:
         """This rank's stage program (a rank that holds one; ``programs`` has every chunk's)."""
-        return self._one(list(self.programs))
+        return self._one(self.programs)
 
     def held(self) -> ShardedModule | ChunkPrograms:
         """What this rank holds, as one program (checkpoints save and load through it)."""
@@ -860,6 +860,11 @@ def _device_of(sm: ShardedModule) -> torch.device:
     return torch.device("cpu")
 
 
+def rank_stages(stages: list[Stage], p: int, index: int) -> list[Stage]:
+    """The stages pipe rank ``index`` runs, chunk by chunk: stage c * p + index."""
+    return stages[index::p]
+
+
 def _compile_stage(st: Stage, micro: tuple, mesh: Mesh, options: Options, rank: int, n: int,
                    seq: int | None, training: bool) -> ShardedModule:
     """Stage ``st``'s program on this rank: its inputs from the model's or from earlier
@@ -940,7 +945,7 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, option
             # trace must not cast its inputs again (a value one device keeps in fp32 stays so)
             gm = local_casts(unlifted_graph(CastAtUse(model, compute), micro))
         stages = cut_stages(model, gm, mesh.pipe * v, per_rank=v)
-        mine = [stages[c * mesh.pipe + mesh.coords(rank)[PIPE]] for c in range(v)]
+        mine = rank_stages(stages, mesh.pipe, mesh.coords(rank)[PIPE])
         _refuse_shared_in_rank(stages, mesh.pipe)
         programs = [_compile_stage(st, micro, mesh, options, rank, n, seq, model.training) for st in mine]
         terms, coupled = loss_terms(gm)
