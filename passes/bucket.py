@@ -4,9 +4,11 @@ Reads:  a part of the step program (``joint.py``); its step-phase all-reduces
         (``meta[COMM]["phase"] == "step"``: a parameter's gradient summed over data, or
         over any axis whose ranks saw different tokens) and ``ctx.options``' bucket caps
 Writes: one all-reduce per bucket: the gradients packed into one buffer (under the
-        eager backend each copied in by ``F.pack_into`` right after it is made; under
-        inductor one ``cat``), reduced once, and each gradient read back as a view of the
-        result; ``meta[BUCKET]`` on the new collective (its parameters' count and bytes)
+        eager backend each copied in by ``F.pack_into`` right after it is made, or right
+        after the buffer is allocated for those made before it: ``_allocation_index``;
+        under inductor one ``cat``), reduced once, and each gradient read back as a view
+        of the result; ``meta[BUCKET]`` on the new collective (its parameters' count and
+        bytes)
 Keeps:  the bytes moved (the ring's volume is linear in the size, so a bucket moves
         exactly the sum of its members: measured == reported stays exact); which values
         are summed over which axis
@@ -42,6 +44,9 @@ from shardc.runtime import functional as F
 
 aten = torch.ops.aten
 BUCKET = "shardc_bucket"  # node.meta of a bucket's collective: {"members", "bytes"}
+# node.meta of a pack_into that copies a gradient made before its bucket's buffer
+# (``_allocation_index``): it sits after the buffer, far from the gradient's GEMM
+LATE_PACK = "shardc_late_pack"
 
 
 def _step_reductions(gm: fx.GraphModule) -> list[fx.Node]:
@@ -110,19 +115,24 @@ def _pack(gm: fx.GraphModule, members: list[fx.Node], eager: bool) -> None:
             offsets[n] = off
             off += n.meta["val"].numel()
         order = sorted(members, key=lambda m: pos[made[m]])
-        prev = cast(fx.Node, made[order[0]])  # the gradient the last node went in after
+        at = _allocation_index(order)
+        prev = cast(fx.Node, made[order[at]])  # the gradient the last node went in after
         with g.inserting_after(prev):
             buf = g.call_function(aten.empty.memory_format, ([total],), {
                 "dtype": val.dtype, "device": val.device})
             buf.meta["val"] = val
-        for n in order:
+        for i, n in enumerate(order[:at] + order[at:]):
             x = cast(fx.Node, made[n])
+            late = i < at  # made before the buffer: copied in right after it
             # right after its gradient, which is after the chain so far (that sits right
             # after an earlier gradient), unless the chain already follows this gradient
-            with g.inserting_after(buf if x is prev else x):
+            with g.inserting_after(buf if x is prev or late else x):
                 buf = g.call_function(F.pack_into, (buf, x, offsets[n]))
                 buf.meta["val"] = val
-            prev = x
+                if late:
+                    buf.meta[LATE_PACK] = True
+            if not late:
+                prev = x
         packed = buf
     else:
         with g.inserting_before(last):
@@ -153,6 +163,19 @@ def _pack(gm: fx.GraphModule, members: list[fx.Node], eager: bool) -> None:
     for w, n in zip(waits, members):
         g.erase_node(w)
         g.erase_node(n)
+
+
+def _allocation_index(order: list[fx.Node]) -> int:
+    """Which member's gradient (by production order) the bucket's buffer is allocated
+    after: the last one larger than every gradient before it together, 0 in the common
+    case. A buffer allocated at the first gradient holds the bytes of every later member
+    from then on, so a bucket whose largest gradient comes last (a replicated position
+    embedding's, made at the very end of backward and larger than a few layers' worth)
+    would hold that gradient's bytes through the whole backward, at its peak. Allocated
+    at that gradient, it holds the earlier ones' bytes only, which exist anyway, and
+    those (smaller than it, together) are copied in late."""
+    sizes = [_nbytes(n) for n in order]
+    return max(i for i in range(len(order)) if sizes[i] > sum(sizes[:i]))
 
 
 def _index(g: fx.Graph, n: fx.Node) -> int:

@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from shardc.core.context import CompileContext
+from shardc.passes.bucket import LATE_PACK
 from shardc.runtime import functional as F
 
 aten = torch.ops.aten
@@ -61,7 +62,9 @@ def into_bucket_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     changed = False
     for pack in [n for n in g.nodes if n.op == "call_function" and n.target is F.pack_into]:
         buf, x, offset = pack.args
-        if not isinstance(x, fx.Node) or not isinstance(buf, fx.Node):
+        # a late copy (bucket.py: the gradient was made before its bucket's buffer): the
+        # GEMM moved to it would keep its operands alive until there
+        if not isinstance(x, fx.Node) or not isinstance(buf, fx.Node) or pack.meta.get(LATE_PACK):
             continue
         mm = _gemm_behind(x)
         val = buf.meta.get("val")

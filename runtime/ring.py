@@ -41,6 +41,10 @@ from shardc.runtime.collectives import get_runtime, guarded
 # query/key rows a tile: the causal structure is decided per tile pair, so smaller tiles
 # skip more of a diagonal block and cost more calls
 TILE = 256
+# most key rows one product takes when a query tile sees neighbouring key tiles whole:
+# fewer calls, but the backward kernel returns key/value gradients of that many rows,
+# which a ring's peak memory holds besides its blocks
+SPAN = 4 * TILE
 
 
 def balanced_interleave(seq: int, size: int) -> int:
@@ -108,7 +112,7 @@ def _pairs(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool):
     """(query rows, key rows, mask kind) of the work one block of keys gives: kind None
     (every query sees every key) or "causal" (the mask by positions); tiles the mask
     removes whole are left out, and neighbouring keys a query tile sees whole are taken
-    in one product."""
+    in one product (up to SPAN rows)."""
     kt = _tiles(kpos)
     for qa, qb, qlo, qhi in _tiles(qpos):
         full: tuple[int, int] | None = None
@@ -116,7 +120,7 @@ def _pairs(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool):
             if causal and klo > qhi:
                 continue  # every key of the tile comes after every query of the tile
             if not causal or khi <= qlo:
-                if full is not None and full[1] == ka:
+                if full is not None and full[1] == ka and kb - full[0] <= SPAN:
                     full = (full[0], kb)
                 else:
                     if full is not None:
@@ -217,19 +221,29 @@ class _Ring:
         """The context coordinate whose block this rank holds at ``step``."""
         return (self.coord - step) % self.size
 
-    def start(self, t: torch.Tensor) -> tuple[torch.Tensor, list]:
-        """Send ``t`` on to the next rank; receive the previous rank's into a new buffer."""
-        got = torch.empty_like(t)
+    def start(self, ts: list[torch.Tensor]) -> tuple[list[torch.Tensor], tuple]:
+        """Send each of ``ts`` on to the next rank; receive the previous rank's into new
+        buffers. Separate messages, not one packed buffer: packing would copy the
+        tensors, and a ring's peak memory is its buffers. The handle ``finish`` takes
+        holds the sent tensors until then, so a caller may drop its own references."""
+        got = [torch.empty_like(t) for t in ts]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in ts]
+        ops += [dist.P2POp(dist.irecv, g, self.prev, self.group) for g in got]
         with guarded(self.rt, "ring attention", self.axis, self.phase):
-            works = dist.batch_isend_irecv([
-                dist.P2POp(dist.isend, t, self.next, self.group),
-                dist.P2POp(dist.irecv, got, self.prev, self.group)])
-        return got, works
+            works = dist.batch_isend_irecv(ops)
+        return got, (works, ts)
 
-    def finish(self, works: list) -> None:
+    def finish(self, handle: tuple) -> None:
+        works, _sent = handle
         with guarded(self.rt, "ring attention", self.axis, self.phase):
             for w in works:
                 w.wait()
+
+
+def _bytes_like(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A storage-less tensor of the bytes of one key/value block, for ``Runtime.count``."""
+    return torch.empty(k.numel() * k.element_size() + v.numel() * v.element_size(),
+                       dtype=torch.uint8, device="meta")
 
 
 def _phase(rt: str, backward: bool) -> str:
@@ -252,19 +266,19 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     work = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros(q.shape, dtype=work, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=work, device=q.device)
-    kv = torch.cat([k.contiguous().reshape(-1), v.contiguous().reshape(-1)])
-    r.count("all_gather", axis, ring.phase, kv)
+    kb, vb = k.contiguous(), v.contiguous()
+    r.count("all_gather", axis, ring.phase, _bytes_like(kb, vb))
     heads = q.shape[1]
     for step in range(ring.size):
-        pending = ring.start(kv) if step < ring.size - 1 else None
+        pending = ring.start([kb, vb]) if step < ring.size - 1 else None
         j = ring.owner(step)
         kpos = positions(seq, interleave, j, ring.size, q.device)
-        kb, vb = kv[:k.numel()].view(k.shape), kv[k.numel():].view(v.shape)
         m = _mask_columns(mask, kpos, seq)
         _block_forward(q, _expand(kb, heads), _expand(vb, heads), scale, m, qpos, kpos, causal, out, lse)
         if pending is not None:
-            kv, works = pending
-            ring.finish(works)
+            ring.finish(pending[1])
+            kb, vb = pending[0]
+            del pending
     return out.to(q.dtype), lse
 
 
@@ -283,10 +297,23 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                             axis: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of ``ring_attention``: this rank's own blocks' gradients.
 
-    Order: the own block first (its gradient is kept), then the blocks of ranks r-1, r-2,
-    ... as they arrive, each block's gradient handed on with it; the gradient of block r
-    starts at rank r+1 and comes home after G-1 hops with every rank's share but r's, which
-    is added then."""
+    Order: the blocks of ranks r-1, r-2, ... as they arrive, each block's gradient handed
+    on with it, and this rank's own block last: the gradient of block r starts at rank
+    r+1 and comes home after G-1 hops with every rank's share but r's, which r then adds
+    into the buffer it arrived in.
+
+    Memory, not overlap, decides the shape, since a long sequence's peak is the ring's
+    buffers: a rank works on one key/value block while the next arrives, and holds one
+    gradient block, into which the block's gradient from the previous rank was received
+    and its own share is added in place. The next block is waited for before the share
+    goes out, and the share's hop before the next block is asked for, so no rank holds
+    two of either: 3.5 blocks at most (``dq``, half of one, among them), where
+    packing k and v into one message, keeping the own block's gradient through the ring
+    or adding shares out of place would each hold one more. The cost is one exposed hop a
+    step (a block of key and value gradients: microseconds on NVLink) and the first hop
+    of keys and values, which only the own block's work could have overlapped, and that
+    block comes last so that no gradient buffer of its own lives through the ring.
+    The blocks are sent as they are, not packed into one message."""
     ring = _Ring(rt, axis, _phase(rt, True))
     r = get_runtime(rt)
     G = ring.size
@@ -295,44 +322,65 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     qpos = positions(seq, interleave, ring.coord, G, q.device)
     delta = (dout.to(work) * out.to(work)).sum(-1)
     dq = torch.zeros(q.shape, dtype=work, device=q.device)
-    kv = torch.cat([k.contiguous().reshape(-1), v.contiguous().reshape(-1)])
-    nk = k.numel()
-    r.count("all_gather", axis, ring.phase, kv)
+    r.count("all_gather", axis, ring.phase, _bytes_like(k, v))
 
-    def grads_of(block: torch.Tensor, owner: int) -> torch.Tensor:
-        kb, vb = block[:nk].view(k.shape), block[nk:].view(v.shape)
+    def add_grads(into: list[torch.Tensor], kb: torch.Tensor, vb: torch.Tensor, owner: int) -> None:
+        """Add this rank's share of the gradient of block ``owner`` into ``into``: [dk, dv]."""
+        dk, dv = into
         kpos = positions(seq, interleave, owner, G, q.device)
         m = _mask_columns(mask, kpos, seq)
         ke, ve = _expand(kb, heads), _expand(vb, heads)
-        dk = torch.zeros(ke.shape, dtype=work, device=q.device)
-        dv = torch.zeros(ve.shape, dtype=work, device=q.device)
-        _block_backward(q, ke, ve, scale, m, qpos, kpos, causal, dout, out, lse, delta, dq, dk, dv)
-        return torch.cat([_fold(dk, k.shape[1]).reshape(-1), _fold(dv, v.shape[1]).reshape(-1)])
+        # grouped-query: the expanded heads' gradients first, then folded onto the few
+        gk = dk if ke is kb else torch.zeros(ke.shape, dtype=work, device=q.device)
+        gv = dv if ve is vb else torch.zeros(ve.shape, dtype=work, device=q.device)
+        _block_backward(q, ke, ve, scale, m, qpos, kpos, causal, dout, out, lse, delta, dq, gk, gv)
+        if gk is not dk:
+            dk += _fold(gk, k.shape[1])
+        if gv is not dv:
+            dv += _fold(gv, v.shape[1])
 
-    pending = ring.start(kv) if G > 1 else None
-    own = grads_of(kv, ring.coord)
-    acc = None
-    for step in range(1, G):
-        assert pending is not None
-        kv, works = pending
-        ring.finish(works)
-        pending = ring.start(kv) if step < G - 1 else None
-        share = grads_of(kv, ring.owner(step))
-        if acc is not None:  # the gradient of this block, from the ranks it has been to
-            got, works = acc
-            ring.finish(works)
-            share = share + got
-        acc = ring.start(share)
-    if acc is not None:
-        got, works = acc
-        ring.finish(works)
-        own = own + got
+    def zeros() -> list[torch.Tensor]:
+        return [torch.zeros(k.shape, dtype=work, device=q.device),
+                torch.zeros(v.shape, dtype=work, device=q.device)]
+
+    if G == 1:
+        own = zeros()
+    else:
+        # (a contiguous copy to send, when k and v are views across heads, lives only
+        # until the first hop is done; the own block's work at the end reads k and v.
+        # Handles are finished through the tuples that hold them: a name bound to one
+        # would keep its sent buffers alive through the next step)
+        first = ring.start([k.contiguous(), v.contiguous()])
+        ring.finish(first[1])
+        kb, vb = first[0]
+        del first
+        acc: tuple[list[torch.Tensor], tuple] | None = None
+        for step in range(1, G):
+            if acc is None:
+                share = zeros()
+            else:  # this block's gradient from the ranks it has been to: add to it in place
+                ring.finish(acc[1])
+                share = acc[0]
+                acc = None
+            nxt = ring.start([kb, vb]) if step < G - 1 else None
+            add_grads(share, kb, vb, ring.owner(step))
+            del kb, vb
+            if nxt is not None:
+                ring.finish(nxt[1])
+                kb, vb = nxt[0]
+                del nxt
+            acc = ring.start(share)
+            del share
+        assert acc is not None
+        ring.finish(acc[1])
+        own = acc[0]
+        del acc
         # the gradients' hops: G-1 sends of this rank's block's size, a reduce-scatter's bytes
-        r.count("reduce_scatter", axis, ring.phase, own.new_empty(G * own.numel()))
-    # copies: a custom op's outputs may not alias one another
-    dk = own[:nk].view(k.shape).to(k.dtype, copy=True)
-    dv = own[nk:].view(v.shape).to(v.dtype, copy=True)
-    return dq.to(q.dtype), dk, dv
+        r.count("reduce_scatter", axis, ring.phase,
+                torch.empty(G * sum(t.numel() for t in own), dtype=work, device="meta"))
+    add_grads(own, k, v, ring.coord)
+    dk, dv = own
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 @ring_attention_backward.register_fake

@@ -67,6 +67,7 @@ def test_ring_equals_one_device(monkeypatch, causal: bool, G: int, interleave: i
     """Both tile kernels: torch's fused CPU attention (what runs on the CPU without an
     explicit mask) and the math form (explicit masks, other devices)."""
     monkeypatch.setattr(R, "TILE", 3)  # several tiles a block: the skipping is exercised
+    monkeypatch.setattr(R, "SPAN", 6)  # and keys seen whole cut into products of two tiles
     if kernel == "math":
         monkeypatch.setattr(R, "_FLASH_CPU", None)
     g = torch.Generator().manual_seed(0)

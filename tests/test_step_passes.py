@@ -192,6 +192,22 @@ def test_schedule_keeps_weight_gathers_where_prefetch_put_them() -> None:
     assert order.index(ag1.name) > order.index(h.name), order
 
 
+def test_schedule_keeps_an_allocation_where_it_was() -> None:
+    # backward: a blocking all-reduce (its result feeds a GEMM), then a buffer allocated
+    # late. The buffer reads nothing, so it is ready from the start; taken to fill the
+    # all-reduce's wait, it would be held through everything after (Ulysses' last
+    # bucket was allocated a layer early that way)
+    b = G()
+    g, x, w = b.input("g", 8, 16), b.input("x", 8, 16), b.input("w", 16, 16)
+    ar, wait = b.collective("all_reduce", b.op(aten.mm.default, g, w), "x", "backward")
+    h = b.op(aten.mm.default, wait, w)
+    buf = b.g.call_function(aten.empty.memory_format, ([64],), {"dtype": torch.float32})
+    buf.meta["val"] = torch.empty(64, device="meta")
+    gm = schedule_pass(b.module(h, buf, x), _ctx())
+    order = [n.name for n in gm.graph.nodes]
+    assert order.index(buf.name) > order.index(h.name), order
+
+
 def _step_grads(b: G, sizes: list[int], dtype=torch.float32, axis: str = "data"):
     outs = []
     for n in sizes:
@@ -482,6 +498,48 @@ def test_bucket_copies_each_gradient_as_it_is_made() -> None:
         assert before is g or (link is chain[0] and before is n), (link, before)
     # the bucket's layout is the members' order: offsets 0, 16, 32
     assert [link.args[2] for link in chain] == [0, 16, 32]
+
+
+def test_bucket_buffer_waits_for_a_late_large_gradient() -> None:
+    """A bucket whose last gradient is larger than all the earlier ones together (a
+    replicated position embedding's, made at the very end of backward) allocates its
+    buffer after that gradient, not after the first: allocated first, the buffer would
+    hold the large gradient's bytes through the whole backward. The earlier gradients
+    are copied in right after the buffer, and none of those copies becomes a GEMM
+    writing into the bucket (that GEMM would move to the copy and keep its operands)."""
+    from shardc.passes.bucket import LATE_PACK
+    from shardc.passes.into_bucket import into_bucket_pass
+
+    b = G()
+    x = b.input("x", 16, 4)
+    grads, outs = [], []
+    for i, (rows, cols) in enumerate([(4, 4), (4, 4), (64, 64)]):  # 16, 16 and 4,096 floats
+        g = b.op(aten.mm.default, b.op(aten.t.default, b.input(f"a{i}", 16, rows)), x) if i < 2 \
+            else b.op(aten.mul.Tensor, b.input("g2", rows, cols), 2.0)
+        grads.append(g)
+        _, wt = b.collective("all_reduce", g, "data", "step")
+        outs.append(wt)
+    gm = into_bucket_pass(bucket_pass(b.module(*outs), _ctx()), _ctx())
+    nodes = list(gm.graph.nodes)
+    (buf,) = [n for n in nodes if n.target is aten.empty.memory_format]
+    # the buffer comes right after the large gradient, every copy after the buffer
+    assert nodes.index(buf) == nodes.index(grads[2]) + 1
+    links = [n for n in nodes if n.target in (F.pack_into, F.mm_into)]
+    assert len(links) == 3 and all(n.target is F.pack_into for n in links), links
+    assert all(nodes.index(n) > nodes.index(buf) for n in links)
+    assert [n.meta.get(LATE_PACK, False) for n in links] == [True, True, False]
+    assert [n.args[1] for n in links] == grads and [n.args[2] for n in links] == [0, 16, 32]
+    gm.graph.lint()
+    # the common case, gradients of like sizes: the buffer follows the first, and a
+    # GEMM's gradient is written straight into it
+    b2 = G()
+    x2 = b2.input("x", 16, 4)
+    outs2 = []
+    for i in range(3):
+        g = b2.op(aten.mm.default, b2.op(aten.t.default, b2.input(f"a{i}", 16, 4)), x2)
+        outs2.append(b2.collective("all_reduce", g, "data", "step")[1])
+    gm2 = into_bucket_pass(bucket_pass(b2.module(*outs2), _ctx()), _ctx())
+    assert [n.target for n in gm2.graph.nodes if n.target in (F.pack_into, F.mm_into)] == [F.mm_into] * 3
 
 
 def _forward_with_loss(overlap: bool = True, save_loss: bool = False):
