@@ -8,7 +8,7 @@ parameter's gradient against float64 at each step, the losses, the weights after
 steps, and the bytes this rank handed to torch.distributed equal to the comm report's,
 byte for byte (the ring's hops included). The cases cut the sequence 2 and 4 ways, alone
 and with data, z and x, on the GPT, transformers' Llama (causal, RoPE, grouped-query) and
-GPT-2 (512 tokens cut 8 ways and 2,048 tokens 4 ways among them), in both sequence layouts, and with the options (block recompute, shard_optimizer,
+GPT-2 (512 tokens cut 8 ways, and 2,048 tokens and Llama's 8,192 4 ways, among them), in both sequence layouts, and with the options (block recompute, shard_optimizer,
 autograd's backward, inductor, resharding after forward); one case runs a longer sequence
 with small tiles, so that the ring skips and masks tiles inside its blocks.
 """
@@ -36,11 +36,13 @@ _lm_batches = lm_batches
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "gpt": lambda: GPT(layers=2), "llama": lambda: llama(layers=2), "gpt2": lambda: gpt2(layers=2),
     "gpt_long": lambda: GPT(layers=1, seq=128), "gpt_h2": lambda: GPT(layers=1, heads=2),
-    # longer sequences, one layer, a small batch: 512 tokens on 8 ranks, 2,048 on 4
+    # longer sequences, one layer, a small batch: 512 tokens on 8 ranks, 2,048 and 8,192 on 4
     "gpt_512": lambda: GPT(layers=1, seq=512, heads=4), "llama_512": lambda: llama(layers=1, seq=512),
-    "gpt_2k": lambda: GPT(layers=1, seq=2048, heads=4)}
+    "gpt_2k": lambda: GPT(layers=1, seq=2048, heads=4),
+    "llama_8k": lambda: llama(layers=1, seq=8192, heads=4, kv_heads=2)}
 # (sequence, batch) of a model's batches, where not (16, 8)
-SHAPES = {"gpt_long": (128, 8), "gpt_512": (512, 2), "llama_512": (512, 2), "gpt_2k": (2048, 1)}
+SHAPES = {"gpt_long": (128, 8), "gpt_512": (512, 2), "llama_512": (512, 2), "gpt_2k": (2048, 1),
+          "llama_8k": (8192, 1)}
 _model = built_once(MODELS)
 
 
@@ -100,7 +102,7 @@ CASES = {
         ("llama", "x1y1c2z1d2", "auto", {"context_attention": "ulysses"}, "ulysses"),
         ("gpt", "x2y1c2z1d1", "auto", {"context_attention": "ulysses"}, "ulysses"),
         ("gpt_h2", "x1y1c4z1d1", "auto", {"context_attention": "ulysses"}, "ring"),
-        ("gpt_2k", "x1y1c4z1d1", "balanced")],
+        ("gpt_2k", "x1y1c4z1d1", "balanced"), ("llama_8k", "x1y1c4z1d1", "balanced")],
     8: [("gpt_512", "x1y1c8z1d1", "balanced"), ("llama_512", "x1y1c4z1d2", "contiguous")],
 }
 
