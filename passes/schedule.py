@@ -27,9 +27,7 @@ exists. All three are one rule on the dependency graph:
 The order is ``networkx.lexicographical_topological_sort`` of the dependency graph with
 that priority (ties: the traced order). A weight all-gather of forward reads only a
 parameter, so it could go first; it keeps the place the prefetch pass gave it (an edge
-from the node before it), or every gather would be in flight at once. A node that reads
-nothing (a buffer's allocation) keeps its place the same way, or it would be allocated in
-the first gap before a wait and held from there.
+from the node before it), or every gather would be in flight at once.
 """
 from __future__ import annotations
 
@@ -170,13 +168,9 @@ def schedule_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         for a in n.all_input_nodes:
             if a.op != "placeholder":
                 dag.add_edge(a, n)
-    # a node that reads nothing (an allocation: a bucket's buffer, a ring's zeros; an
-    # arange) is ready from the start, and would be taken to fill the first gap before a
-    # wait, holding its memory from there on for no work worth overlapping: it keeps its
-    # place after the node before it, as a pinned gather does
     prev = None
     for n in body:
-        if (n in pinned or not n.all_input_nodes) and prev is not None:
+        if n in pinned and prev is not None:
             dag.add_edge(prev, n)
         prev = n
     # draws from the default generator keep their order: a dropout moved ahead of another

@@ -192,22 +192,6 @@ def test_schedule_keeps_weight_gathers_where_prefetch_put_them() -> None:
     assert order.index(ag1.name) > order.index(h.name), order
 
 
-def test_schedule_keeps_an_allocation_where_it_was() -> None:
-    # backward: a blocking all-reduce (its result feeds a GEMM), then a buffer allocated
-    # late. The buffer reads nothing, so it is ready from the start; taken to fill the
-    # all-reduce's wait, it would be held through everything after (Ulysses' last
-    # bucket was allocated a layer early that way)
-    b = G()
-    g, x, w = b.input("g", 8, 16), b.input("x", 8, 16), b.input("w", 16, 16)
-    ar, wait = b.collective("all_reduce", b.op(aten.mm.default, g, w), "x", "backward")
-    h = b.op(aten.mm.default, wait, w)
-    buf = b.g.call_function(aten.empty.memory_format, ([64],), {"dtype": torch.float32})
-    buf.meta["val"] = torch.empty(64, device="meta")
-    gm = schedule_pass(b.module(h, buf, x), _ctx())
-    order = [n.name for n in gm.graph.nodes]
-    assert order.index(buf.name) > order.index(h.name), order
-
-
 def _step_grads(b: G, sizes: list[int], dtype=torch.float32, axis: str = "data"):
     outs = []
     for n in sizes:
