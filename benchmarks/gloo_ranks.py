@@ -17,14 +17,17 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
-def gpt_arguments(description: str, **defaults: int) -> argparse.Namespace:
+def gpt_arguments(description: str, extra: dict[str, tuple[str, list[str]]] | None = None,
+                  **defaults: int) -> argparse.Namespace:
     """``--ranks --seq --batch --dim --layers --heads --vocab --rounds``, with the script's
-    own defaults."""
+    own defaults, and the script's ``extra`` choices (name -> (default, choices))."""
     ap = argparse.ArgumentParser(description=description)
     base = {"ranks": 4, "seq": 1024, "batch": 1, "dim": 128, "layers": 2, "heads": 4, "vocab": 512,
             "rounds": 5}
     for name, value in {**base, **defaults}.items():
         ap.add_argument(f"--{name}", type=int, default=value)
+    for name, (default, choices) in (extra or {}).items():
+        ap.add_argument(f"--{name}", default=default, choices=choices)
     return ap.parse_args()
 
 
@@ -75,10 +78,13 @@ def times_in_turns(sms: dict[str, Any], step: Callable[[Any], None], rounds: int
     return times
 
 
-def step_figures(sms: dict[str, Any], local: list[Any], rounds: int
+def step_figures(sms: dict[str, Any], local: list[Any], rounds: int,
+                 peers: dict[str, Callable[[], None]] | None = None
                  ) -> tuple[dict[str, list[float]], dict[str, int], dict[str, int]]:
-    """For each compiled program: its step times (``times_in_turns``), the measured peak of
-    a step and the memory estimate's step peak."""
+    """For each compiled program, and each peer (a function running one forward and
+    backward of a torch system, its gradients cleared), in turns: its step times
+    (``times_in_turns``) and the measured peak of a step; for the compiled programs also
+    the memory estimate's step peak."""
     from shardc.planning.memory import estimate, measured_peak  # noqa: PLC0415 - after sys.path
 
     def step(sm: Any) -> None:
@@ -86,7 +92,9 @@ def step_figures(sms: dict[str, Any], local: list[Any], rounds: int
         for p in sm.parameters():
             p.grad = None
 
-    times = times_in_turns(sms, step, rounds)
-    peaks = {k: measured_peak(lambda sm=sm: step(sm)) for k, sm in sms.items()}
+    runs: dict[str, Callable[[], None]] = {k: (lambda sm=sm: step(sm)) for k, sm in sms.items()}
+    runs.update(peers or {})
+    times = times_in_turns(runs, lambda run: run(), rounds)
+    peaks = {k: measured_peak(run) for k, run in runs.items()}
     predicted = {k: estimate(sm).step_peak for k, sm in sms.items()}
     return times, peaks, predicted
