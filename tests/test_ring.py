@@ -132,6 +132,16 @@ def test_balanced_cut_gives_every_rank_the_same_causal_work(monkeypatch) -> None
     assert S * (S + 1) // 2 < sum(balanced) <= sum(plain), (sum(balanced), sum(plain))
 
 
+def test_balanced_stripes_are_whole_tiles_where_the_sequence_allows() -> None:
+    """16 or 8 stripes of whole tiles first (fewer, larger products), else up to 16
+    stripes of at least 2 positions, else no balanced cut."""
+    T = R.TILE
+    assert R.balanced_interleave(16 * 4 * T, 4) == 16
+    assert R.balanced_interleave(8 * 4 * T, 4) == 8  # 16 stripes would be half tiles
+    assert R.balanced_interleave(4 * 4 * T, 4) == 16  # 8 would be half tiles too: balance first
+    assert R.balanced_interleave(16, 2) == 4 and R.balanced_interleave(6, 4) == 1
+
+
 def test_positions_follow_the_layouts_cut() -> None:
     assert R.positions(8, 1, 1, 2).tolist() == [4, 5, 6, 7]
     assert R.positions(8, 4, 1, 2).tolist() == [1, 3, 5, 7]
