@@ -141,7 +141,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, out: st
         del variants["ulysses"]  # its attentions would take the ring
     sms = {k: shardc.compile(model, mesh, example_inputs=batch, **kw) for k, kw in variants.items()}
     local = [shardc.shard_batch(t, mesh) for t in batch]
-    first = {k: float(sm(*local)) for k, sm in sms.items()}
+    first = {k: float(sm(*local).detach()) for k, sm in sms.items()}
     peer, first["torch"] = _torch_peer(model, batch, rank, world, args.torch_rotate)
     # the same model on the same batch: a peer that computes something else is no peer
     # (fp32 sums in other orders: ~1e-7 relative)
