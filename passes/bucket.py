@@ -121,7 +121,7 @@ def _pack(gm: fx.GraphModule, members: list[fx.Node], eager: bool) -> None:
             buf = g.call_function(aten.empty.memory_format, ([total],), {
                 "dtype": val.dtype, "device": val.device})
             buf.meta["val"] = val
-        for i, n in enumerate(order[:at] + order[at:]):
+        for i, n in enumerate(order):
             x = cast(fx.Node, made[n])
             late = i < at  # made before the buffer: copied in right after it
             # right after its gradient, which is after the chain so far (that sits right
@@ -175,7 +175,7 @@ def _allocation_index(order: list[fx.Node]) -> int:
     at that gradient, it holds the earlier ones' bytes only, which exist anyway, and
     those (smaller than it, together) are copied in late."""
     sizes = [_nbytes(n) for n in order]
-    return max(i for i in range(len(order)) if sizes[i] > sum(sizes[:i]))
+    return max((i for i in range(len(order)) if sizes[i] > sum(sizes[:i])), default=0)
 
 
 def _index(g: fx.Graph, n: fx.Node) -> int:
