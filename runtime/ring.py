@@ -319,8 +319,7 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     or adding shares out of place would each hold one more. The cost is one exposed hop a
     step (a block of key and value gradients: microseconds on NVLink) and the first hop
     of keys and values, which only the own block's work could have overlapped, and that
-    block comes last so that no gradient buffer of its own lives through the ring.
-    The blocks are sent as they are, not packed into one message."""
+    block comes last so that no gradient buffer of its own lives through the ring."""
     ring = _Ring(rt, axis, _phase(rt, True))
     r = get_runtime(rt)
     G = ring.size
