@@ -406,7 +406,7 @@ class Lowering:
             return want.clean(self.mesh)
         local = want.local_shape(shape, self.mesh)
         for d in range(want.ndim):
-            k = want.interleave[d] if want.dims[d] else 1
+            k = abs(want.interleave[d]) if want.dims[d] else 1
             if local[d] % (gz * k) == 0:
                 return want.with_shard("z", d).clean(self.mesh)
         return want.clean(self.mesh)

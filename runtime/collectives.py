@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from shardc.core.errors import CollectiveError
 from shardc.core.mesh import Mesh
+from shardc.core.placement import stripe_index
 
 # reduce-scatter, and small all-reduces: gloo's by an all-to-all
 from shardc.runtime.algorithms import (
@@ -504,10 +505,16 @@ def concat_gathered(buf: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def concat_gathered_interleaved(buf: torch.Tensor, dim: int, k: int) -> torch.Tensor:
-    """Like ``concat_gathered`` for a dim read as (k, size/k) with the inner part split."""
+    """Like ``concat_gathered`` for a dim read as (|k|, size/|k|) with the inner part split
+    (mirrored in odd stripes when k < 0: core/placement.py)."""
     g = buf.shape[0]
     shape = list(buf.shape[1:])
     n = shape[dim]
+    if k < 0:  # the ranks' pieces side by side, then each position taken from where it is
+        held = torch.cat([stripe_index(n * g, k, r, g, buf.device) for r in range(g)])
+        take = torch.empty_like(held)
+        take[held] = torch.arange(held.numel(), device=buf.device)
+        return buf.movedim(0, dim).flatten(dim, dim + 1).index_select(dim, take)
     parts = buf.reshape([g] + shape[:dim] + [k, n // k] + shape[dim + 1:])
     parts = parts.movedim(0, dim + 1)  # (..., k, G, n/k, ...)
     shape[dim] = n * g
@@ -522,13 +529,16 @@ def grad_all_reduce(x: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
 
 def local_chunk(x: torch.Tensor, rt: str, axis: str, dim: int, k: int = 1) -> torch.Tensor:
     """This rank's block of a tensor replicated on ``axis`` (no communication). With
-    ``k > 1`` the dim is read as (k, size/k) and each of the k parts is cut."""
+    ``k > 1`` the dim is read as (k, size/k) and each of the k parts is cut; k < 0: the
+    same with the odd parts cut in mirrored order (core/placement.py)."""
     r = get_runtime(rt)
     g, i = r.mesh.size(axis), r.coord(axis)
     n = x.shape[dim]
     if k == 1:
         return x.narrow(dim, i * (n // g), n // g)
     shape = list(x.shape)
+    if k < 0:  # mirrored stripes (core/placement.py)
+        return x.index_select(dim, stripe_index(n, k, i, g, x.device))
     v = x.reshape(shape[:dim] + [k, n // k] + shape[dim + 1:])
     v = v.narrow(dim + 1, i * (n // k // g), n // k // g)
     return v.reshape(shape[:dim] + [n // g] + shape[dim + 1:])

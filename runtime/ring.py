@@ -1,8 +1,8 @@
 """Ring attention: scaled dot-product attention on a sequence cut over the ``context`` axis.
 
 Each of the G ranks of a context group holds the queries, keys and values of its own
-positions of the sequence (``positions``: one contiguous block, or "balanced": the
-sequence read as k stripes and a rank holding its chunk of each, ``balanced_interleave``).
+positions of the sequence (``positions``: one contiguous block, or "balanced": a head
+chunk and its mirror in the tail, ``balanced_interleave``).
 The keys and values travel round the ring: at step t a rank attends its queries to the
 block of keys and values that started on rank r - t, while it passes the block it holds
 to rank r + 1 (``batch_isend_irecv``, overlapped with the step's arithmetic). Each step gives
@@ -16,12 +16,13 @@ log-sum-exp, the flash-attention backward), so that after G - 1 hops each block'
 arrives summed at its owner: one all-gather's bytes of keys and values and one
 reduce-scatter's of their gradients, never a gather of the whole sequence.
 
-Causal masks are applied from positions, so any cut of the sequence is exact; the work
-skips what the mask removes, tile by tile (a tile: a run of consecutive positions, at
-most TILE rows): a tile of queries that sees none of a tile of keys is not computed, the
-keys it sees whole are taken in one product, and only tiles on the diagonal are masked.
-On the contiguous cut the last rank does G blocks and the first one; the balanced cut
-gives every rank about the same share.
+Causal masks are applied from positions, so any cut of the sequence is exact, and the
+work skips what the mask removes: runs of consecutive positions that see none of a block
+are not computed, keys seen whole are taken in one product, and only the diagonal is
+masked. With torch's fused CPU kernel (no explicit mask) a block is one product where it
+can be (``_fused_pairs``); otherwise the rows are cut into tiles of at most TILE, which
+bound the math form's score matrices. On the contiguous cut the last rank does G blocks
+and the first one; the balanced (head-tail) cut gives every rank the same share.
 
 The op is a ``torch.library`` custom op, as the expert region is: the traced step program
 and plain autograd call the same code, and inductor keeps it as one opaque kernel. Its
@@ -31,60 +32,60 @@ reduce-scatter whose bytes they are (``Runtime.count``; the report's rows are wr
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from shardc.core.placement import MIRRORED, stripe_chunks
 from shardc.runtime.collectives import get_runtime, guarded
 
-# query/key rows a tile: the causal structure is decided per tile pair, so smaller tiles
-# skip more of a diagonal block and cost more calls
+# query/key rows a tile of the math form (an explicit mask, or no fused kernel): its
+# score matrices are TILE x SPAN, and the causal structure is decided per tile pair
 TILE = 256
-# most key rows one product takes when a query tile sees neighbouring key tiles whole:
-# fewer calls, but the backward kernel returns key/value gradients of that many rows,
-# which a ring's peak memory holds besides its blocks
+# most key rows one product takes when a query tile sees neighbouring key tiles whole, and
+# most rows of either side of a fused backward product: that kernel returns the gradients
+# of every query and key row it takes, buffers a ring's peak memory holds beside its blocks
 SPAN = 4 * TILE
 
 
 def balanced_interleave(seq: int, size: int) -> int:
-    """How many chunks of the sequence each of ``size`` ranks holds in the balanced cut:
-    the sequence read as k stripes, each cut over the ranks, so a rank holds one chunk of
-    every stripe (chunk c of each). A causal query chunk at stripe i sees about i stripes
-    of keys, so more stripes even out the ranks' work (the last rank does
-    (k + 1) / (k - 1 + 2/G) times the first's), and shorter chunks cost more products:
-    16 or 8 stripes whose chunks are whole tiles (TILE positions) where the sequence
-    allows (8 stripes: the last rank at most 1.25x the first), else up to 16 keeping a
-    chunk at least 2 positions long. (At 8,192 tokens on 4 gloo ranks sharing 2 cores,
-    8 stripes of 256 positions took 11% less time a step than 16 of 128; on 2 ranks of
-    4,096 tokens, a core each, 6% less.) 1: no balanced cut exists."""
-    for k in (16, 8):
-        if seq % (k * size) == 0 and seq // (k * size) >= TILE:
-            return k
-    for k in (16, 8, 4, 2):
-        if seq % (k * size) == 0 and seq // (k * size) >= 2:
-            return k
+    """The balanced cut of a causal sequence over ``size`` ranks, as a layout's interleave:
+    ``MIRRORED`` (the sequence read as 2G chunks, rank c holding chunks c and 2G-1-c: a
+    head chunk and its mirror in the tail, core/placement.py) where the sequence divides
+    into 2G chunks, else 1 (no balanced cut exists). Every rank then does the same causal
+    work: chunk c's queries see c + 1/2 chunks of keys and chunk 2G-1-c's 2G-1-c + 1/2,
+    2G chunks together whatever c. And each block of keys a rank receives is one product:
+    a rank's tail sees an earlier rank's block whole, its head none of a later rank's, so
+    from rank c' < c the rank's queries take the head chunk, and from c' > c the tail's
+    queries the whole block. (Equal-chunk stripes, as torch's round-robin cut, balance
+    only as their count grows, and each stripe is a product of its own: at 16,384 tokens
+    on 4 ranks, 16 stripes left the last rank 5% more work than the first, and the ranks'
+    arithmetic took 1.17x that of the mirrored cut, measured alone, one core a rank.)"""
+    if size > 1 and seq % (2 * size) == 0:
+        return MIRRORED
     return 1
 
 
 def positions(seq: int, interleave: int, coord: int, size: int, device: Any = "cpu") -> torch.Tensor:
     """The global sequence positions a rank at ``coord`` of ``size`` holds, in its local
     order, for a sequence dim of ``seq`` cut over the axis with ``interleave`` (the dim read
-    as (interleave, seq/interleave), the second factor cut: see core/placement.py)."""
-    per = seq // interleave // size
-    base = torch.arange(interleave, device=device) * (seq // interleave) + coord * per
-    return (base[:, None] + torch.arange(per, device=device)[None, :]).reshape(-1)
+    as (|interleave|, seq/|interleave|), the second factor cut, mirrored in odd stripes
+    when negative: see core/placement.py). They rise along the rows in every such cut."""
+    return torch.cat([torch.arange(a, a + n, device=device)
+                      for a, n, _ in stripe_chunks(seq, interleave, coord, size)])
 
 
-def _tiles(pos: torch.Tensor) -> list[tuple[int, int, int, int]]:
+def _tiles(pos: torch.Tensor, cap: int) -> list[tuple[int, int, int, int]]:
     """(start, end, first position, last position) of each tile of rows: a run of
-    consecutive positions, cut into pieces of at most TILE rows. Positions rise along a
+    consecutive positions, cut into pieces of at most ``cap`` rows. Positions rise along a
     rank's rows in every cut shardc makes, so a tile's ends bound it."""
     p = pos.tolist()
     out = []
     a = 0
     for i in range(1, len(p) + 1):
-        if i == len(p) or p[i] != p[i - 1] + 1 or i - a == TILE:
+        if i == len(p) or p[i] != p[i - 1] + 1 or i - a == cap:
             out.append((a, i, p[a], p[i - 1]))
             a = i
     return out
@@ -115,19 +116,22 @@ def _fold(g: torch.Tensor, heads: int) -> torch.Tensor:
     return g if rep == 1 else g.unflatten(1, (heads, rep)).sum(2)
 
 
-def _pairs(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool):
+def _pairs(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, tile: int = 0, span: int = 0):
     """(query rows, key rows, mask kind) of the work one block of keys gives: kind None
-    (every query sees every key) or "causal" (the mask by positions); tiles the mask
-    removes whole are left out, and neighbouring keys a query tile sees whole are taken
-    in one product (up to SPAN rows)."""
-    kt = _tiles(kpos)
-    for qa, qb, qlo, qhi in _tiles(qpos):
+    (every query sees every key) or "causal" (the mask by positions); tiles (runs of
+    consecutive positions, at most ``tile`` rows) the mask removes whole are left out, and
+    neighbouring keys a query tile sees whole are taken in one product of up to ``span``
+    rows (0: the module's TILE and SPAN; None: no cap)."""
+    tile = tile if tile != 0 else TILE
+    span = span if span != 0 else SPAN
+    kt = _tiles(kpos, tile or len(kpos))
+    for qa, qb, qlo, qhi in _tiles(qpos, tile or len(qpos)):
         full: tuple[int, int] | None = None
         for ka, kb, klo, khi in kt:
             if causal and klo > qhi:
                 continue  # every key of the tile comes after every query of the tile
             if not causal or khi <= qlo:
-                if full is not None and full[1] == ka and kb - full[0] <= SPAN:
+                if full is not None and full[1] == ka and (span is None or kb - full[0] <= span):
                     full = (full[0], kb)
                 else:
                     if full is not None:
@@ -139,38 +143,107 @@ def _pairs(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool):
             yield (qa, qb), full, None
 
 
+def _fused_pairs(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, backward: bool):
+    """``_pairs`` for the fused kernel, as few products as the block allows, since each
+    call costs: forward, the rank's own block with a causal mask is one product (positions
+    rise along the rows, so the kernel's top-left triangle is the mask by positions), and
+    other blocks, runs of positions seen whole or not at all, one product a run of
+    queries, neighbouring runs that see the same keys together. Backward, whose kernel
+    returns the gradients of every query and key row it takes, cuts both sides at SPAN
+    rows, since those are buffers beside the ring's blocks: as many query as key rows,
+    because a product's key gradients are as large as its key span however few queries
+    it takes (at 4,096 positions a rank, query tiles of 256 rows against key spans of
+    1,024 took the ranks' arithmetic from 1.00x to 1.10x one product a block). Blocks
+    with a run seen in part: ``_pairs``."""
+    same = causal and qpos.numel() == kpos.numel() and bool(torch.equal(qpos, kpos))
+    if same and not backward:
+        yield (0, len(qpos)), (0, len(kpos)), "causal"
+        return
+    if same:  # tiles of SPAN rows: the diagonal ones causal, those left of them whole
+        yield from _pairs(qpos, kpos, causal, SPAN, SPAN)
+        return
+    qcap, kcap = (SPAN, SPAN) if backward else (len(qpos), len(kpos))
+    plan: list[tuple[tuple[int, int], list[tuple[int, int]]]] = []
+    for qa, qb, qlo, qhi in _tiles(qpos, len(qpos)):
+        seen: list[tuple[int, int]] = []
+        for ka, kb, klo, khi in _tiles(kpos, len(kpos)):
+            if causal and klo > qhi:
+                continue
+            if causal and khi > qlo:  # seen in part
+                yield from _pairs(qpos, kpos, causal)
+                return
+            if seen and seen[-1][1] == ka:
+                seen[-1] = (seen[-1][0], kb)
+            else:
+                seen.append((ka, kb))
+        if plan and plan[-1][0][1] == qa and plan[-1][1] == seen:
+            plan[-1] = ((plan[-1][0][0], qb), seen)
+        else:
+            plan.append(((qa, qb), seen))
+    for (qa, qb), seen in plan:
+        for q0 in range(qa, qb, qcap):
+            for ka, kb in seen:
+                for k0 in range(ka, kb, kcap):
+                    yield (q0, min(qb, q0 + qcap)), (k0, min(kb, k0 + kcap)), None
+
+
 # torch's fused CPU attention, which also returns the log-sum-exp a ring merges by
 _FLASH_CPU: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_CPU_BACKWARD: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
-def _fused(q: torch.Tensor, mask: Any, qpos: torch.Tensor, kpos: torch.Tensor, kind: str | None) -> bool:
-    """Can the fused kernel run this tile pair: on the CPU, no explicit mask, and a causal
-    tile exactly on the diagonal (the kernel's causal mask is the top-left triangle)?"""
-    if _FLASH_CPU is None or q.device.type != "cpu" or mask is not None:
-        return False
-    return kind is None or (qpos.numel() == kpos.numel() and bool(torch.equal(qpos, kpos)))
+def _can_fuse(q: torch.Tensor, mask: Any) -> bool:
+    """Does torch's fused kernel run this block: on the CPU, with no explicit mask?"""
+    return _FLASH_CPU is not None and q.device.type == "cpu" and mask is None
 
 
-def _block_forward(q, k, v, scale, mask, qpos, kpos, causal, out, lse) -> None:
-    """Merge the attention of ``q`` to one block of keys/values into (out, lse), in place."""
-    for (qa, qb), (ka, kb), kind in _pairs(qpos, kpos, causal):
-        m = None if mask is None else mask[..., qa:qb, ka:kb]
-        qp, kp = qpos[qa:qb], kpos[ka:kb]
-        if _fused(q, m, qp, kp, kind):
+Product = tuple[int, int, int, int, "str | None", bool]  # query rows, key rows, mask kind, fused
+
+
+def _products(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, fused: bool, backward: bool) -> list[Product]:
+    """The products of one block (``_fused_pairs`` where the fused kernel runs, else
+    ``_pairs``), each marked whether the fused kernel takes it: any product seen whole,
+    and a causal one exactly on the diagonal (the kernel's causal mask is the top-left
+    triangle); the math form takes the rest."""
+    pairs = _fused_pairs(qpos, kpos, causal, backward) if fused else _pairs(qpos, kpos, causal)
+    return [(qa, qb, ka, kb, kind, fused and (kind is None or (
+                qb - qa == kb - ka and bool(torch.equal(qpos[qa:qb], kpos[ka:kb])))))
+            for (qa, qb), (ka, kb), kind in pairs]
+
+
+@functools.lru_cache(maxsize=1024)
+def _ring_products(seq: int, interleave: int, size: int, qcoord: int, kcoord: int, causal: bool,
+                   fused: bool, backward: bool, tile: int, span: int) -> list[Product]:
+    """``_products`` of the block of ``kcoord`` for the queries of ``qcoord``, kept: a plan
+    reads every position in Python, the same each step (``tile`` and ``span``: the
+    module's TILE and SPAN, part of the key)."""
+    return _products(positions(seq, interleave, qcoord, size), positions(seq, interleave, kcoord, size),
+                     causal, fused, backward)
+
+
+def _block_forward(q, k, v, scale, mask, qpos, kpos, causal, out, lse, products=None) -> None:
+    """Merge the attention of ``q`` to one block of keys/values into (out, lse), in place
+    (``products``: the block's ``_products``, when the caller has them)."""
+    if products is None:
+        products = _products(qpos, kpos, causal, _can_fuse(q, mask), False)
+    for qa, qb, ka, kb, kind, fused in products:
+        if fused:
             o, blk = _FLASH_CPU(q[..., qa:qb, :], k[..., ka:kb, :], v[..., ka:kb, :], 0.0,
                                 kind is not None, scale=scale)
             o, blk = o.to(out.dtype), blk.to(lse.dtype)
         else:
-            s = _scores(q[..., qa:qb, :], k[..., ka:kb, :], scale, m, qp if kind else None, kp if kind else None)
+            m = None if mask is None else mask[..., qa:qb, ka:kb]
+            qp, kp = (qpos[qa:qb], kpos[ka:kb]) if kind else (None, None)
+            s = _scores(q[..., qa:qb, :], k[..., ka:kb, :], scale, m, qp, kp)
             blk = torch.logsumexp(s, dim=-1)
             p = torch.exp(s - _finite(blk)[..., None])
             o = torch.matmul(p, v[..., ka:kb, :].to(p.dtype))
         old = lse[..., qa:qb]
         new = torch.logaddexp(old, blk)
         safe = _finite(new)
-        out[..., qa:qb, :] = out[..., qa:qb, :] * torch.exp(old - safe)[..., None] \
-            + o * torch.exp(blk - safe)[..., None]
+        # in place: a product may take a rank's every query row, whose copies the
+        # forward of a long sequence's last layer would hold beside its activations
+        out[..., qa:qb, :].mul_(torch.exp(old - safe)[..., None]).addcmul_(o, torch.exp(blk - safe)[..., None])
         lse[..., qa:qb] = new
 
 
@@ -187,14 +260,15 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
-def _block_backward(q, k, v, scale, mask, qpos, kpos, causal, dout, out, lse, delta, dq, dk, dv) -> None:
+def _block_backward(q, k, v, scale, mask, qpos, kpos, causal, dout, out, lse, delta, dq, dk, dv,
+                    products=None) -> None:
     """Add one block's share of the gradients into dq (this rank's) and dk, dv (the
     block's), from the final output ``out``, log-sum-exp ``lse`` and ``delta`` =
-    rowsum(dout * out): each share is the flash-attention backward of the tile pair."""
-    for (qa, qb), (ka, kb), kind in _pairs(qpos, kpos, causal):
-        m = None if mask is None else mask[..., qa:qb, ka:kb]
-        qp, kp = qpos[qa:qb], kpos[ka:kb]
-        if _fused(q, m, qp, kp, kind):
+    rowsum(dout * out): each share is the flash-attention backward of the product."""
+    if products is None:
+        products = _products(qpos, kpos, causal, _can_fuse(q, mask), True)
+    for qa, qb, ka, kb, kind, fused in products:
+        if fused:
             gq, gk, gv = _FLASH_CPU_BACKWARD(dout[..., qa:qb, :], q[..., qa:qb, :], k[..., ka:kb, :],
                                              v[..., ka:kb, :], out[..., qa:qb, :], lse[..., qa:qb], 0.0,
                                              kind is not None, scale=scale)
@@ -202,7 +276,9 @@ def _block_backward(q, k, v, scale, mask, qpos, kpos, causal, dout, out, lse, de
             dk[..., ka:kb, :] += gk
             dv[..., ka:kb, :] += gv
             continue
-        s = _scores(q[..., qa:qb, :], k[..., ka:kb, :], scale, m, qp if kind else None, kp if kind else None)
+        m = None if mask is None else mask[..., qa:qb, ka:kb]
+        qp, kp = (qpos[qa:qb], kpos[ka:kb]) if kind else (None, None)
+        s = _scores(q[..., qa:qb, :], k[..., ka:kb, :], scale, m, qp, kp)
         p = torch.exp(s - _finite(lse[..., qa:qb])[..., None])
         g = dout[..., qa:qb, :].to(p.dtype)
         dv[..., ka:kb, :] += torch.matmul(p.transpose(-2, -1), g)
@@ -281,7 +357,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
         j = ring.owner(step)
         kpos = positions(seq, interleave, j, ring.size, q.device)
         m = _mask_columns(mask, kpos, seq)
-        _block_forward(q, _expand(kb, heads), _expand(vb, heads), scale, m, qpos, kpos, causal, out, lse)
+        products = _ring_products(seq, interleave, ring.size, ring.coord, j, causal, _can_fuse(q, m), False,
+                                  TILE, SPAN)
+        _block_forward(q, _expand(kb, heads), _expand(vb, heads), scale, m, qpos, kpos, causal, out, lse,
+                       products)
         if pending is not None:
             ring.finish(pending[1])
             kb, vb = pending[0]
@@ -339,7 +418,9 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         # grouped-query: the expanded heads' gradients first, then folded onto the few
         gk = dk if ke is kb else torch.zeros(ke.shape, dtype=work, device=q.device)
         gv = dv if ve is vb else torch.zeros(ve.shape, dtype=work, device=q.device)
-        _block_backward(q, ke, ve, scale, m, qpos, kpos, causal, dout, out, lse, delta, dq, gk, gv)
+        products = _ring_products(seq, interleave, G, ring.coord, owner, causal, _can_fuse(q, m), True,
+                                  TILE, SPAN)
+        _block_backward(q, ke, ve, scale, m, qpos, kpos, causal, dout, out, lse, delta, dq, gk, gv, products)
         if gk is not dk:
             dk += _fold(gk, k.shape[1])
         if gv is not dv:

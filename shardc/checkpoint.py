@@ -90,7 +90,7 @@ from torch.distributed.checkpoint.planner_helpers import (
 
 from shardc.core.errors import ShardcError
 from shardc.core.mesh import CUT_AXES, Mesh
-from shardc.core.placement import Layout, shard_offsets
+from shardc.core.placement import Block, Layout, blocks
 from shardc.runtime.groups import default_device
 
 __all__ = ["save", "load", "latest", "CHECKPOINT_FORMAT"]
@@ -100,30 +100,6 @@ MANIFEST = "shardc.json"
 LATEST = "latest"
 _STEP_PREFIX = "step_"
 _TMP_PREFIX = ".tmp-"
-
-Block = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # global offsets, sizes, local offsets
-
-
-# ---------------------------------------------------------------------------------- blocks
-def blocks(layout: Layout, shape: Iterable[int], coords: dict[str, int], mesh: Mesh) -> list[Block]:
-    """The disjoint blocks of the global tensor that the rank at ``coords`` holds, each as
-    (global offsets, sizes, offsets in the local tensor). ``local_slice`` takes exactly
-    these, in this order along each dim."""
-    shape = list(shape)
-    # per dim: (global offset, size, local offset) of each interval
-    per_dim: list[list[tuple[int, int, int]]] = [[(0, n, 0)] for n in shape]
-    for d, idx, n in shard_offsets(layout, shape, coords, mesh):
-        k = layout.interleave[d]
-        part = shape[d] // k // n
-        # dim d is read as (k, size/k); each of the k parts is cut into n, this rank has
-        # the idx-th piece of every part, stacked in the local tensor
-        per_dim[d] = [(j * (shape[d] // k) + idx * part, part, j * part) for j in range(k)]
-    out: list[Block] = []
-    for combo in itertools.product(*per_dim):
-        out.append((tuple(c[0] for c in combo), tuple(c[1] for c in combo),
-                    tuple(c[2] for c in combo)))
-    return out
-
 
 def _replica_index(layout: Layout, coords: dict[str, int], mesh: Mesh) -> tuple[int, int]:
     """(this rank's index among the ranks holding the same blocks, how many hold them)."""

@@ -22,6 +22,8 @@ LAYOUTS = [
     Layout.of(2, {"z": 0, "x": 1}, interleave={1: 3}),   # fused QKV columns
     Layout.of(1, {"x": 0, "z": 0}, interleave={0: 3}),   # its bias: interleaved over two axes
     Layout.of(3, {"data": 2, "x": 0}, interleave={0: 2, 2: 4}),
+    Layout.of(3, {"data": 0, "x": 1}, interleave={1: -2}),  # a sequence's head-tail cut
+    Layout.of(2, {"x": 1, "z": 1}, interleave={1: -6}),     # mirrored stripes over two axes
     Layout.of(0),                                        # a scalar
 ]
 

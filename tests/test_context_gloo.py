@@ -54,15 +54,16 @@ def _train_failures(name: str, spec: str, layout: str, opts: dict | None = None,
     where = f"{name}@{spec} {layout}" + "".join(f" {k}={v}" for k, v in opts.items())
     seq, batch = SHAPES.get(name, (16, 8))
     batches = _lm_batches(seq=seq, batch=batch)
-    old = ring.TILE
-    ring.TILE = 8 if name == "gpt_long" else old  # small tiles inside the ring's blocks
+    old = ring.TILE, ring.SPAN
+    if name == "gpt_long":  # small tiles inside the ring's blocks: the backward's cuts too
+        ring.TILE, ring.SPAN = 8, 16
     try:
         run = train_side_by_side(_model(name), batches, mesh, lr=LR, eps=EPS, context_layout=layout, **opts)
         out = _run_failures(where, run, mesh, batches)
     except Exception:  # noqa: BLE001 - a compile or runtime error is this case's failure
         return [f"{where}: raised\n{traceback.format_exc()}"]
     finally:
-        ring.TILE = old
+        ring.TILE, ring.SPAN = old
     return out + _how_attention_ran(where, run.sm, expect)
 
 
@@ -147,10 +148,11 @@ def test_balanced_and_contiguous_layouts_agree(ranks: Any) -> None:
 def _ring_memory(rank: int, world: int) -> None:
     """The ring's backward holds few key/value-sized blocks at once (its buffers, not its
     arithmetic, set a long sequence's peak), and its result equals one device's."""
-    # small tiles: the kernels' per-tile temporaries are a small part of a block, so what
-    # is measured is the ring's own buffers (restored: the ranks run later cases)
+    # small tiles: the kernels' per-product temporaries (gradients of up to SPAN query and
+    # SPAN key rows) are a small part of a block, so what is measured is the ring's own
+    # buffers (restored: the ranks run later cases)
     saved = ring.TILE, ring.SPAN
-    ring.TILE, ring.SPAN = 16, 64
+    ring.TILE, ring.SPAN = 16, 32
     try:
         _ring_memory_case(rank, world)
     finally:
@@ -177,7 +179,7 @@ def _ring_memory_case(rank: int, world: int) -> None:
     block = k.nbytes + v.nbytes
     # at the busiest step (runtime/ring.py): dq (half a block), the key/value block worked
     # on, the one arriving, and the gradient block (one received, one sent, never both):
-    # 3.5 blocks, plus tiles of 64 rows; 4 leaves the tiles room. Packing k and v into one
+    # 3.5 blocks, plus products of 32 rows; 4 leaves them room. Packing k and v into one
     # message, keeping the own block's gradient through the ring, adding shares out of
     # place or overlapping the two hops would each hold one more.
     assert peak <= 4 * block, (peak / block)

@@ -59,7 +59,8 @@ def _played(q, k, v, causal: bool, G: int, interleave: int, mask=None, dout=None
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("G,interleave", [(2, 1), (2, 12), (4, 1), (4, 2), (3, 4), (2, 3)])
+@pytest.mark.parametrize("G,interleave", [(2, 1), (2, 12), (4, 1), (4, 2), (3, 4), (2, 3), (4, -2), (3, -2),
+                                          (2, -6)])
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("kernel", ["fused", "math"])
 def test_ring_equals_one_device(monkeypatch, causal: bool, G: int, interleave: int, kv_heads: int,
@@ -107,45 +108,59 @@ def test_ring_applies_an_explicit_mask(monkeypatch, kind: str) -> None:
         assert (got - want).abs().max() < TOL
 
 
-def _tile_work(S: int, G: int, interleave: int) -> list[int]:
-    """Query-key pairs each rank's causal ring computes (tiles it cannot skip)."""
+def _work(S: int, G: int, interleave: int) -> list[int]:
+    """Query-key pairs each rank's causal ring computes with the fused kernel: a product's
+    all, or, for a causal one, those the kernel does not mask (it skips the rest)."""
     pos = [R.positions(S, interleave, c, G) for c in range(G)]
-    return [sum((qb - qa) * (kb - ka) for j in range(G) for (qa, qb), (ka, kb), _ in R._pairs(pos[r], pos[j], True))
-            for r in range(G)]
+    out = []
+    for r in range(G):
+        n = 0
+        for j in range(G):
+            for (qa, qb), (ka, kb), kind in R._fused_pairs(pos[r], pos[j], True, False):
+                n += int((pos[j][ka:kb][None, :] <= pos[r][qa:qb][:, None]).sum()) if kind else (qb - qa) * (kb - ka)
+        out.append(n)
+    return out
 
 
-def test_balanced_cut_gives_every_rank_the_same_causal_work(monkeypatch) -> None:
+def test_balanced_cut_gives_every_rank_the_same_causal_work() -> None:
     """The contiguous cut leaves the first rank half a block and the last G - 1/2; the
-    balanced cut (16 stripes) gives the ranks nearly the same share, and no rank more
-    query-key pairs than the causal half of the G blocks plus its diagonal chunks."""
+    balanced (head-tail) cut gives every rank exactly the same share, computing no pair
+    the mask removes: one device's causal pairs, dealt out evenly."""
     S, G = 4096, 4
     k = R.balanced_interleave(S, G)
-    assert k == 16
-    plain, balanced = _tile_work(S, G, 1), _tile_work(S, G, k)
+    assert k == R.MIRRORED
+    plain, balanced = _work(S, G, 1), _work(S, G, k)
     block = (S // G) ** 2
     assert plain[-1] > 3 * block and plain[0] < block, plain
-    # the formula in balanced_interleave's docstring, with the diagonal chunks' halves
-    assert max(balanced) <= 1.1 * min(balanced), balanced
-    assert max(balanced) < 0.6 * max(plain), (balanced, plain)
-    # no more work in all: the same causal pairs, dealt out differently (the diagonal
-    # tiles, computed whole and masked, are shorter chunks in the balanced cut)
-    assert S * (S + 1) // 2 < sum(balanced) <= sum(plain), (sum(balanced), sum(plain))
+    assert len(set(balanced)) == 1 and sum(balanced) == sum(plain) == S * (S + 1) // 2, (balanced, plain)
 
 
-def test_balanced_stripes_are_whole_tiles_where_the_sequence_allows() -> None:
-    """16 or 8 stripes of whole tiles first (fewer, larger products), else up to 16
-    stripes of at least 2 positions, else no balanced cut."""
-    T = R.TILE
-    assert R.balanced_interleave(16 * 4 * T, 4) == 16
-    assert R.balanced_interleave(8 * 4 * T, 4) == 8  # 16 stripes would be half tiles
-    assert R.balanced_interleave(4 * 4 * T, 4) == 16  # 8 would be half tiles too: balance first
-    assert R.balanced_interleave(16, 2) == 4 and R.balanced_interleave(6, 4) == 1
+def test_balanced_ring_takes_each_block_in_one_product(monkeypatch) -> None:
+    """Forward, a block is one fused product (the own block one causal product); backward
+    cuts the rows at SPAN, so a block of 4 SPANs is at most 4 x 4 products."""
+    S, G = 4096, 4
+    monkeypatch.setattr(R, "SPAN", 256)
+    pos = [R.positions(S, R.MIRRORED, c, G) for c in range(G)]
+    for r in range(G):
+        for j in range(G):
+            assert len(list(R._fused_pairs(pos[r], pos[j], True, False))) == 1
+            back = list(R._fused_pairs(pos[r], pos[j], True, True))
+            assert 1 <= len(back) <= 16
+            assert all(qb - qa <= 256 and kb - ka <= 256 for (qa, qb), (ka, kb), _ in back)
+
+
+def test_the_balanced_cut_needs_two_chunks_a_rank() -> None:
+    assert R.balanced_interleave(16, 2) == R.MIRRORED and R.balanced_interleave(8, 4) == R.MIRRORED
+    assert R.balanced_interleave(12, 4) == 1 and R.balanced_interleave(6, 4) == 1
+    assert R.balanced_interleave(64, 1) == 1
 
 
 def test_positions_follow_the_layouts_cut() -> None:
     assert R.positions(8, 1, 1, 2).tolist() == [4, 5, 6, 7]
     assert R.positions(8, 4, 1, 2).tolist() == [1, 3, 5, 7]
     assert R.positions(16, 2, 1, 2).tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
+    assert R.positions(16, R.MIRRORED, 1, 4).tolist() == [2, 3, 12, 13]
+    assert R.positions(24, -4, 0, 2).tolist() == [0, 1, 2, 9, 10, 11, 12, 13, 14, 21, 22, 23]
 
 
 @pytest.mark.parametrize("layout", ["balanced", "contiguous"])

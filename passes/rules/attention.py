@@ -168,7 +168,7 @@ def ring_rule(L: Lowering, node: fx.Node, s: Strategy) -> Val:
                val=(gval, lse))
     out = L.emit(operator.getitem, (n, 0), layout=s.out, val=gval)
     g = L.mesh.size(CONTEXT)
-    how = "balanced" if il > 1 else "contiguous"
+    how = "balanced" if il != 1 else "contiguous"
     L.decisions.append(f"{L.src.module or node.name}: attention by a ring over context ({g} ranks, "
                        f"{how} sequence cut{', causal' if causal else ''}{', masked' if mask is not None else ''}"
                        f"{', grouped-query' if k.shape[1] != q.shape[1] else ''}): keys and values "

@@ -13,12 +13,19 @@ storage puts z innermost (its all-gather must produce the x/y block Algorithm 1 
 
 ``interleave[d] = k`` says dim d is read as ``(k, size/k)`` and only the second factor is
 split: a fused QKV projection's output columns, so each rank holds matching q, k and v
-heads.
+heads. ``interleave[d] = -k`` (``MIRRORED`` for k = 2) reads the dim the same way but cuts
+every odd stripe in mirrored order: block i of n holds chunk i of the even stripes and
+chunk n-1-i of the odd ones. With two stripes that is the head-tail cut of a causal
+sequence (rank c: chunks c and 2n-1-c), which gives every rank of a context ring the same
+work (runtime/ring.py). ``stripe_chunks`` says which pieces a block holds, for both.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Iterable, Mapping
+
+import torch
 
 from shardc.core.mesh import CUT_AXES, Mesh
 
@@ -57,6 +64,30 @@ class Partial:
 
 
 Placement = Shard | Replicate | Partial
+
+# the interleave of the head-tail cut: two stripes, the second in mirrored order
+MIRRORED = -2
+
+
+def stripe_chunk(k: int, stripe: int, idx: int, n: int) -> int:
+    """Which chunk of ``stripe`` block ``idx`` of ``n`` holds under interleave ``k``; the
+    map is its own inverse, so it also says which block holds chunk ``idx``."""
+    return n - 1 - idx if k < 0 and stripe % 2 else idx
+
+
+def stripe_index(size: int, k: int, idx: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The positions along the dim that block ``idx`` of ``n`` holds, in local order: an
+    index for ``index_select``, whose backward adds into one buffer of the dim's size
+    (a concatenation of slices would allocate one a slice)."""
+    return torch.cat([torch.arange(a, a + m, device=device) for a, m, _ in stripe_chunks(size, k, idx, n)])
+
+
+def stripe_chunks(size: int, k: int, idx: int, n: int) -> list[tuple[int, int, int]]:
+    """(global offset, length, local offset) of each piece block ``idx`` of ``n`` holds of
+    a dim of ``size`` read with interleave ``k`` (module docstring), in local order."""
+    s = abs(k)
+    part = size // s // n
+    return [(j * (size // s) + stripe_chunk(k, j, idx, n) * part, part, j * part) for j in range(s)]
 
 
 @dataclass(frozen=True)
@@ -146,7 +177,7 @@ class Layout:
             f = 1
             for a in self.dims[d]:
                 f *= mesh.size(a)
-            if n % (f * self.interleave[d]):
+            if n % (f * abs(self.interleave[d])):
                 return False
         return True
 
@@ -192,8 +223,9 @@ class Layout:
             if isinstance(p, Replicate):
                 continue
             s = str(p)
-            if isinstance(p, Shard) and self.interleave[p.dim] > 1:
-                s = f"S({p.dim}/{self.interleave[p.dim]})"
+            if isinstance(p, Shard) and self.interleave[p.dim] != 1:
+                k = self.interleave[p.dim]  # "m": mirrored stripes, the head-tail cut
+                s = f"S({p.dim}/{k})" if k > 1 else f"S({p.dim}/{-k}m)"
             parts.append(f"{s}@{a}")
         return "[" + ", ".join(parts) + "]" if parts else "[R]"
 
@@ -213,6 +245,23 @@ def shard_offsets(layout: Layout, shape: list[int], coords: Mapping[str, int],
     return out
 
 
+Block = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # global offsets, sizes, local offsets
+
+
+def blocks(layout: Layout, shape: Iterable[int], coords: Mapping[str, int], mesh: Mesh) -> list[Block]:
+    """The disjoint blocks of the global tensor that the rank at ``coords`` holds, each as
+    (global offsets, sizes, offsets in the local tensor). ``local_slice`` takes exactly
+    these, in this order along each dim."""
+    shape = list(shape)
+    # per dim: (global offset, size, local offset) of each interval; a cut dim's pieces
+    # are its stripes' (one for a plain cut)
+    per_dim: list[list[tuple[int, int, int]]] = [[(0, n, 0)] for n in shape]
+    for d, idx, n in shard_offsets(layout, shape, coords, mesh):
+        per_dim[d] = stripe_chunks(shape[d], layout.interleave[d], idx, n)
+    return [(tuple(c[0] for c in combo), tuple(c[1] for c in combo), tuple(c[2] for c in combo))
+            for combo in itertools.product(*per_dim)]
+
+
 def local_slice(full, layout: Layout, coords: Mapping[str, int], mesh: Mesh):
     """This rank's piece of a full tensor (no communication)."""
     t = full
@@ -221,9 +270,11 @@ def local_slice(full, layout: Layout, coords: Mapping[str, int], mesh: Mesh):
         size = t.shape[d]
         if k == 1:
             t = t.narrow(d, idx * (size // n), size // n)
-        else:
+        elif k > 1:
             shape = list(t.shape)
             v = t.reshape(shape[:d] + [k, size // k] + shape[d + 1:])
             v = v.narrow(d + 1, idx * (size // k // n), size // k // n)
             t = v.reshape(shape[:d] + [size // n] + shape[d + 1:])
+        else:
+            t = torch.cat([t.narrow(d, a, m) for a, m, _ in stripe_chunks(size, k, idx, n)], d)
     return t

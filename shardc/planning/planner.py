@@ -238,7 +238,7 @@ def _analyse(sm: Any, checkpointing: bool, machine: Machine) -> _Pattern:
             continue
         for d, axes in enumerate(lay.dims):
             if axes:
-                key = (int(val.shape[d]) // lay.interleave[d], axes)
+                key = (int(val.shape[d]) // abs(lay.interleave[d]), axes)
                 if key not in seen:
                     seen.add(key)
                     constraints.append((key[0], axes, f"{n.name} dim {d}"))

@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 from shardc.core.context import KIND, PARAM, PLACEMENT, PROGRAM, SOURCE, CompileContext
 from shardc.core.errors import ShardcError
 from shardc.core.mesh import Mesh
-from shardc.core.placement import Layout, local_slice, shard_offsets
+from shardc.core.placement import Layout, blocks, local_slice
 from shardc.core.precision import check_no_autocast, reduce_dtype
 from shardc.passes.coalesce import block_of
 from shardc.passes.reshard import REGATHER
@@ -62,17 +62,12 @@ def _device_of(args: list[Any]) -> torch.device:
 
 def write_local(full: torch.Tensor, layout: Layout, coords: dict[str, int], mesh: Mesh,
                 shard: torch.Tensor) -> None:
-    """Copy ``shard`` into the block of ``full`` that the rank at ``coords`` holds."""
-    t, s = full, shard
-    for d, idx, n in sorted(shard_offsets(layout, list(full.shape), coords, mesh), reverse=True):
-        k = layout.interleave[d]
-        size = t.shape[d]
-        if k == 1:
-            t = t.narrow(d, idx * (size // n), size // n)
-        else:
-            t = t.unflatten(d, (k, size // k)).narrow(d + 1, idx * (size // k // n), size // k // n)
-            s = s.unflatten(d, (k, s.shape[d] // k))
-    t.copy_(s)
+    """Copy ``shard`` into the blocks of ``full`` that the rank at ``coords`` holds."""
+    for start, size, at in blocks(layout, full.shape, coords, mesh):
+        dst, src = full, shard
+        for d, (a, n, b) in enumerate(zip(start, size, at)):
+            dst, src = dst.narrow(d, a, n), src.narrow(d, b, n)
+        dst.copy_(src)
 
 
 class ShardedModule(nn.Module):
