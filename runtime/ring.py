@@ -385,8 +385,8 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
 
     Order: the blocks of ranks r-1, r-2, ... as they arrive, each block's gradient handed
     on with it, and this rank's own block last: the gradient of block r starts at rank
-    r+1 and comes home after G-1 hops with every rank's share but r's, which r then adds
-    into the buffer it arrived in.
+    r+1 and comes home after G-1 hops with every rank's share but r's, which r computes
+    while that last hop is on its way and then adds.
 
     Memory, not overlap, decides the shape, since a long sequence's peak is the ring's
     buffers: a rank works on one key/value block while the next arrives, and holds one
@@ -396,9 +396,11 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     two of either: 3.5 blocks at most (``dq``, half of one, among them), where
     packing k and v into one message, keeping the own block's gradient through the ring
     or adding shares out of place would each hold one more. The cost is one exposed hop a
-    step (a block of key and value gradients: microseconds on NVLink) and the first hop
-    of keys and values, which only the own block's work could have overlapped, and that
-    block comes last so that no gradient buffer of its own lives through the ring."""
+    step but the last (a block of key and value gradients: microseconds on NVLink) and
+    the first hop of keys and values, which only the own block's work could have
+    overlapped, and that block comes last so that no gradient buffer of its own lives
+    through the ring; its share's buffer then takes the place of the key/value block no
+    longer held, so the last hop overlaps it for no memory."""
     ring = _Ring(rt, axis, _phase(rt, True))
     r = get_runtime(rt)
     G = ring.size
@@ -430,9 +432,7 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         return [torch.zeros(k.shape, dtype=work, device=q.device),
                 torch.zeros(v.shape, dtype=work, device=q.device)]
 
-    if G == 1:
-        own = zeros()
-    else:
+    if G > 1:
         # (a contiguous copy to send, when k and v are views across heads, lives only
         # until the first hop is done; the own block's work at the end reads k and v.
         # Handles are finished through the tuples that hold them: a name bound to one
@@ -459,13 +459,20 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
             acc = ring.start(share)
             del share
         assert acc is not None
+        # the own block's share, while the last hop brings the others' home: its buffer
+        # takes the place of the key/value block no longer held
+        own = zeros()
+        add_grads(own, k, v, ring.coord)
         ring.finish(acc[1])
-        own = acc[0]
+        for mine, theirs in zip(own, acc[0]):
+            mine += theirs
         del acc
         # the gradients' hops: G-1 sends of this rank's block's size, a reduce-scatter's bytes
         r.count("reduce_scatter", axis, ring.phase,
                 torch.empty(G * sum(t.numel() for t in own), dtype=work, device="meta"))
-    add_grads(own, k, v, ring.coord)
+    else:
+        own = zeros()
+        add_grads(own, k, v, ring.coord)
     dk, dv = own
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

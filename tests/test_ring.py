@@ -149,6 +149,33 @@ def test_balanced_ring_takes_each_block_in_one_product(monkeypatch) -> None:
             assert all(qb - qa <= 256 and kb - ka <= 256 for (qa, qb), (ka, kb), _ in back)
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_a_block_seen_in_part_falls_back_to_tiles(monkeypatch, backward: bool) -> None:
+    """No cut shardc makes gives a run of keys that a run of queries sees in part, but
+    the fused plan must stay exact if one did: such a block takes the tile plan, whose
+    off-diagonal causal tiles run in the math form."""
+    monkeypatch.setattr(R, "TILE", 4)
+    monkeypatch.setattr(R, "SPAN", 8)
+    qpos, kpos = torch.arange(0, 12), torch.arange(5, 17)
+    products = R._products(qpos, kpos, True, True, backward)
+    covered = torch.zeros(12, 12, dtype=torch.bool)
+    for qa, qb, ka, kb, kind, fused in products:
+        assert not covered[qa:qb, ka:kb].any()
+        covered[qa:qb, ka:kb] = True
+        if kind is not None and not torch.equal(qpos[qa:qb], kpos[ka:kb]):
+            assert not fused  # the kernel's triangle is not this tile's mask
+    seen = kpos[None, :] <= qpos[:, None]
+    assert covered[seen].all()  # every pair the mask keeps is in some product
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 12, 4, dtype=torch.float64, generator=g) for _ in range(3))
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    R._block_forward(q, k, v, 0.5, None, qpos, kpos, True, out, lse)
+    rows = seen.any(-1)
+    ref = F.scaled_dot_product_attention(q[:, :, rows], k, v, attn_mask=seen[rows], scale=0.5)
+    assert (out[:, :, rows] - ref).abs().max() < TOL and (out[:, :, ~rows] == 0).all()
+
+
 def test_the_balanced_cut_needs_two_chunks_a_rank() -> None:
     assert R.balanced_interleave(16, 2) == R.MIRRORED and R.balanced_interleave(8, 4) == R.MIRRORED
     assert R.balanced_interleave(12, 4) == 1 and R.balanced_interleave(6, 4) == 1
