@@ -400,7 +400,9 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     the first hop of keys and values, which only the own block's work could have
     overlapped, and that block comes last so that no gradient buffer of its own lives
     through the ring; its share's buffer then takes the place of the key/value block no
-    longer held, so the last hop overlaps it for no memory."""
+    longer held, so the last hop overlaps it within the same 3.5 blocks (with G = 2, or
+    on a rank of the contiguous cut that has no other block's work, this is the step
+    that holds them)."""
     ring = _Ring(rt, axis, _phase(rt, True))
     r = get_runtime(rt)
     G = ring.size
