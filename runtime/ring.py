@@ -121,17 +121,16 @@ def _pairs(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, tile: int = 0, 
     (every query sees every key) or "causal" (the mask by positions); tiles (runs of
     consecutive positions, at most ``tile`` rows) the mask removes whole are left out, and
     neighbouring keys a query tile sees whole are taken in one product of up to ``span``
-    rows (0: the module's TILE and SPAN; None: no cap)."""
-    tile = tile if tile != 0 else TILE
-    span = span if span != 0 else SPAN
-    kt = _tiles(kpos, tile or len(kpos))
-    for qa, qb, qlo, qhi in _tiles(qpos, tile or len(qpos)):
+    rows (0: the module's TILE and SPAN)."""
+    tile, span = tile or TILE, span or SPAN
+    kt = _tiles(kpos, tile)
+    for qa, qb, qlo, qhi in _tiles(qpos, tile):
         full: tuple[int, int] | None = None
         for ka, kb, klo, khi in kt:
             if causal and klo > qhi:
                 continue  # every key of the tile comes after every query of the tile
             if not causal or khi <= qlo:
-                if full is not None and full[1] == ka and (span is None or kb - full[0] <= span):
+                if full is not None and full[1] == ka and kb - full[0] <= span:
                     full = (full[0], kb)
                 else:
                     if full is not None:
