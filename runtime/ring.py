@@ -44,10 +44,18 @@ from shardc.runtime.collectives import get_runtime, guarded
 # query/key rows a tile of the math form (an explicit mask, or no fused kernel): its
 # score matrices are TILE x SPAN, and the causal structure is decided per tile pair
 TILE = 256
-# most key rows one product takes when a query tile sees neighbouring key tiles whole, and
-# most rows of either side of a fused backward product: that kernel returns the gradients
-# of every query and key row it takes, buffers a ring's peak memory holds beside its blocks
+# most key rows one product of the math form takes when a query tile sees neighbouring
+# key tiles whole
 SPAN = 4 * TILE
+# most bytes, in key/value blocks (a block's k and v as the ring holds them), that one
+# fused backward product may hold beside the ring's buffers: the kernel returns dq, dk and
+# dv for every query and key row it takes, and copies its query-sized input once more.
+# One and a half, the size of the gradients torch's ring returns a step (a block's dk and
+# dv and the rank's dq): at 16,384 positions on 4 ranks a block is then one product (the
+# own block three), where products of at most 1,024 rows a side made 5.7x as many kernel
+# calls, whose zeroed outputs and their sums into the rank's gradients took 3% more CPU a
+# rank and the step to 1.03x torch's, for 3.5 MiB less peak of 101
+PRODUCT_ROOM = 1.5
 
 
 def balanced_interleave(seq: int, size: int) -> int:
@@ -142,26 +150,41 @@ def _pairs(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, tile: int = 0, 
             yield (qa, qb), full, None
 
 
-def _fused_pairs(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, backward: bool):
+def _cut(qlen: int, klen: int, room: tuple[int, int, int]) -> tuple[int, int]:
+    """Rows a piece (query, key) of a product of ``qlen`` x ``klen`` rows whose gradient
+    buffers, ``room`` = (bytes a query row, bytes a key row, bytes in all), must fit: the
+    side whose buffers are larger is cut first, into near-equal pieces."""
+    qrow, krow, most = room
+    nq = nk = 1
+    while True:
+        qn, kn = -(-qlen // nq), -(-klen // nk)
+        if qn * qrow + kn * krow <= most or qn == kn == 1:
+            return qn, kn
+        if kn == 1 or (qn > 1 and qn * qrow >= kn * krow):
+            nq += 1
+        else:
+            nk += 1
+
+
+def _fused_pairs(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool,
+                 room: tuple[int, int, int] | None = None):
     """``_pairs`` for the fused kernel, as few products as the block allows, since each
-    call costs: forward, the rank's own block with a causal mask is one product (positions
-    rise along the rows, so the kernel's top-left triangle is the mask by positions), and
-    other blocks, runs of positions seen whole or not at all, one product a run of
-    queries, neighbouring runs that see the same keys together. Backward, whose kernel
-    returns the gradients of every query and key row it takes, cuts both sides at SPAN
-    rows, since those are buffers beside the ring's blocks: as many query as key rows,
-    because a product's key gradients are as large as its key span however few queries
-    it takes (at 4,096 positions a rank, query tiles of 256 rows against key spans of
-    1,024 took the ranks' arithmetic from 1.00x to 1.10x one product a block). Blocks
-    with a run seen in part: ``_pairs``."""
+    call costs: forward (``room`` None), the rank's own block with a causal mask is one
+    product (positions rise along the rows, so the kernel's top-left triangle is the mask
+    by positions), and other blocks, runs of positions seen whole or not at all, one
+    product a run of queries, neighbouring runs that see the same keys together.
+    Backward, whose kernel returns the gradients of every query and key row it takes,
+    cuts the products until those buffers fit ``room`` (bytes a query row, bytes a key
+    row, bytes in all; ``PRODUCT_ROOM``), the own block into square tiles whose diagonal
+    ones take the causal triangle. Blocks with a run seen in part: ``_pairs``."""
     same = causal and qpos.numel() == kpos.numel() and bool(torch.equal(qpos, kpos))
-    if same and not backward:
+    if same and room is None:
         yield (0, len(qpos)), (0, len(kpos)), "causal"
         return
-    if same:  # tiles of SPAN rows: the diagonal ones causal, those left of them whole
-        yield from _pairs(qpos, kpos, causal, SPAN, SPAN)
+    if same and room is not None:
+        side = max(1, room[2] // (room[0] + room[1]))
+        yield from _pairs(qpos, kpos, causal, side, side)
         return
-    qcap, kcap = (SPAN, SPAN) if backward else (len(qpos), len(kpos))
     plan: list[tuple[tuple[int, int], list[tuple[int, int]]]] = []
     for qa, qb, qlo, qhi in _tiles(qpos, len(qpos)):
         seen: list[tuple[int, int]] = []
@@ -180,8 +203,9 @@ def _fused_pairs(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, backward:
         else:
             plan.append(((qa, qb), seen))
     for (qa, qb), seen in plan:
-        for q0 in range(qa, qb, qcap):
-            for ka, kb in seen:
+        for ka, kb in seen:
+            qcap, kcap = (qb - qa, kb - ka) if room is None else _cut(qb - qa, kb - ka, room)
+            for q0 in range(qa, qb, qcap):
                 for k0 in range(ka, kb, kcap):
                     yield (q0, min(qb, q0 + qcap)), (k0, min(kb, k0 + kcap)), None
 
@@ -199,32 +223,45 @@ def _can_fuse(q: torch.Tensor, mask: Any) -> bool:
 Product = tuple[int, int, int, int, "str | None", bool]  # query rows, key rows, mask kind, fused
 
 
-def _products(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, fused: bool, backward: bool) -> list[Product]:
+def _products(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, fused: bool,
+              room: tuple[int, int, int] | None = None) -> list[Product]:
     """The products of one block (``_fused_pairs`` where the fused kernel runs, else
-    ``_pairs``), each marked whether the fused kernel takes it: any product seen whole,
-    and a causal one exactly on the diagonal (the kernel's causal mask is the top-left
-    triangle); the math form takes the rest."""
-    pairs = _fused_pairs(qpos, kpos, causal, backward) if fused else _pairs(qpos, kpos, causal)
+    ``_pairs``; ``room`` for the backward's, see ``_fused_pairs``), each marked whether
+    the fused kernel takes it: any product seen whole, and a causal one exactly on the
+    diagonal (the kernel's causal mask is the top-left triangle); the math form takes the
+    rest."""
+    pairs = _fused_pairs(qpos, kpos, causal, room) if fused else _pairs(qpos, kpos, causal)
     return [(qa, qb, ka, kb, kind, fused and (kind is None or (
                 qb - qa == kb - ka and bool(torch.equal(qpos[qa:qb], kpos[ka:kb])))))
             for (qa, qb), (ka, kb), kind in pairs]
 
 
+def _room(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int) -> tuple[int, int, int]:
+    """(bytes a query row, bytes a key row, bytes in all) that a fused backward product of
+    ``q`` against ``k``, ``v`` (as the kernel takes them: grouped-query heads expanded)
+    holds, in a room of ``PRODUCT_ROOM`` key/value blocks of ``block`` bytes. (The kernel's
+    scratch, a few hundred KiB a thread whatever the sizes, is not counted.)"""
+    rows = q.shape[-2], k.shape[-2]
+    return (2 * q.numel() // max(1, rows[0]) * q.element_size(),  # dq and the kernel's copy
+            (k.numel() + v.numel()) // max(1, rows[1]) * k.element_size(),
+            int(PRODUCT_ROOM * block))
+
+
 @functools.lru_cache(maxsize=1024)
 def _ring_products(seq: int, interleave: int, size: int, qcoord: int, kcoord: int, causal: bool,
-                   fused: bool, backward: bool, tile: int, span: int) -> list[Product]:
+                   fused: bool, room: tuple[int, int, int] | None, tile: int, span: int) -> list[Product]:
     """``_products`` of the block of ``kcoord`` for the queries of ``qcoord``, kept: a plan
     reads every position in Python, the same each step (``tile`` and ``span``: the
     module's TILE and SPAN, part of the key)."""
     return _products(positions(seq, interleave, qcoord, size), positions(seq, interleave, kcoord, size),
-                     causal, fused, backward)
+                     causal, fused, room)
 
 
 def _block_forward(q, k, v, scale, mask, qpos, kpos, causal, out, lse, products=None) -> None:
     """Merge the attention of ``q`` to one block of keys/values into (out, lse), in place
     (``products``: the block's ``_products``, when the caller has them)."""
     if products is None:
-        products = _products(qpos, kpos, causal, _can_fuse(q, mask), False)
+        products = _products(qpos, kpos, causal, _can_fuse(q, mask))
     for qa, qb, ka, kb, kind, fused in products:
         if fused:
             o, blk = _FLASH_CPU(q[..., qa:qb, :], k[..., ka:kb, :], v[..., ka:kb, :], 0.0,
@@ -265,7 +302,7 @@ def _block_backward(q, k, v, scale, mask, qpos, kpos, causal, dout, out, lse, de
     block's), from the final output ``out``, log-sum-exp ``lse`` and ``delta`` =
     rowsum(dout * out): each share is the flash-attention backward of the product."""
     if products is None:
-        products = _products(qpos, kpos, causal, _can_fuse(q, mask), True)
+        products = _products(qpos, kpos, causal, _can_fuse(q, mask), _room(q, k, v, k.nbytes + v.nbytes))
     for qa, qb, ka, kb, kind, fused in products:
         if fused:
             gq, gk, gv = _FLASH_CPU_BACKWARD(dout[..., qa:qb, :], q[..., qa:qb, :], k[..., ka:kb, :],
@@ -356,7 +393,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
         j = ring.owner(step)
         kpos = positions(seq, interleave, j, ring.size, q.device)
         m = _mask_columns(mask, kpos, seq)
-        products = _ring_products(seq, interleave, ring.size, ring.coord, j, causal, _can_fuse(q, m), False,
+        products = _ring_products(seq, interleave, ring.size, ring.coord, j, causal, _can_fuse(q, m), None,
                                   TILE, SPAN)
         _block_forward(q, _expand(kb, heads), _expand(vb, heads), scale, m, qpos, kpos, causal, out, lse,
                        products)
@@ -401,7 +438,8 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     through the ring; its share's buffer then takes the place of the key/value block no
     longer held, so the last hop overlaps it within the same 3.5 blocks (with G = 2, or
     on a rank of the contiguous cut that has no other block's work, this is the step
-    that holds them)."""
+    that holds them). Beside them, what one product of the fused kernel holds:
+    ``PRODUCT_ROOM`` blocks at most, and the kernel's scratch."""
     ring = _Ring(rt, axis, _phase(rt, True))
     r = get_runtime(rt)
     G = ring.size
@@ -410,6 +448,7 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     qpos = positions(seq, interleave, ring.coord, G, q.device)
     delta = (dout.to(work) * out.to(work)).sum(-1)
     dq = torch.zeros(q.shape, dtype=work, device=q.device)
+    block = k.nbytes + v.nbytes
     r.count("all_gather", axis, ring.phase, _bytes_like(k, v))
 
     def add_grads(into: list[torch.Tensor], kb: torch.Tensor, vb: torch.Tensor, owner: int) -> None:
@@ -421,8 +460,8 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         # grouped-query: the expanded heads' gradients first, then folded onto the few
         gk = dk if ke is kb else torch.zeros(ke.shape, dtype=work, device=q.device)
         gv = dv if ve is vb else torch.zeros(ve.shape, dtype=work, device=q.device)
-        products = _ring_products(seq, interleave, G, ring.coord, owner, causal, _can_fuse(q, m), True,
-                                  TILE, SPAN)
+        products = _ring_products(seq, interleave, G, ring.coord, owner, causal, _can_fuse(q, m),
+                                  _room(q, ke, ve, block), TILE, SPAN)
         _block_backward(q, ke, ve, scale, m, qpos, kpos, causal, dout, out, lse, delta, dq, gk, gv, products)
         if gk is not dk:
             dk += _fold(gk, k.shape[1])

@@ -54,16 +54,16 @@ def _train_failures(name: str, spec: str, layout: str, opts: dict | None = None,
     where = f"{name}@{spec} {layout}" + "".join(f" {k}={v}" for k, v in opts.items())
     seq, batch = SHAPES.get(name, (16, 8))
     batches = _lm_batches(seq=seq, batch=batch)
-    old = ring.TILE, ring.SPAN
+    old = ring.TILE, ring.SPAN, ring.PRODUCT_ROOM
     if name == "gpt_long":  # small tiles inside the ring's blocks: the backward's cuts too
-        ring.TILE, ring.SPAN = 8, 16
+        ring.TILE, ring.SPAN, ring.PRODUCT_ROOM = 8, 16, 1 / 8
     try:
         run = train_side_by_side(_model(name), batches, mesh, lr=LR, eps=EPS, context_layout=layout, **opts)
         out = _run_failures(where, run, mesh, batches)
     except Exception:  # noqa: BLE001 - a compile or runtime error is this case's failure
         return [f"{where}: raised\n{traceback.format_exc()}"]
     finally:
-        ring.TILE, ring.SPAN = old
+        ring.TILE, ring.SPAN, ring.PRODUCT_ROOM = old
     return out + _how_attention_ran(where, run.sm, expect)
 
 
@@ -148,18 +148,33 @@ def test_balanced_and_contiguous_layouts_agree(ranks: Any) -> None:
 def _ring_memory(rank: int, world: int) -> None:
     """The ring's backward holds few key/value-sized blocks at once (its buffers, not its
     arithmetic, set a long sequence's peak), and its result equals one device's."""
-    # small tiles: the kernels' per-product temporaries (gradients of up to SPAN query and
-    # SPAN key rows) are a small part of a block, so what is measured is the ring's own
-    # buffers (restored: the ranks run later cases)
-    saved = ring.TILE, ring.SPAN
-    ring.TILE, ring.SPAN = 16, 32
+    # first with products of a tenth of a block: what is measured is then mostly the
+    # ring's own buffers; then with the default room, PRODUCT_ROOM blocks more at most,
+    # and the fused kernel's scratch, measured here on one whole block
+    saved = ring.PRODUCT_ROOM
     try:
-        _ring_memory_case(rank, world)
-    finally:
-        ring.TILE, ring.SPAN = saved
+        for room, scratch in ((1 / 10, False), (saved, True)):
+            ring.PRODUCT_ROOM = room
+            _ring_memory_case(rank, world, scratch)
+    finally:  # restored: the ranks run later cases
+        ring.PRODUCT_ROOM = saved
 
 
-def _ring_memory_case(rank: int, world: int) -> None:
+def _kernel_scratch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """Bytes the fused backward kernel holds on a product of every row of ``q`` against
+    every row of ``k``, ``v``, beyond what the ring's room counts for it (its gradients and
+    one query-sized copy): its per-thread buffers."""
+    from shardc.planning.memory import measured_peak
+
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = kernel(q, k, v, 0.0, False)[:2]
+    grads: list = []
+    peak = measured_peak(lambda: grads.extend(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        torch.ones_like(out), q, k, v, out, lse, 0.0, False)))
+    return peak - sum(t.nbytes for t in grads) - q.nbytes
+
+
+def _ring_memory_case(rank: int, world: int, scratch: bool) -> None:
     from shardc.planning.memory import measured_peak
     from shardc.runtime.collectives import Runtime
 
@@ -179,10 +194,13 @@ def _ring_memory_case(rank: int, world: int) -> None:
     block = k.nbytes + v.nbytes
     # at the busiest step (runtime/ring.py): dq (half a block), the key/value block worked
     # on, the one arriving, and the gradient block (one received, one sent, never both):
-    # 3.5 blocks, plus products of 32 rows; 4 leaves them room. Packing k and v into one
-    # message, keeping the own block's gradient through the ring, adding shares out of
-    # place or overlapping the two hops would each hold one more.
-    assert peak <= 4 * block, (peak / block)
+    # 3.5 blocks, plus what one product holds (PRODUCT_ROOM blocks at most; with a tenth,
+    # the kernel's scratch on products that small is a few KiB), and half a block left
+    # for the rest of the arithmetic's temporaries. Packing k and v into one message,
+    # keeping the own block's gradient through the ring, adding shares out of place or
+    # overlapping the two hops would each hold one more.
+    bound = (4 + ring.PRODUCT_ROOM) * block + (_kernel_scratch(q, k, v) if scratch else 0)
+    assert peak <= bound, (peak / block, bound / block)
     ref = [t.clone().requires_grad_(True) for t in full[:3]]
     torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True).backward(full[3])
     for mine, want in zip(got, ref):

@@ -116,7 +116,7 @@ def _work(S: int, G: int, interleave: int) -> list[int]:
     for r in range(G):
         n = 0
         for j in range(G):
-            for (qa, qb), (ka, kb), kind in R._fused_pairs(pos[r], pos[j], True, False):
+            for (qa, qb), (ka, kb), kind in R._fused_pairs(pos[r], pos[j], True):
                 n += int((pos[j][ka:kb][None, :] <= pos[r][qa:qb][:, None]).sum()) if kind else (qb - qa) * (kb - ka)
         out.append(n)
     return out
@@ -135,18 +135,29 @@ def test_balanced_cut_gives_every_rank_the_same_causal_work() -> None:
     assert len(set(balanced)) == 1 and sum(balanced) == sum(plain) == S * (S + 1) // 2, (balanced, plain)
 
 
-def test_balanced_ring_takes_each_block_in_one_product(monkeypatch) -> None:
+def test_balanced_ring_takes_each_block_in_one_product() -> None:
     """Forward, a block is one fused product (the own block one causal product); backward
-    cuts the rows at SPAN, so a block of 4 SPANs is at most 4 x 4 products."""
-    S, G = 4096, 4
-    monkeypatch.setattr(R, "SPAN", 256)
+    cuts a block's products only until what each holds fits the room (PRODUCT_ROOM
+    key/value blocks), which the default lets a block be one product too, and a smaller
+    room cuts them finer, each within it."""
+    S, G, H, D = 4096, 4, 4, 32
+    L = S // G
+    q, k, v = (torch.empty(1, H, L, D, device="meta") for _ in range(3))
+    block = k.nbytes + v.nbytes
     pos = [R.positions(S, R.MIRRORED, c, G) for c in range(G)]
-    for r in range(G):
-        for j in range(G):
-            assert len(list(R._fused_pairs(pos[r], pos[j], True, False))) == 1
-            back = list(R._fused_pairs(pos[r], pos[j], True, True))
-            assert 1 <= len(back) <= 16
-            assert all(qb - qa <= 256 and kb - ka <= 256 for (qa, qb), (ka, kb), _ in back)
+    for share in (1.0, 1 / 16):
+        room = R._room(q, k, v, int(share * block))
+        for r in range(G):
+            for j in range(G):
+                assert len(list(R._fused_pairs(pos[r], pos[j], True))) == 1
+                back = list(R._fused_pairs(pos[r], pos[j], True, room))
+                assert all((qb - qa) * room[0] + (kb - ka) * room[1] <= room[2]
+                           for (qa, qb), (ka, kb), _ in back)
+                # the own block: two chunks' triangles and the one below them; an
+                # earlier rank's head chunk under every query, a later rank's block under
+                # the tail's queries: one each
+                want = 3 if j == r else 1
+                assert len(back) == want if share == 1.0 else len(back) > want
 
 
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
