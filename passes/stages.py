@@ -33,6 +33,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from shardc.core.errors import ShardcError
+from shardc.passes.causal_masks import fold_causal_masks
 from shardc.passes.recompute import repeated_blocks
 
 _aten = torch.ops.aten
@@ -179,6 +180,9 @@ def unlifted_graph(model: nn.Module, example_inputs: tuple) -> fx.GraphModule:
                 except AttributeError:
                     continue
                 n.target = name
+    # before the cut: a causal mask made from positions would otherwise be made by the
+    # first stage and sent to every later one, which could not fold it (causal_masks.py)
+    fold_causal_masks(gm)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm

@@ -99,3 +99,16 @@ def test_transformers_llama_attends_causally_without_a_mask() -> None:
     assert len(attn) == 2 and all(_mask_and_causal(n) == (None, True) for n in attn)
     assert not any(t.target is aten.cumsum.default for t in ep.graph.nodes if t.op == "call_function")
     torch.testing.assert_close(ep.module()(ids, ids), model(ids, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_pipeline_stages_cut_a_graph_without_the_mask() -> None:
+    """The stage cut reads its own export: folded there too, so no stage sends a mask to
+    the next."""
+    from shardc.passes.stages import unlifted_graph
+
+    model = llama(layers=2, seq=32)
+    ids = torch.randint(0, 64, (2, 32))
+    gm = unlifted_graph(model, (ids, ids))
+    attn = [n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
+    assert len(attn) == 2 and all(_mask_and_causal(n) == (None, True) for n in attn)
+    torch.testing.assert_close(gm(ids, ids), model(ids, ids), rtol=1e-5, atol=1e-5)
