@@ -14,7 +14,8 @@ once here, and where it equals the causal mask (every row its lower triangle, fo
 batch and head it is broadcast over) the attention takes ``is_causal=True`` and the
 mask's subgraph is dropped. A mask that differs anywhere (padding from an
 ``attention_mask`` input, a sliding window, a document mask from real position ids) is
-left as it is. Exact: the same attention, bit for bit in what it masks.
+left as it is, and so is an attention with dropout (another kernel would draw another
+dropout mask than the model's). Exact: the same attention, bit for bit in what it masks.
 
 A mask larger than ``MOST_ELEMENTS`` is not computed (compiling would hold several such
 tensors at once) and stays in the program as the model wrote it.
@@ -93,7 +94,10 @@ def fold_causal_masks(gm: fx.GraphModule) -> int:
         args = list(n.args) + [None] * (6 - len(n.args))
         mask = n.kwargs.get("attn_mask", args[3])
         causal = n.kwargs.get("is_causal", args[5])
-        if not isinstance(mask, fx.Node) or causal:
+        dropout = n.kwargs.get("dropout_p", args[4] if args[4] is not None else 0.0)
+        # with dropout, another kernel would draw another mask than the model's (CUDA's
+        # flash kernel draws its own way): left as the model wrote it
+        if not isinstance(mask, fx.Node) or causal or dropout != 0.0:
             continue
         q, k = (a.meta.get("val") for a in n.args[:2])
         if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
@@ -107,8 +111,7 @@ def fold_causal_masks(gm: fx.GraphModule) -> int:
         if not verdicts[key]:
             continue
         kwargs = {key: v for key, v in n.kwargs.items() if key not in ("attn_mask", "is_causal", "dropout_p")}
-        dropout = n.kwargs.get("dropout_p", args[4] if args[4] is not None else 0.0)
-        n.args = (n.args[0], n.args[1], n.args[2], None, dropout, True)
+        n.args = (n.args[0], n.args[1], n.args[2], None, 0.0, True)
         n.kwargs = kwargs
         folded += 1
     if folded:

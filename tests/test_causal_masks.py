@@ -29,9 +29,9 @@ def _mask_and_causal(n: torch.fx.Node) -> tuple[object, bool]:
 class _Masked(nn.Module):
     """Attention under a mask the forward builds from ``arange``: ``kind`` picks which."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, dropout: float = 0.0) -> None:
         super().__init__()
-        self.kind = kind
+        self.kind, self.dropout = kind, dropout
         self.qkv = nn.Linear(16, 48)
 
     def forward(self, x: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,7 +50,7 @@ class _Masked(nn.Module):
             mask = keep[None, None].expand(B, 1, T, T)
         if pad is not None:  # from an input: known only at run time
             mask = mask & pad[:, None, None, :].bool()
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout).sum()
 
 
 @pytest.mark.parametrize("kind,folded", [("causal", True), ("float", True), ("window", False),
@@ -79,6 +79,13 @@ def test_a_mask_that_reads_an_input_stays() -> None:
     mask, causal = _mask_and_causal(n)
     assert mask is not None and not causal
     torch.testing.assert_close(ep.module()(x, pad), model(x, pad))
+
+
+def test_an_attention_with_dropout_keeps_its_mask() -> None:
+    """Another kernel would draw another dropout mask than the model's."""
+    ep = trace(_Masked("causal", dropout=0.1), (torch.randn(2, 12, 16),))
+    [n] = _attentions(ep)
+    assert _mask_and_causal(n)[0] is not None
 
 
 def test_a_mask_larger_than_the_limit_is_not_computed(monkeypatch) -> None:

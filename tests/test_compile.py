@@ -1082,3 +1082,34 @@ def test_as_strided_on_traced_storage_reads_what_the_trace_read(make) -> None:
     got = as_strided_on_traced_storage(x.contiguous(), list(x.shape), list(x.stride()),
                                        x.storage_offset(), size, stride, None)
     assert torch.equal(got, want)
+
+
+class _Mse(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.model(x), target)
+
+
+@pytest.mark.parametrize("spec", ["x1y1z1d8", "x2y1z1d4", "x1y2z1d4", "x2y2z2d1"])
+def test_a_bias_is_added_by_its_gemm_where_the_sum_is_whole(fake_world, spec: str) -> None:
+    """A linear whose output is a whole sum takes its bias in the GEMM (one device's addmm);
+    one whose output is a partial sum over an axis (k cut) adds it after the reduction,
+    as its own op, since the bias must be added once."""
+    fake_world(8)
+    mesh = shardc.Mesh.parse(spec)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    sm = shardc.compile(_Mse(model), mesh, _mlp_inputs())
+    nodes = list(sm.graph_module.graph.nodes)
+    for i in (0, 2):
+        gemm = [n for n in nodes if n.target is torch.ops.aten.linear.default
+                and n.meta[SOURCE].module == f"model.{i}"]
+        assert len(gemm) == 1, gemm
+        w = sm.param_layouts[f"model.{i}.weight"]
+        k_cut = any(w.shard_dim(a) == 1 for a in ("x", "y") if mesh.size(a) > 1)
+        assert (len(gemm[0].args) == 3) == (not k_cut), (i, gemm[0].args)
+        adds = [n for n in nodes if n.target is torch.ops.aten.add.Tensor
+                and n.meta[SOURCE].module == f"model.{i}"]
+        assert len(adds) == int(k_cut), adds
