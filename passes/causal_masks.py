@@ -110,7 +110,7 @@ def fold_causal_masks(gm: fx.GraphModule) -> int:
                              and nodes is not None and _is_causal(_value(nodes), *key[1:]))
         if not verdicts[key]:
             continue
-        kwargs = {key: v for key, v in n.kwargs.items() if key not in ("attn_mask", "is_causal", "dropout_p")}
+        kwargs = {name: v for name, v in n.kwargs.items() if name not in ("attn_mask", "is_causal", "dropout_p")}
         n.args = (n.args[0], n.args[1], n.args[2], None, 0.0, True)
         n.kwargs = kwargs
         folded += 1
