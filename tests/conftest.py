@@ -23,6 +23,7 @@ import sys
 from typing import Any, Callable, Iterator
 
 import pytest
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests import models.py / harness.py
@@ -37,12 +38,29 @@ def fake_world() -> Iterator[Callable[[int, int], None]]:
     collectives are not executed, which is all compile and the report need."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from shardc.runtime import algorithms
+
     def init(world_size: int, rank: int = 0) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
+    # torch's fake group fills a collective's output from this rank's input in recent
+    # releases (this rank's block, for a reduce-scatter); 2.8's left the reduce-scatter's
+    # output as allocated, so a test that runs a program twice and compares read two
+    # different garbages (NaN, often). Fill it alike on every torch.
+    native = algorithms._native_reduce_scatter
+
+    def filled(out: torch.Tensor, x: torch.Tensor, op: Any = dist.ReduceOp.SUM,
+               group: Any = None, async_op: bool = False) -> Any:
+        work = native(out, x, op=op, group=group, async_op=async_op)
+        if dist.get_backend(group) == "fake":
+            out.view(-1).copy_(x.reshape(dist.get_world_size(group), -1)[dist.get_rank(group)])
+        return work
+
+    algorithms._native_reduce_scatter = filled
     yield init
+    algorithms._native_reduce_scatter = native
     if dist.is_initialized():
         dist.destroy_process_group()
 

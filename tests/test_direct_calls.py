@@ -61,8 +61,8 @@ def test_bindings_run_the_same_overload_and_others_are_refused() -> None:
 
 
 def test_a_step_is_the_same_bit_for_bit_with_and_without_the_bindings(fake_world) -> None:
-    """One training step of a GPT on x2 (a fake group: its collectives leave buffers as
-    they are, which both runs see alike): loss and every gradient equal bitwise."""
+    """One training step of a GPT on x2 (a fake group: its collectives copy this rank's
+    input, which both runs see alike): loss and every gradient equal bitwise."""
     fake_world(2)
     torch.manual_seed(0)
     model = GPT(dropout=0.1)

@@ -60,6 +60,7 @@ def fwd_outputs(gm: torch.fx.GraphModule) -> list:
     return list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
 
 
+@torch.no_grad()  # as StepRunner runs them: inside an autograd.Function, grad mode off
 def _run(jp: StepProgram, primals: list, tangents: list) -> tuple[list, list]:
     torch.manual_seed(1)  # the same dropout masks for both programs
     out = list(jp.forward(*primals))
