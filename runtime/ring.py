@@ -215,9 +215,12 @@ _FLASH_CPU: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_f
 _FLASH_CPU_BACKWARD: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
-def _can_fuse(q: torch.Tensor, mask: Any) -> bool:
-    """Does torch's fused kernel run this block: on the CPU, with no explicit mask?"""
-    return _FLASH_CPU is not None and q.device.type == "cpu" and mask is None
+def _can_fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> bool:
+    """Does torch's fused kernel run this block: on the CPU, with no explicit mask, and
+    one head size for queries, keys and values (latent attention's values are narrower
+    than its queries and keys, which the kernel refuses)?"""
+    return (_FLASH_CPU is not None and q.device.type == "cpu" and mask is None
+            and q.shape[-1] == k.shape[-1] == v.shape[-1])
 
 
 Product = tuple[int, int, int, int, "str | None", bool]  # query rows, key rows, mask kind, fused
@@ -261,7 +264,7 @@ def _block_forward(q, k, v, scale, mask, qpos, kpos, causal, out, lse, products=
     """Merge the attention of ``q`` to one block of keys/values into (out, lse), in place
     (``products``: the block's ``_products``, when the caller has them)."""
     if products is None:
-        products = _products(qpos, kpos, causal, _can_fuse(q, mask))
+        products = _products(qpos, kpos, causal, _can_fuse(q, k, v, mask))
     for qa, qb, ka, kb, kind, fused in products:
         if fused:
             o, blk = _FLASH_CPU(q[..., qa:qb, :], k[..., ka:kb, :], v[..., ka:kb, :], 0.0,
@@ -302,7 +305,7 @@ def _block_backward(q, k, v, scale, mask, qpos, kpos, causal, dout, out, lse, de
     block's), from the final output ``out``, log-sum-exp ``lse`` and ``delta`` =
     rowsum(dout * out): each share is the flash-attention backward of the product."""
     if products is None:
-        products = _products(qpos, kpos, causal, _can_fuse(q, mask), _room(q, k, v, k.nbytes + v.nbytes))
+        products = _products(qpos, kpos, causal, _can_fuse(q, k, v, mask), _room(q, k, v, k.nbytes + v.nbytes))
     for qa, qb, ka, kb, kind, fused in products:
         if fused:
             gq, gk, gv = _FLASH_CPU_BACKWARD(dout[..., qa:qb, :], q[..., qa:qb, :], k[..., ka:kb, :],
@@ -408,7 +411,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     r = get_runtime(rt)
     qpos = positions(seq, interleave, ring.coord, ring.size, q.device)
     work = torch.promote_types(q.dtype, torch.float32)
-    out = torch.zeros(q.shape, dtype=work, device=q.device)
+    out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=work, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=work, device=q.device)
     buf = _pack([k, v])
     kb, vb = _unpack(buf, [k, v])
@@ -419,7 +422,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
         j = ring.owner(step)
         kpos = positions(seq, interleave, j, ring.size, q.device)
         m = _mask_columns(mask, kpos, seq)
-        products = _ring_products(seq, interleave, ring.size, ring.coord, j, causal, _can_fuse(q, m), None,
+        products = _ring_products(seq, interleave, ring.size, ring.coord, j, causal, _can_fuse(q, k, v, m), None,
                                   TILE, SPAN)
         _block_forward(q, _expand(kb, heads), _expand(vb, heads), scale, m, qpos, kpos, causal, out, lse,
                        products)
@@ -434,7 +437,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 @ring_attention.register_fake
 def _(q, k, v, mask, causal, scale, seq, interleave, rt, axis):
     work = torch.promote_types(q.dtype, torch.float32)
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=work)
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=work)
 
 
 @torch.library.custom_op("shardc::ring_attention_backward", mutates_args=(), schema=(
@@ -487,7 +490,7 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         # grouped-query: the expanded heads' gradients first, then folded onto the few
         gk = dk if ke is kb else torch.zeros(ke.shape, dtype=work, device=q.device)
         gv = dv if ve is vb else torch.zeros(ve.shape, dtype=work, device=q.device)
-        products = _ring_products(seq, interleave, G, ring.coord, owner, causal, _can_fuse(q, m),
+        products = _ring_products(seq, interleave, G, ring.coord, owner, causal, _can_fuse(q, k, v, m),
                                   _room(q, ke, ve, block), TILE, SPAN)
         _block_backward(q, ke, ve, scale, m, qpos, kpos, causal, dout, out, lse, delta, dq, gk, gv, products)
         if gk is not dk:

@@ -29,12 +29,12 @@ def _played(q, k, v, causal: bool, G: int, interleave: int, mask=None, dout=None
     B, H, S, D = q.shape
     scale = D ** -0.5
     pos = [R.positions(S, interleave, c, G) for c in range(G)]
-    out = torch.zeros_like(q)
+    out = q.new_zeros((B, H, S, v.shape[-1]))
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for r in range(G):
         qr = q[:, :, pos[r]]
         mr = None if mask is None else mask[..., pos[r], :]
-        o = torch.zeros_like(qr)
+        o = q.new_zeros((B, H, len(pos[r]), v.shape[-1]))
         lse = torch.full(qr.shape[:-1], float("-inf"), dtype=q.dtype)
         for step in range(G):
             j = (r - step) % G
@@ -82,6 +82,31 @@ def test_ring_equals_one_device(monkeypatch, causal: bool, G: int, interleave: i
     ref.backward(dout)
     out, grads = _played(q.detach(), k.detach(), v.detach(), causal, G, interleave, dout=dout)
     assert (out - ref).abs().max() < TOL
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        assert (got - want).abs().max() < TOL
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("G,interleave", [(2, 1), (4, -2)])
+@pytest.mark.parametrize("kernel", ["fused", "math"])
+def test_values_narrower_than_queries_and_keys(monkeypatch, causal: bool, G: int, interleave: int,
+                                               kernel: str) -> None:
+    """Latent attention (DeepSeek-V3): values of another head size than queries and keys,
+    which torch's fused CPU kernel refuses; the ring takes the math form for them, and its
+    output has the values' head size."""
+    monkeypatch.setattr(R, "TILE", 3)
+    if kernel == "math":
+        monkeypatch.setattr(R, "_FLASH_CPU", None)
+    g = torch.Generator().manual_seed(2)
+    B, H, S = 2, 2, 16
+    q, k = (torch.randn(B, H, S, 6, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
+    v = torch.randn(B, H, S, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    assert not R._can_fuse(q, k, v, None)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    dout = torch.randn(ref.shape, dtype=torch.float64, generator=g)
+    ref.backward(dout)
+    out, grads = _played(q.detach(), k.detach(), v.detach(), causal, G, interleave, dout=dout)
+    assert out.shape == ref.shape and (out - ref).abs().max() < TOL
     for got, want in zip(grads, (q.grad, k.grad, v.grad)):
         assert (got - want).abs().max() < TOL
 
