@@ -78,6 +78,9 @@ class Segment:
     rows: list[tuple[tuple[int, ...], torch.dtype]]  # each row input: (shape past dim 0, dtype)
     outs: list[tuple[tuple[int, ...], torch.dtype]]  # each output: the same
     others: list[tuple[tuple[int, ...], torch.dtype]]  # each other input: (local shape, dtype)
+    # each other input's strides on the rank (an expert weight comes as the transposed view
+    # the model made of it; its gradient goes back in that layout)
+    other_strides: list[tuple[int, ...]]
 
 
 # by the program node's key (``runtime key:node``): each process makes its own at compile
@@ -220,10 +223,9 @@ def expert_region(rows: list[torch.Tensor], offs: torch.Tensor, others: list[tor
         r.expert_load[key] = load
         r.routed[key] = routed
     with _autograd_inside():
-        # contiguous: an expert weight arrives as the view the model made of it (transformers
-        # transposes it for the GEMM), and a GEMM on it, and into its gradient, is slower
-        leaves = [t.detach().contiguous().requires_grad_(t.is_floating_point())
-                  for t in [*rows, *others]]
+        # an expert weight stays the view the model made of it (transformers transposes it
+        # for the GEMM): shardc's grouped GEMM reads it, and writes its gradient, in place
+        leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in [*rows, *others]]
         outs = list(seg.fn(*leaves[:len(rows)], torch.cumsum(local, 0).to(offs.dtype),
                            *leaves[len(rows):]))
     STASH.saved[(rt, key)] = STASH.last[(rt, key)] = _Saved(leaves, outs, hops, r.recomputing)
@@ -257,9 +259,21 @@ def expert_region_backward(grads: list[torch.Tensor], rt: str, axis: str, key: s
         if not t.requires_grad:
             continue
         g = by_leaf[id(t)]
-        g = torch.zeros(t.shape, dtype=t.dtype, device=t.device) if g is None else g.contiguous()
-        (rows if i < n_rows else others).append(g)
+        if i < n_rows:
+            g = torch.zeros(t.shape, dtype=t.dtype, device=t.device) if g is None else g.contiguous()
+            rows.append(g)
+        else:  # in the input's own layout, which the fake below gives the trace
+            others.append(_laid_out_as(t, g))
     return _back(rows, s.hops, rt, "backward") + others
+
+
+def _laid_out_as(t: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+    """``g`` (or zeros for None) laid out as ``t`` (``empty_like``: its dims' order in
+    memory, what the lowering's ``_local_strides`` tells the trace)."""
+    if g is not None and g.stride() == t.stride():
+        return g
+    out = torch.empty_like(t)
+    return out.zero_() if g is None else out.copy_(g)
 
 
 @expert_region_backward.register_fake
@@ -268,7 +282,8 @@ def _(grads: list[torch.Tensor], rt: str, axis: str, key: str) -> list[torch.Ten
     n = grads[0].shape[0]
     g0 = grads[0]
     return [g0.new_empty((n, *shape), dtype=dtype) for shape, dtype in seg.rows if dtype.is_floating_point] + \
-        [g0.new_empty(shape, dtype=dtype) for shape, dtype in seg.others if dtype.is_floating_point]
+        [g0.new_empty_strided(shape, stride, dtype=dtype)
+         for (shape, dtype), stride in zip(seg.others, seg.other_strides) if dtype.is_floating_point]
 
 
 def _setup(ctx: Any, inputs: tuple, output: Any) -> None:

@@ -46,6 +46,7 @@ from shardc.passes.rules.routing import (
     rows_layout,
 )
 from shardc.runtime.experts import EXPERT_REGION, SEGMENTS, Segment
+from shardc.runtime.grouped_gemm import GROUPED_MM
 
 if TYPE_CHECKING:
     from shardc.passes.lower import Lowering
@@ -227,7 +228,7 @@ def _emit_segment(L: Lowering, region: Region, seg: _Segment) -> Any:
     weights = set(seg.weights)
     rows = [local_value(L, region, a) for a in seg.rows]
     offs = local_value(L, region, seg.offs[0])
-    others, specs, consts = [], [], {}
+    others, specs, strides, consts = [], [], [], {}
     for a in seg.others:
         v = L.env[a]
         if not isinstance(v, Val):
@@ -236,11 +237,12 @@ def _emit_segment(L: Lowering, region: Region, seg: _Segment) -> Any:
         lay = _expert_cut(v.ndim, axes) if a in weights else Layout.replicate(v.ndim)
         others.append(L.to_layout(v, lay))
         specs.append((tuple(lay.clean(L.mesh).local_shape(list(v.val.shape), L.mesh)), v.val.dtype))
+        strides.append(_local_strides(v.val, specs[-1][0]))
     key = f"{L.rt}:{seg.nodes[-1].name}"
     SEGMENTS[key] = Segment(_segment_fn(seg, consts),
                             [(tuple(a.meta["val"].shape[1:]), a.meta["val"].dtype) for a in seg.rows],
                             [(tuple(o.meta["val"].shape[1:]), o.meta["val"].dtype) for o in seg.outputs],
-                            specs)
+                            specs, strides)
     vals = tuple(o.meta["val"] for o in seg.outputs)
     op = L.emit(EXPERT_REGION, (rows, offs, others, experts, L.rt, ",".join(axes), key), layout=None,
                 val=vals)
@@ -263,8 +265,25 @@ def _emit_segment(L: Lowering, region: Region, seg: _Segment) -> Any:
     return L.env[seg.nodes[-1]]
 
 
+def _local_strides(whole: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a rank's part (``shape``) of a value laid out as ``whole`` is: its
+    dims in the same order in memory (an expert weight's transposed view stays one)."""
+    order = sorted(range(whole.dim()), key=lambda d: whole.stride(d), reverse=True)
+    t = torch.empty([shape[d] for d in order], device="meta")
+    return tuple(t.permute(sorted(range(len(order)), key=order.__getitem__)).stride())
+
+
+def _transformers_grouped_mm() -> Any:
+    ns = getattr(torch.ops, "transformers", None)
+    op = getattr(ns, "grouped_mm_fallback", None) if ns is not None else None
+    return getattr(op, "default", None) if op is not None else None
+
+
 def _segment_fn(seg: _Segment, consts: dict[fx.Node, Any]) -> fx.GraphModule:
-    """The segment's own ops as a GraphModule: (rows..., offsets, others...) -> outputs."""
+    """The segment's own ops as a GraphModule: (rows..., offsets, others...) -> outputs.
+    transformers' fallback grouped GEMM becomes shardc's (runtime/grouped_gemm.py: the
+    same products, without its zero fills and strided copies)."""
+    fallback = _transformers_grouped_mm()
     g = fx.Graph()
     env: dict[fx.Node, Any] = {}
     for i, a in enumerate(seg.rows):
@@ -276,6 +295,8 @@ def _segment_fn(seg: _Segment, consts: dict[fx.Node, Any]) -> fx.GraphModule:
     env.update(consts)
     for n in seg.nodes:
         c = env[n] = g.node_copy(n, lambda a: env[a])
+        if fallback is not None and n.target is fallback:
+            c.target = GROUPED_MM
         if n.target in _ROW_VIEWS:
             # the traced view names the rows the whole region had; the experts' ranks
             # hold as many as were routed to them
