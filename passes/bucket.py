@@ -16,12 +16,14 @@ Keeps:  the bytes moved (the ring's volume is linear in the size, so a bucket mo
 Why: one all-reduce per parameter pays each collective's fixed cost (a ring's 2(G-1)
 latency steps, a gloo or NCCL launch) once per parameter; DDP packs gradients into
 25 MiB buckets for that reason. Buckets fill in the order backward produces the
-gradients (the graph's order), one axis and dtype per bucket, and close when the next
-gradient would make them larger than ``bucket_mb`` (a gradient larger than that alone
-gets a bucket of its own). With ``bucket_mb`` left unset the first bucket closes at 1 MiB
-already, as DDP's default does, so that some reduction overlaps backward even when every
-gradient would fit in one bucket; a size the user gives caps the first bucket too, as
-DDP's ``bucket_cap_mb`` does (``Options.first_bucket_bytes``). The scheduling pass then
+gradients (the graph's order), one axis and dtype per bucket, and close once they hold
+``bucket_mb`` or more, as DDP's reducer closes its own (the gradient that takes a bucket
+past the size goes in it, so a bucket is at least that size but the last). With
+``bucket_mb`` left unset the first bucket closes at 1 MiB already, as DDP's default does,
+so that some reduction overlaps backward when the gradients are many; a size the user gives
+closes the first bucket too, as DDP's ``bucket_cap_mb`` does (``Options.first_bucket_bytes``).
+(Closing before the gradient that would pass the size, as shardc did, made two buckets of a
+1.01 MiB model's gradients where DDP makes one, and a collective a step more.) The scheduling pass then
 issues each bucket as soon as its last gradient exists, so the reduction of the last
 layers overlaps the backward of the first.
 
@@ -78,7 +80,7 @@ def bucket_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         buckets = groups.setdefault(key, [[]])
         cur = buckets[-1]
         cap = first if len(buckets) == 1 else limit
-        if cur and sum(_nbytes(m) for m in cur) + _nbytes(n) > cap:
+        if cur and sum(_nbytes(m) for m in cur) >= cap:  # full: DDP's reducer's rule
             buckets.append(cur := [])
         cur.append(n)
     made = 0

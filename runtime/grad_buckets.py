@@ -164,10 +164,9 @@ class GradBuckets:
         for pos, s in enumerate(reversed(specs)):
             key = (s.collective, s.axis, s.then, s.param.dtype, s.reduce_dtype, s.param.device)
             rows = mesh.size(s.axis) if s.collective == REDUCE_SCATTER else 1
-            nbytes = rows * s.param.numel() * torch.empty((), dtype=s.reduce_dtype).element_size()
             b = filling.get(key)
             limit = first_cap if per_key.get(key, 0) <= 1 else cap
-            if b is None or (b.members and b.nbytes + nbytes > limit):
+            if b is None or (b.members and b.nbytes >= limit):  # full, as DDP's reducer has it
                 b = Bucket(s.collective, s.axis, s.reduce_dtype, rows, s.then)
                 filling[key] = b
                 per_key[key] = per_key.get(key, 0) + 1

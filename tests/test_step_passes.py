@@ -12,6 +12,7 @@ in order, and leave other collectives alone.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 import shardc
@@ -220,20 +221,30 @@ def test_bucket_packs_in_order_up_to_the_limit() -> None:
 
 
 def test_bucket_caps_follow_ddp() -> None:
-    """Left unset, ``bucket_mb`` is DDP's default: the first bucket closes at 1 MiB, the
-    rest at 25; a size the user gives caps every bucket, the first too (DDP's explicit
-    ``bucket_cap_mb``), so 3 MiB of gradients go out as one collective."""
+    """Left unset, ``bucket_mb`` is DDP's default: the first bucket closes once it holds
+    1 MiB, the rest at 25; a size the user gives closes every bucket, the first too (DDP's
+    explicit ``bucket_cap_mb``). A bucket closes once full, the gradient that fills it past
+    the size inside it: the same buckets as DDP's own assignment
+    (``torch.distributed._compute_bucket_assignment_by_size``) of the same gradients."""
     mib = 2 ** 18  # float32 elements per MiB
-    sizes = [mib // 2, mib // 2, mib // 2, mib, mib // 2]
 
-    def members(**kw) -> list[int]:
+    def members(sizes: list[int], **kw) -> list[int]:
         b = G()
         gm = bucket_pass(b.module(*_step_grads(b, sizes)), _ctx(**kw))
         return [n.meta.get(BUCKET, {}).get("members", 1)
                 for n in gm.graph.nodes if n.target is F.run_all_reduce]
-    assert members() == [2, 3]  # 0.5 + 0.5 fill the first 1 MiB; the rest fits 25 MiB
-    assert members(bucket_mb=25) == [5]
-    assert members(bucket_mb=1) == [2, 1, 1, 1]
+
+    def ddp(sizes: list[int], caps: list[int]) -> list[int]:
+        buckets, _ = dist._compute_bucket_assignment_by_size([torch.empty(n) for n in sizes], caps)
+        return [len(b) for b in buckets]
+
+    for sizes in ([mib // 2, mib // 2, mib // 2, mib, mib // 2], [mib // 3] * 7,
+                  [3 * mib, mib // 4, mib // 4, 30 * mib, mib], [mib + 1, 1, 24 * mib, mib]):
+        assert members(sizes) == ddp(sizes, [2 ** 20, 25 * 2 ** 20]), sizes
+        assert members(sizes, bucket_mb=1) == ddp(sizes, [2 ** 20]), sizes
+        assert members(sizes, bucket_mb=25) == ddp(sizes, [25 * 2 ** 20]), sizes
+    assert members([mib // 2, mib // 2, mib // 2, mib, mib // 2]) == [2, 3]
+    assert members([mib // 2, mib // 2, mib // 2, mib, mib // 2], bucket_mb=25) == [5]
     assert Options().bucket_bytes == 25 * 2 ** 20
     assert Options(bucket_mb=0).first_bucket_bytes == 0
 

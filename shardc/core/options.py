@@ -46,10 +46,11 @@ class Options:
     compute (OAR, ORS, early buckets) and returns an output whose last step is a
     collective (a loss averaged over data) before that collective is waited, as a
     ``shardc.PendingOutput`` that waits on its first read (``loss.backward()`` does not
-    read it); ``bucket_mb`` packs the post-backward gradient reductions into buckets of
-    that many MiB (0: one per gradient); left unset it is DDP's default, 25 MiB buckets
-    after a first one of 1 MiB, and a size given caps every bucket, the first too, as
-    DDP's ``bucket_cap_mb`` does. ``step_graph=False``
+    read it); ``bucket_mb`` packs the post-backward gradient reductions into buckets that
+    close once they hold that many MiB, as DDP's reducer closes its own (0: one per
+    gradient); left unset it is DDP's default, 25 MiB buckets after a first one of 1 MiB,
+    and a size given closes every bucket, the first too, as DDP's ``bucket_cap_mb`` does.
+    ``step_graph=False``
     runs autograd's own backward over the forward program (bitwise the same gradients as
     the step program with ``bucket_mb=0``). ``reshard_after_forward`` frees each gathered
     weight after forward and gathers it again in backward (FSDP2's default): less memory,
@@ -162,11 +163,11 @@ class Options:
 
     @property
     def first_bucket_bytes(self) -> int:
-        """The cap on the first bucket: DDP's rule. Left at the default, the first bucket
-        closes at 1 MiB, so the last layers' gradients go out while backward still has most
-        of the model to do; a size the user gives caps every bucket, the first too (as
-        DDP's ``bucket_cap_mb`` does), which saves a collective a step where overlap buys
-        nothing: 8 gloo ranks sharing 2 cores (docs/step_time.md)."""
+        """The size at which the first bucket closes: DDP's rule. Left at the default, the
+        first bucket closes once it holds 1 MiB, so the last layers' gradients go out while
+        backward still has most of the model to do; a size the user gives closes every
+        bucket, the first too (as DDP's ``bucket_cap_mb`` does), which saves a collective a
+        step where overlap buys nothing: 8 gloo ranks sharing 2 cores (docs/step_time.md)."""
         if self.bucket_mb is None:
             return min(self.bucket_bytes, int(FIRST_BUCKET_MB * 2 ** 20))
         return self.bucket_bytes
