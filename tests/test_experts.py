@@ -14,6 +14,7 @@ from test_routing import Routed, _batch
 import shardc
 from shardc.core.context import GLOBAL_VAL, PARAM
 from shardc.runtime.experts import EXPERT_REGION, SEGMENTS
+from shardc.runtime.grouped_gemm import GROUPED_MM
 
 pytestmark: list = []  # one process, fast: the fast tier
 
@@ -143,6 +144,15 @@ def test_expert_weights_of_a_transformers_model_are_stored_cut(fake_world) -> No
     make, batches = T._lm(E.MOES["mixtral"])
     sm = shardc.compile(make(), shardc.Mesh.parse("x1y1z1d4"), batches[0], expert_axes=("data",))
     assert len(_segments(sm)) == 2  # one a layer: both GEMMs and the gate between them
+    # on the experts' ranks, shardc's grouped GEMM in place of transformers' fallback
+    # (runtime/grouped_gemm.py), on the transposed views transformers makes of the weights
+    for seg in _segments(sm):
+        fn = SEGMENTS[seg.args[-1]]
+        gemms = [n.target for n in fn.fn.graph.nodes if n.op == "call_function"
+                 and "grouped_mm" in str(n.target)]
+        assert gemms == [GROUPED_MM, GROUPED_MM], gemms
+        assert all(s != tuple(torch.empty(shape).stride()) for (shape, _), s in
+                   zip(fn.others, fn.other_strides) if len(shape) == 3)
     experts = {n.meta[PARAM] for n in sm.graph_module.graph.nodes
                if n.op == "placeholder" and ".experts." in str(n.meta.get(PARAM))}
     assert experts

@@ -44,6 +44,7 @@ from shardc.passes.rules.routing import (
     local_value,
     ndim_of,
     rows_layout,
+    transformers_grouped_mm,
 )
 from shardc.runtime.experts import EXPERT_REGION, SEGMENTS, Segment
 from shardc.runtime.grouped_gemm import GROUPED_MM
@@ -273,17 +274,11 @@ def _local_strides(whole: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ..
     return tuple(t.permute(sorted(range(len(order)), key=order.__getitem__)).stride())
 
 
-def _transformers_grouped_mm() -> Any:
-    ns = getattr(torch.ops, "transformers", None)
-    op = getattr(ns, "grouped_mm_fallback", None) if ns is not None else None
-    return getattr(op, "default", None) if op is not None else None
-
-
 def _segment_fn(seg: _Segment, consts: dict[fx.Node, Any]) -> fx.GraphModule:
     """The segment's own ops as a GraphModule: (rows..., offsets, others...) -> outputs.
     transformers' fallback grouped GEMM becomes shardc's (runtime/grouped_gemm.py: the
     same products, without its zero fills and strided copies)."""
-    fallback = _transformers_grouped_mm()
+    fallback = transformers_grouped_mm()
     g = fx.Graph()
     env: dict[fx.Node, Any] = {}
     for i, a in enumerate(seg.rows):

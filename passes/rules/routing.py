@@ -84,16 +84,19 @@ def _grouped_gemms() -> dict[Any, tuple[int, int, int | str]]:
     out: dict[Any, tuple[int, int, int | str]] = {}
     if hasattr(aten, "_grouped_mm"):
         out[aten._grouped_mm.default] = (0, 1, "offs")
-    # transformers' own fallback for dtypes torch's kernel refuses (float64, and any
-    # dtype under tracing): registered when transformers is imported
+    op = transformers_grouped_mm()
+    if op is not None:
+        out[op] = (0, 1, 2)
+    return out
+
+
+def transformers_grouped_mm() -> Any:
+    """transformers' own grouped GEMM (``transformers::grouped_mm_fallback``), for dtypes
+    torch's kernel refuses (float64, and any dtype under tracing); None until transformers
+    is imported, which registers it."""
     ns = getattr(torch.ops, "transformers", None)
     op = getattr(ns, "grouped_mm_fallback", None) if ns is not None else None
-    if op is not None:
-        try:
-            out[op.default] = (0, 1, 2)
-        except AttributeError:
-            pass
-    return out
+    return getattr(op, "default", None) if op is not None else None
 
 
 @dataclass
