@@ -113,7 +113,7 @@ def trace_joint(program: fx.GraphModule, ctx: CompileContext, primals: Sequence[
             return _trace(prog, program, ctx, primals, needs_grad, param_names, seen)
     finally:
         F.STATE.offline = False
-        F.STATE.log.clear()
+        F.STATE.clear()
 
 
 class _Unforeseen(Exception):
@@ -194,8 +194,7 @@ def _trace(prog: fx.GraphModule, program: fx.GraphModule, ctx: CompileContext,
 
     device = next((p.device for p in primals if isinstance(p, torch.Tensor)), None)
     tangents = [torch.zeros(shape, dtype=dtype, device=device) for _, shape, dtype in specs]
-    F.STATE.log.clear()
-    F.STATE.shapes.clear()
+    F.STATE.clear()
     args = [_as_input(p, w) for p, w in zip(primals, needs_grad)] + tangents
     # make_fx keeps global state (its patcher); with torch's threaded process group the
     # ranks are threads of one process and would trace at once. Tracing communicates
@@ -203,13 +202,14 @@ def _trace(prog: fx.GraphModule, program: fx.GraphModule, ctx: CompileContext,
     with _TRACE_LOCK, torch.enable_grad(), _lazy_graph_modules():
         gm = make_fx(joint, tracing_mode="fake")(*args)
     log = list(F.STATE.log)
+    restripes = set(F.STATE.restripes)
     # the tangents of outputs that turned out to carry no gradient are never read
     for (i, _, _), ph in zip(specs, [n for n in gm.graph.nodes if n.op == "placeholder"][n_primals:]):
         if i not in diff_outputs:
             assert not ph.users, ph
             gm.graph.erase_node(ph)
     modules = {n.name: getattr(n.meta.get(SOURCE), "module", "") or "" for n in program.graph.nodes}
-    _point_at_runners(gm, log, ctx, modules)
+    _point_at_runners(gm, log, ctx, modules, restripes)
     grad_of = [i for i in grad_idx if i not in unused]
     # which primals hold a parameter: a gather computed from those alone makes a weight,
     # one computed from the batch makes an activation (reshard_pass must tell them apart)
@@ -248,8 +248,7 @@ def _probe_outputs(prog: fx.GraphModule, primals: Sequence[Any], needs_grad: Seq
         ins = [mode.from_tensor(p).requires_grad_(w) if isinstance(p, torch.Tensor) else p
                for p, w in zip(primals, needs_grad)]
         outs = list(prog(*ins))
-    F.STATE.log.clear()
-    F.STATE.shapes.clear()
+    F.STATE.clear()
     res: list[torch.Tensor | None] = []
     for o in outs:
         if isinstance(o, torch.Tensor) and o.requires_grad and o.dtype.is_floating_point:
@@ -260,13 +259,16 @@ def _probe_outputs(prog: fx.GraphModule, primals: Sequence[Any], needs_grad: Seq
 
 
 def _point_at_runners(gm: fx.GraphModule, log: list[tuple[str, str, str, str]],
-                      ctx: CompileContext, modules: dict[str, str]) -> None:
+                      ctx: CompileContext, modules: dict[str, str], restripes: set[int]) -> None:
+    """``restripes``: positions in ``log`` of the re-cuts' all-to-alls (F.STATE.restripes)."""
     nodes = _collective_nodes_raw(gm.graph)
     if len(nodes) != len(log):
         raise RuntimeError(f"joint trace: {len(nodes)} collective nodes but {len(log)} issued")
-    for n, (collective, axis, ph, origin) in zip(nodes, log):
+    for i, (n, (collective, axis, ph, origin)) in enumerate(zip(nodes, log)):
         fn, name = F.RUNNERS[n.target]
         assert name == collective, (name, collective)
+        if i in restripes:
+            fn = F.run_restripe
         n.target = fn
         n.args = (*n.args, ctx.rt, axis, ph)
         # origin: the forward program's node that issued it, or "grad:<param>"

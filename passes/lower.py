@@ -210,6 +210,11 @@ class Lowering:
         #    cuts over that axis (all-to-all) or whole (all-gather)
         for d in range(lay.ndim):
             have, want = lay.dims[d], target.dims[d]
+            if len(have) == 1 and have == want and lay.interleave[d] != target.interleave[d]:
+                # the same axis cuts the dim into other stripes: each rank sends only the
+                # runs another holds after, where a gather would send every rank all
+                node, lay = self._restripe(node, lay, have[0], d, target.interleave[d], gval)
+                continue
             keep = 0
             if lay.interleave[d] == target.interleave[d] or not have:
                 while keep < min(len(have), len(want)) and have[keep] == want[keep]:
@@ -304,6 +309,24 @@ class Lowering:
         done = self._stacked(C.all_to_all_start, (node, self.rt, axis, src, dst), out,
                              {"collective": "all_to_all", "axis": axis, "src": src, "dst": dst})
         return self.emit(C.concat_received, (done, src), layout=out, val=gval), out
+
+    def _restripe(self, node: fx.Node, lay: Layout, axis: str, d: int, k: int, gval: Any
+                  ) -> tuple[fx.Node, Layout]:
+        """Cut over ``axis`` along ``d`` in one interleave -> another (the contiguous cut of
+        a sequence -> the head-tail cut): an exchange of at most the rank's piece, where
+        gathering and slicing would move (G-1) times it."""
+        node = self._cast_pending(node, lay, gval)
+        out = lay.with_interleave(d, k)
+        moved = [d] + [i for i in range(lay.ndim) if i != d]
+        buf = Layout(lay.ndim, tuple(out.dims[i] for i in moved), out.partial,
+                     tuple(out.interleave[i] for i in moved))
+        stripes = (lay.interleave[d], k)
+        start = self.emit(C.all_to_all_start, (node, self.rt, axis, d, d), {"stripes": stripes},
+                          layout=buf, val=None, kind="collective")
+        start.meta[COMM] = {"collective": "all_to_all", "axis": axis, "src": d, "dst": d,
+                            "stripes": stripes}
+        done = self.emit(C.wait, (start,), layout=buf, val=None, kind="wait")
+        return self.emit(C.restriped, (done, self.rt, axis, d, stripes), layout=out, val=gval), out
 
     @staticmethod
     def _partial_origin(node: fx.Node, axis: str) -> fx.Node:
@@ -614,7 +637,7 @@ def _drop_dead_collectives(g: fx.Graph) -> None:
 
     issues = {C.all_gather_start, C.all_reduce_start, C.reduce_scatter_start,
               C.all_to_all_start, C.grad_all_reduce, C.wait, C.concat_gathered,
-              C.concat_gathered_interleaved, C.local_chunk}
+              C.concat_gathered_interleaved, C.local_chunk, C.restriped}
 
     def pure(n: fx.Node) -> bool:
         t = n.target

@@ -50,8 +50,9 @@ def _issue_args(n: fx.Node) -> tuple:
         return a[0], "reduce_scatter", a[1], a[2], [], [], rt, axis, ph
     if t is F.run_all_reduce:
         return a[0], "all_reduce", a[1], 1, [], [], rt, axis, ph
-    if t is F.run_all_to_all:
-        return a[0], "all_to_all", "sum", 1, list(cast(list, a[1])), list(cast(list, a[2])), rt, axis, ph
+    if t in (F.run_all_to_all, F.run_restripe):
+        kind = "all_to_all" if t is F.run_all_to_all else "restripe"
+        return a[0], kind, "sum", 1, list(cast(list, a[1])), list(cast(list, a[2])), rt, axis, ph
     raise NotCompilable(f"no issue op for {getattr(t, '__name__', t)}")
 
 

@@ -218,4 +218,4 @@ def overlaps(g: fx.Graph) -> list[dict[str, Any]]:
     return res
 
 
-_RUN = {fn for fn, _ in F.RUNNERS.values()}
+_RUN = set(F.RUN_FUNCTIONS)

@@ -14,7 +14,7 @@ from shardc.runtime import functional as F
 PART = "shardc_part"  # node.meta (and a part's gm.meta): "forward" or "backward"
 N_OUTPUTS = "shardc_n_outputs"  # gm.meta of the unsplit step program and of the forward
 
-RUN_FUNCTIONS = {fn for fn, _ in F.RUNNERS.values()}
+RUN_FUNCTIONS = set(F.RUN_FUNCTIONS)
 
 
 def collective_nodes(g: fx.Graph) -> list[fx.Node]:

@@ -33,6 +33,20 @@ exchange sends (G-1) times the tensor a rank where the ring model counts 2(G-1)/
 most 7 x 64 KiB more on 8 ranks); the comm report and the runtime's counters keep the ring
 model's figure for every all-reduce, as they do on NCCL, which also picks its algorithm by
 size. ``GLOO_EXCHANGE_BYTES = 0`` gives gloo's own at every size.
+
+A re-cut of one dim into other stripes (the contiguous cut of a sequence into the
+head-tail cut: at most two peers a rank, ``placement.restripe``) is an all-to-all with
+split sizes that leave most peers out; on gloo it goes as point-to-point messages to the
+peers that have rows (``all_to_all_flat(..., point_to_point=True)``): gloo's all-to-all
+with split sizes visits every peer in turn, each step waiting for that rank to be
+scheduled. 8 ranks, a 64 KiB re-cut: 3.9-4.7 ms by gloo's all-to-all, 0.9-1.3 ms point to
+point, 9-12.6 ms as an all-gather (what the re-cut was before; scratch timings on two
+shared cores). With rows for every peer it is the other way round: the experts'
+all-to-alls of an 8-rank Mixtral step sent point to point made the step 1.17-1.22x
+(``benchmarks/experts.py`` beside a copy of itself), so every other all-to-all is gloo's.
+The caller chooses, never the splits: a rank knows only its own, and every rank of the
+group must take the same path. The bytes are the same, so the report and the counters
+keep their figure. ``GLOO_ALL_TO_ALL = "native"`` gives gloo's own for re-cuts too.
 """
 from __future__ import annotations
 
@@ -49,6 +63,7 @@ _native_reduce_scatter = (getattr(dist, "reduce_scatter_single", None)
                           or dist.reduce_scatter_tensor)
 
 GLOO_REDUCE_SCATTER = "all_to_all"  # or "native"
+GLOO_ALL_TO_ALL = "point_to_point"  # or "native": how a re-cut's all-to-all goes
 GLOO_EXCHANGE_BYTES = 64 * 1024  # the largest all-reduce on gloo done as an exchange
 _EXCHANGE_FROM = 16  # bytes: below, gloo's own is as fast (module docstring)
 
@@ -112,6 +127,59 @@ def all_reduce_flat(x: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = N
     received = torch.empty_like(copies)
     work = dist.all_to_all_single(received, copies, group=group, async_op=True)
     pending = _ReduceOnWait(work, received, x, op)
+    if async_op:
+        return pending
+    pending.wait()
+    return None
+
+
+# the tag of the point-to-point messages of an all-to-all (gloo matches a receive to a
+# send by peer and tag): apart from the ring's and the pipeline's, which use the default
+ALL_TO_ALL_TAG = 17
+
+
+class _AllWorks:
+    """Several Works waited as one (an all-to-all sent point to point)."""
+
+    __slots__ = ("_works", "_hold")
+
+    def __init__(self, works: list[Any], hold: Any) -> None:
+        self._works, self._hold = works, hold
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for w in self._works:
+            w.wait() if timeout is None else w.wait(timeout)
+        self._works, self._hold = [], None
+        return True
+
+
+def all_to_all_flat(out: torch.Tensor, x: torch.Tensor, out_splits: list[int],
+                    in_splits: list[int], group: Any = None, async_op: bool = False,
+                    point_to_point: bool = False) -> Any:
+    """``torch.distributed.all_to_all_single`` with split sizes; ``point_to_point`` (the
+    same on every rank of the group: a re-cut's), on gloo, as messages to the peers that
+    have rows either way (module docstring)."""
+    if (not point_to_point or GLOO_ALL_TO_ALL != "point_to_point"
+            or not _on_gloo(x, dist.ReduceOp.SUM, group)):
+        return dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=async_op)
+    g = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    peers = [r for r in range(g) if r != me]
+    group = group if group is not None else dist.group.WORLD
+    x = x.contiguous()
+    sends = x.split(list(in_splits))
+    recvs = out.split(list(out_splits))
+    ops = []
+    for r in peers:
+        if in_splits[r]:
+            ops.append(dist.P2POp(dist.isend, sends[r], dist.get_global_rank(group, r), group,
+                                  ALL_TO_ALL_TAG))
+        if out_splits[r]:
+            ops.append(dist.P2POp(dist.irecv, recvs[r], dist.get_global_rank(group, r), group,
+                                  ALL_TO_ALL_TAG))
+    with torch.no_grad():
+        recvs[me].copy_(sends[me])
+    pending = _AllWorks(dist.batch_isend_irecv(ops) if ops else [], (x, out))
     if async_op:
         return pending
     pending.wait()

@@ -14,6 +14,8 @@ all_reduce_start       P -> R              identity
 reduce_scatter_start   P -> S(d)           all-gather of the gradient (each addend's
                                            gradient is the whole gradient)
 all_to_all_start       S(i) -> S(j)        the reverse all-to-all
+  (stripes=(k, k'))    S(d/k) -> S(d/k')   the reverse exchange (a re-cut of one dim:
+                                           each rank sends only what another lacks)
 grad_all_reduce        R -> R              all-reduce: the gradient arriving is partial
 =====================  ==================  ==============================================
 
@@ -37,12 +39,13 @@ import torch.distributed as dist
 
 from shardc.core.errors import CollectiveError
 from shardc.core.mesh import Mesh
-from shardc.core.placement import stripe_index
+from shardc.core.placement import Restripe, restripe, stripe_index
 
 # reduce-scatter, and small all-reduces: gloo's by an all-to-all
 from shardc.runtime.algorithms import (
     all_gather_flat,
     all_reduce_flat,
+    all_to_all_flat,
     reduce_scatter_flat,
 )
 from shardc.runtime.groups import axis_groups
@@ -418,6 +421,68 @@ class _AllToAll(torch.autograd.Function):
         return back.movedim(0, ctx.dst).flatten(ctx.dst, ctx.dst + 1), None, None, None, None
 
 
+def stripe_plan(rt: str, axis: str, size: int, stripes: tuple[int, int]) -> Restripe:
+    """This rank's part in re-cutting a dim whose pieces are ``size`` long over ``axis``
+    from interleave ``stripes[0]`` to ``stripes[1]`` (``placement.restripe``)."""
+    r = get_runtime(rt)
+    g = r.mesh.size(axis)
+    return restripe(size * g, stripes[0], stripes[1], r.coord(axis), g)
+
+
+def runs_of(x: torch.Tensor, runs: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The (offset, length) runs of ``x``'s dim 0, one after another (``x`` itself when
+    the runs are all of it, in order)."""
+    if len(runs) == 1 and runs[0] == (0, x.shape[0]):
+        return x
+    return torch.cat([x.narrow(0, o, m) for o, m in runs])
+
+
+def unrun(x: torch.Tensor, runs: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The inverse of ``runs_of`` when the runs cover dim 0 once: ``x`` holds them one
+    after another; each goes back to its offset."""
+    order = sorted(range(len(runs)), key=lambda i: runs[i][0])
+    at = [0]
+    for _o, m in runs:
+        at.append(at[-1] + m)
+    if order == list(range(len(runs))):
+        return x
+    return torch.cat([x.narrow(0, at[i], runs[i][1]) for i in order])
+
+
+class _Restripe(torch.autograd.Function):
+    """Re-cut dim ``dim`` of a tensor cut over ``axis`` from one interleave to another
+    (the contiguous cut of a sequence to the head-tail cut, and back): each rank sends
+    the runs of its piece that other ranks hold after (``placement.restripe``). The buffer
+    holds dim ``dim`` first, the runs in the order they arrive; ``restriped`` puts them in
+    the new local order after the wait."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, dim: int,
+                stripes: tuple[int, int]) -> torch.Tensor:
+        r = get_runtime(rt)
+        plan = stripe_plan(rt, axis, x.shape[dim], stripes)
+        ctx.rt, ctx.axis, ctx.dim, ctx.plan = rt, axis, dim, plan
+        send = runs_of(x.movedim(dim, 0), plan.send).contiguous()
+        buf = send.new_empty((sum(plan.recv_splits), *send.shape[1:]))
+        r.count("all_to_all", axis, "forward", send)
+        return _issue(buf, rt, "all_to_all", axis, "forward", all_to_all_flat, buf, send,
+                      list(plan.recv_splits), list(plan.send_splits), group=r.group(axis),
+                      point_to_point=True)
+
+    @staticmethod
+    def backward(ctx: Any, g_buf: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        r = get_runtime(ctx.rt)
+        plan = ctx.plan
+        g_buf = g_buf.contiguous()
+        back = g_buf.new_empty((sum(plan.send_splits), *g_buf.shape[1:]))
+        r.count("all_to_all", ctx.axis, "backward", g_buf)
+        with guarded(ctx.rt, "all_to_all", ctx.axis, "backward"):
+            all_to_all_flat(back, g_buf, list(plan.send_splits), list(plan.recv_splits),
+                            group=r.group(ctx.axis), point_to_point=True)
+        # back holds this rank's runs in the order it sent them
+        return unrun(back, plan.send).movedim(0, ctx.dim), None, None, None, None
+
+
 class _GradAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
@@ -466,10 +531,23 @@ def unmove(buf: torch.Tensor, dim: int) -> torch.Tensor:
     return buf.movedim(0, dim)
 
 
-def all_to_all_start(x: torch.Tensor, rt: str, axis: str, src: int, dst: int) -> torch.Tensor:
+def all_to_all_start(x: torch.Tensor, rt: str, axis: str, src: int, dst: int,
+                     stripes: tuple[int, int] | None = None) -> torch.Tensor:
     """Issue an all-to-all over ``axis`` that moves its cut from dim ``src`` to dim
-    ``dst`` (shard -> shard); returns the (G, ...) buffer being filled."""
+    ``dst`` (shard -> shard); returns the (G, ...) buffer being filled. With ``stripes``
+    (``src == dst``): the cut stays on that dim and goes from interleave ``stripes[0]``
+    to ``stripes[1]``; the buffer (the dim first) is read by ``restriped``."""
+    if stripes is not None:
+        assert src == dst, (src, dst)
+        return _Restripe.apply(x, rt, axis, src, (stripes[0], stripes[1]))
     return _AllToAll.apply(x, rt, axis, src, dst)
+
+
+def restriped(buf: torch.Tensor, rt: str, axis: str, dim: int, stripes: tuple[int, int]) -> torch.Tensor:
+    """A re-cut's buffer (``all_to_all_start`` with ``stripes``), waited, in the new local
+    order, the dim back in its place."""
+    plan = stripe_plan(rt, axis, buf.shape[0], (stripes[0], stripes[1]))
+    return runs_of(buf, plan.place).movedim(0, dim)
 
 
 def concat_received(buf: torch.Tensor, src: int) -> torch.Tensor:

@@ -35,9 +35,13 @@ from shardc.runtime.collectives import (
     REDUCE_OPS,
     all_gather_flat,
     all_reduce_flat,
+    all_to_all_flat,
     get_runtime,
     guarded,
     reduce_scatter_flat,
+    runs_of,
+    stripe_plan,
+    unrun,
 )
 
 _fc = torch.ops._c10d_functional
@@ -61,6 +65,14 @@ class _TraceState(threading.local):
         self.node = ""
         # tracing for a report, without process groups: collectives get placeholder names
         self.offline = False
+        # positions in ``log`` of the all-to-alls that are re-cuts (``_Restripe``): their
+        # nodes run ``run_restripe``
+        self.restripes: set[int] = set()
+
+    def clear(self) -> None:
+        self.log.clear()
+        self.shapes.clear()
+        self.restripes.clear()
 
 
 STATE = _TraceState()
@@ -84,7 +96,10 @@ def _gname(rt: str, axis: str) -> str:
     return get_runtime(rt).group(axis).group_name
 
 
-def _log(collective: str, axis: str, ph: str | None = None, node: str | None = None) -> None:
+def _log(collective: str, axis: str, ph: str | None = None, node: str | None = None,
+         restripe: bool = False) -> None:
+    if restripe:
+        STATE.restripes.add(len(STATE.log))
     STATE.log.append((collective, axis, ph or STATE.phase, node or STATE.node))
 
 
@@ -204,6 +219,30 @@ class _AllToAll(torch.autograd.Function):
         return back.movedim(0, ctx.dst).flatten(ctx.dst, ctx.dst + 1), None, None, None, None
 
 
+class _Restripe(torch.autograd.Function):
+    """``collectives._Restripe`` as one functional all-to-all with split sizes each way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rt: str, axis: str, dim: int,
+                stripes: tuple[int, int]) -> torch.Tensor:
+        plan = stripe_plan(rt, axis, x.shape[dim], stripes)
+        ctx.rt, ctx.axis, ctx.dim, ctx.plan, ctx.node = rt, axis, dim, plan, STATE.node
+        ctx.device = x.device
+        send = runs_of(x.movedim(dim, 0), plan.send).contiguous()
+        _log("all_to_all", axis, restripe=True)
+        return _fc.all_to_all_single(send, list(plan.recv_splits), list(plan.send_splits),
+                                     _gname(rt, axis))
+
+    @staticmethod
+    def backward(ctx: Any, g_buf: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        plan = ctx.plan
+        _log("all_to_all", ctx.axis, node=ctx.node, restripe=True)
+        back = _wait(_fc.all_to_all_single(_dense(g_buf, ctx.device).contiguous(),
+                                           list(plan.send_splits), list(plan.recv_splits),
+                                           _gname(ctx.rt, ctx.axis)))
+        return unrun(back, plan.send).movedim(0, ctx.dim), None, None, None, None
+
+
 class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, buf: torch.Tensor) -> torch.Tensor:
@@ -243,7 +282,10 @@ def reduce_scatter_start(x: torch.Tensor, rt: str, axis: str, dim: int) -> torch
     return _ReduceScatter.apply(x, rt, axis, dim)
 
 
-def all_to_all_start(x: torch.Tensor, rt: str, axis: str, src: int, dst: int) -> torch.Tensor:
+def all_to_all_start(x: torch.Tensor, rt: str, axis: str, src: int, dst: int,
+                     stripes: tuple[int, int] | None = None) -> torch.Tensor:
+    if stripes is not None:
+        return _Restripe.apply(x, rt, axis, src, (stripes[0], stripes[1]))
     return _AllToAll.apply(x, rt, axis, src, dst)
 
 
@@ -340,6 +382,16 @@ def run_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
         async_op=True))
 
 
+def run_restripe(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                 group_name: str, rt: str, axis: str, ph: str) -> torch.Tensor:
+    """``run_all_to_all`` for a re-cut (``_Restripe``): point to point on gloo, as every
+    rank's re-cut goes (runtime/algorithms.py)."""
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    return _issue(rt, "all_to_all", axis, ph, x, out, lambda: all_to_all_flat(
+        out, x, list(out_splits), list(in_splits), group=get_runtime(rt).group(axis),
+        async_op=True, point_to_point=True))
+
+
 def run_wait(t: torch.Tensor) -> torch.Tensor:
     """Block until the collective that returned ``t`` is done; a failure (a dead peer, a
     timeout) becomes a CollectiveError naming the collective, axis and phase."""
@@ -406,6 +458,9 @@ RUNNERS = {
     _fc.all_reduce.default: (run_all_reduce, "all_reduce"),
     _fc.all_to_all_single.default: (run_all_to_all, "all_to_all"),
 }
+# every function a step program's collective node may call (a re-cut's all-to-all runs
+# ``run_restripe``, passes/joint.py)
+RUN_FUNCTIONS = frozenset({*(fn for fn, _ in RUNNERS.values()), run_restripe})
 # what every wait node of a step program calls (the traced ``wait_tensor`` is swapped)
 WAIT = run_wait
 TRACED_WAIT = _fc.wait_tensor.default

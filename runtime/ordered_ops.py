@@ -74,6 +74,8 @@ def issue(x: torch.Tensor, after: torch.Tensor, slot: int, collective: str, op: 
         out = F.run_all_reduce(x, op, "", rt, axis, ph)
     elif collective == "all_to_all":
         out = F.run_all_to_all(x, out_splits, in_splits, "", rt, axis, ph)
+    elif collective == "restripe":  # an all-to-all of a re-cut (functional.run_restripe)
+        out = F.run_restripe(x, out_splits, in_splits, "", rt, axis, ph)
     else:
         raise ValueError(f"shardc::issue: no collective {collective!r}")
     SLOTS.flight[slot] = F.STATE.flight.pop(id(out))

@@ -147,5 +147,52 @@ def _all_reduce_cases(rank: int, world: int, pair: object, bad: list[str]) -> No
         dist.all_to_all_single = real
 
 
+def _sparse_all_to_all_cases(rank: int, world: int) -> None:
+    """A re-cut's all-to-all (``all_to_all_flat(..., point_to_point=True)``) goes point to
+    point on gloo, never through torch's all-to-all, and gives torch's rows: for a
+    re-cut's splits, splits with a peer that only sends, and rows for every peer; without
+    the flag, and with ``GLOO_ALL_TO_ALL = "native"``, torch's own call runs."""
+    from shardc.core.placement import restripe
+    from shardc.runtime import algorithms as A
+
+    real = dist.all_to_all_single
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    plans = {"re-cut": [list(restripe(8 * world, 1, -2, r, world).send_splits) for r in range(world)],
+             # rank r sends 2 rows to rank r+1 and 1 to itself
+             "one way": [[2 if j == (r + 1) % world else 1 if j == r else 0 for j in range(world)]
+                         for r in range(world)],
+             "every peer": [[1 + (r + j) % 3 for j in range(world)] for r in range(world)]}
+    try:
+        dist.all_to_all_single = counted
+        for name, sends in plans.items():
+            ins = sends[rank]
+            outs = [sends[s][rank] for s in range(world)]
+            for p2p, how, async_op in ((True, "point_to_point", False), (True, "point_to_point", True),
+                                       (False, "point_to_point", True), (True, "native", False)):
+                A.GLOO_ALL_TO_ALL = how
+                x = torch.arange(sum(ins) * 3, dtype=torch.int64).view(-1, 3) + 1000 * rank
+                out = torch.full((sum(outs), 3), -1, dtype=torch.int64)
+                del calls[:]
+                work = A.all_to_all_flat(out, x, outs, ins, async_op=async_op, point_to_point=p2p)
+                if async_op:
+                    work.wait()
+                assert bool(calls) == (not p2p or how == "native"), (name, p2p, how, calls)
+                want = torch.empty_like(out)
+                real(want, x, outs, ins)
+                assert torch.equal(out, want), (name, rank, out, want)
+    finally:
+        dist.all_to_all_single = real
+        A.GLOO_ALL_TO_ALL = "point_to_point"
+
+
 def test_collectives_by_all_to_all_on_4_gloo_ranks(ranks) -> None:
     ranks.run(_cases, 4)
+
+
+def test_sparse_all_to_all_goes_point_to_point_on_4_gloo_ranks(ranks) -> None:
+    ranks.run(_sparse_all_to_all_cases, 4)

@@ -14,6 +14,7 @@ with small tiles, so that the ring skips and masks tiles inside its blocks.
 """
 from __future__ import annotations
 
+import copy
 import traceback
 from typing import Any, Callable
 
@@ -244,6 +245,62 @@ def _outputs(rank: int, world: int) -> None:
 
 def test_per_token_outputs_come_back_cut_as_the_inputs(ranks: Any) -> None:
     ranks.run(_outputs, 4)
+
+
+def _recuts(rank: int, world: int) -> None:
+    """The re-cuts of the balanced layout (the token ids in, the per-token logits back to
+    contiguous blocks, and the logits' gradient the other way) are exchanges of the
+    rank's chunks, point to point on gloo, not all-gathers: the report has no all-gather
+    of an input or output, and an all-to-all's figure for each re-cut; a training step
+    moves what it says, byte for byte, never calls torch's all-to-all, and gives one
+    device's logits and float64's gradients."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = _Logits()
+    idx = _lm_batches(n=1, batch=4)[0][0]
+    mesh = shardc.Mesh.parse("x1y1c4z1d1")
+    sm = shardc.compile(model, mesh, example_inputs=(idx,))
+    rows = shardc.comm_report(sm).rows
+    recut = [r for r in rows if r.op in ("input", "output")]
+    assert recut and {r.collective for r in recut} == {"all_to_all"}, recut
+    piece = idx.numel() // world * idx.element_size()
+    assert [r.bytes for r in recut if r.op == "input"] == [piece * (world - 1) / world], recut
+    seed = torch.Generator().manual_seed(1)
+    dy = torch.randn(model(idx).shape, generator=seed)
+    ref_model = copy.deepcopy(model).double()
+    (ref_model(idx) * dy.double()).sum().backward()
+    real, calls = dist.all_to_all_single, []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > 2 and args[2] is not None:  # split sizes: a re-cut's (small
+            calls.append(1)                        # all-reduces exchange without them)
+        return real(*args, **kwargs)
+
+    try:
+        dist.all_to_all_single = counted
+        for _ in range(2):  # the first step builds the step program, the second runs it
+            sm.zero_grad()
+            sm.reset_measured_comm()
+            got = sm(shardc.shard_batch(idx, mesh))
+            (got * shardc.shard_batch(dy, mesh)).sum().backward()
+            measured, reported = sm.measured_comm(), shardc.comm_report(sm).by_key()
+            assert measured == reported, (measured, reported)
+    finally:
+        dist.all_to_all_single = real
+    assert not calls, f"torch's all-to-all with split sizes ran {len(calls)} times"
+    want = shardc.shard_batch(model(idx), mesh)
+    # fp32, the same sums in another order: ~1e-7 of values of size ~1
+    assert (got - want).abs().max() < 1e-5
+    for k, g in sm.full_grads().items():
+        w = dict(ref_model.named_parameters())[k].grad
+        # fp32 against float64 over sums of ~100 products of size ~1: ~1e-6 relative; a
+        # chunk sent to the wrong rank is off by O(1)
+        assert torch.allclose(g.double(), w, rtol=1e-4, atol=1e-5), (k, (g.double() - w).abs().max())
+
+
+def test_recuts_are_exchanges_of_the_ranks_chunks(ranks: Any) -> None:
+    ranks.run(_recuts, 4)
 
 
 def _refusals(rank: int, world: int) -> None:

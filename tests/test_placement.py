@@ -79,3 +79,33 @@ def test_local_chunk_and_its_gather_are_inverse_on_mirrored_stripes(monkeypatch)
             assert torch.equal(piece, local_slice(full, lay, shardc.Mesh(context=g).coords(i), shardc.Mesh(context=g)))
             pieces.append(piece)
         assert torch.equal(C.concat_gathered_interleaved(torch.stack(pieces), 1, k), full), k
+
+
+def test_restripe_moves_every_run_to_its_new_holder() -> None:
+    """``restripe``: the runs each rank sends, laid in an all-to-all's buffer as torch's
+    all-to-all lays them (what rank 0 sent, then rank 1, ...) and put in order by
+    ``place``, are the rank's piece under the new interleave, for every pair of
+    interleaves (plain, stripes, the head-tail cut) and group size; and the re-cut of a
+    sequence into the head-tail cut sends at most two runs a rank, to at most two ranks."""
+    from shardc.core.placement import restripe, stripe_index
+
+    for n in (2, 3, 4, 8):
+        size = 24 * n
+        full = torch.arange(size)
+        for k1 in (1, 2, 3, -2, 4):
+            for k2 in (1, 2, 3, -2, 4):
+                plans = [restripe(size, k1, k2, i, n) for i in range(n)]
+                sent = []
+                for i, p in enumerate(plans):
+                    piece = full[stripe_index(size, k1, i, n)]
+                    buf = torch.cat([piece[o:o + m] for o, m in p.send])
+                    assert buf.numel() == piece.numel() == sum(p.send_splits)
+                    sent.append(buf.split(list(p.send_splits)))
+                for i, p in enumerate(plans):
+                    got = torch.cat([sent[s][i] for s in range(n)])
+                    assert [sent[s][i].numel() for s in range(n)] == list(p.recv_splits)
+                    new = torch.cat([got[o:o + m] for o, m in p.place])
+                    assert torch.equal(new, full[stripe_index(size, k2, i, n)]), (n, k1, k2, i)
+        for i in range(n):
+            p = restripe(size, 1, -2, i, n)
+            assert len(p.send) <= 2 and sum(1 for m in p.send_splits if m) <= 2

@@ -21,6 +21,7 @@ work (runtime/ring.py). ``stripe_chunks`` says which pieces a block holds, for b
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Iterable, Mapping
@@ -88,6 +89,73 @@ def stripe_chunks(size: int, k: int, idx: int, n: int) -> list[tuple[int, int, i
     s = abs(k)
     part = size // s // n
     return [(j * (size // s) + stripe_chunk(k, j, idx, n) * part, part, j * part) for j in range(s)]
+
+
+@dataclass(frozen=True)
+class Restripe:
+    """One rank's part in moving a dim cut over a group of ranks from one interleave to
+    another (``restripe``): an exchange of the pieces each rank holds with the ranks that
+    hold them after, in the form of torch.distributed's all-to-all with split sizes.
+
+    ``send``: (offset, length) along the dim of each run of the rank's piece that goes
+    out, in the send buffer's order (by destination rank, then offset); ``send_splits``
+    and ``recv_splits``: the rows sent to and received from each rank of the group (its
+    own included); ``place``: (offset in the received buffer, length) of each run, in the
+    rank's new local order. A run may go to the rank itself: the all-to-all copies it."""
+
+    send: tuple[tuple[int, int], ...]
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    place: tuple[tuple[int, int], ...]
+
+
+def _runs(pieces: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """(offset, length) pieces, consecutive ones that touch merged into one."""
+    out: list[tuple[int, int]] = []
+    for off, m in pieces:
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1] = (out[-1][0], out[-1][1] + m)
+        else:
+            out.append((off, m))
+    return tuple(out)
+
+
+def _sent(size: int, k_from: int, k_to: int, idx: int, n: int) -> list[tuple[int, int, int, int]]:
+    """(destination, offset in the sender's piece, length, offset in the destination's
+    piece) of what block ``idx`` sends, in its send buffer's order."""
+    targets = [stripe_chunks(size, k_to, j, n) for j in range(n)]
+    out = []
+    for ga, m, lo in stripe_chunks(size, k_from, idx, n):
+        for j in range(n):
+            for gb, mb, lb in targets[j]:
+                s, e = max(ga, gb), min(ga + m, gb + mb)
+                if s < e:
+                    out.append((j, lo + s - ga, e - s, lb + s - gb))
+    return sorted(out)
+
+
+@functools.lru_cache(maxsize=1024)  # a pure plan, read twice a re-cut every step
+def restripe(size: int, k_from: int, k_to: int, idx: int, n: int) -> Restripe:
+    """Block ``idx`` of ``n``'s part in re-cutting a dim of ``size`` from interleave
+    ``k_from`` to ``k_to`` (module docstring). Each rank sends only what it holds and
+    another needs: from the contiguous cut of a sequence to the head-tail cut, at most two
+    chunks a rank, where an all-gather and a local slice would move every block to every
+    rank."""
+    mine = _sent(size, k_from, k_to, idx, n)
+    send_splits = [0] * n
+    for j, _lo, m, _lb in mine:
+        send_splits[j] += m
+    got: list[tuple[int, int, int]] = []  # (offset in my new piece, length, offset received)
+    recv_splits = [0] * n
+    at = 0
+    for s in range(n):  # an all-to-all's buffer holds what rank 0 sent, then rank 1, ...
+        for j, _lo, m, lb in _sent(size, k_from, k_to, s, n):
+            if j == idx:
+                got.append((lb, m, at))
+                recv_splits[s] += m
+                at += m
+    return Restripe(_runs([(lo, m) for _j, lo, m, _lb in mine]), tuple(send_splits),
+                    tuple(recv_splits), _runs([(a, m) for _lb, m, a in sorted(got)]))
 
 
 @dataclass(frozen=True)

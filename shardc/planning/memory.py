@@ -348,8 +348,7 @@ def _trace_forward_program(sm: Any, args: list[Any], needs: list[bool]
             gm = make_fx(step, tracing_mode="fake")(*inputs)
     finally:
         F.STATE.offline = False
-        F.STATE.log.clear()
-        F.STATE.shapes.clear()
+        F.STATE.clear()
     next(n for n in reversed(gm.graph.nodes) if n.op == "output").meta[GRAD_OF] = made
     saved_as: dict[fx.Node, fx.Node] = {}
     policy = sm.ctx.options.activation_checkpoint

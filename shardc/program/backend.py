@@ -51,7 +51,7 @@ from shardc.runtime.ordered_ops import OPS as ORDERED_OPS
 _COLLECTIVE_FUNCTIONS = frozenset({
     C.all_gather_start, C.all_reduce_start, C.reduce_scatter_start, C.all_to_all_start,
     C.wait, C.grad_all_reduce,
-    *(fn for fn, _ in F.RUNNERS.values()), F.WAIT,
+    *F.RUN_FUNCTIONS, F.WAIT,
 })
 # Namespaces of ATen collectives (functional collectives and c10d's own ops), so a program
 # that calls those instead is cut the same way.

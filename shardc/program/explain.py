@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -30,6 +30,7 @@ _NAMES = {
     C.local_chunk: "local_chunk",
     C.concat_gathered: "concat_gathered",
     C.concat_gathered_interleaved: "concat_gathered",
+    C.restriped: "restriped",
     R.vocab_parallel_embedding: "vocab_parallel_embedding",
     R.global_dropout: "dropout",
     R.global_bernoulli: "bernoulli",
@@ -58,11 +59,16 @@ def _arg(a: Any) -> str:
 def _format(n: fx.Node) -> str:
     t = n.target
     if t in (C.all_gather_start, C.all_reduce_start, C.grad_all_reduce, C.local_chunk,
-             C.reduce_scatter_start, C.all_to_all_start):
+             C.reduce_scatter_start, C.all_to_all_start, C.restriped):
         args = [_arg(n.args[0]), f"axis={n.args[2]}"]
-        if t in (C.local_chunk, C.reduce_scatter_start):
+        if t in (C.local_chunk, C.reduce_scatter_start, C.restriped):
             args.append(f"dim={n.args[3]}")
-        if t is C.all_to_all_start:
+        if t is C.all_to_all_start and n.kwargs.get("stripes") is not None:
+            # a re-cut of one dim into other stripes (core/placement.py's notation)
+            ks = cast(tuple[int, int], n.kwargs["stripes"])
+            a, b = (f"/{k}" if k > 1 else f"/{-k}m" if k < 0 else "" for k in ks)
+            args.append(f"dim={n.args[3]}, stripes S({n.args[3]}{a}) -> S({n.args[3]}{b})")
+        elif t is C.all_to_all_start:
             args.append(f"from dim={n.args[3]} to dim={n.args[4]}")
         if t is C.all_reduce_start and n.args[3] != "sum":
             args.append(f"op={n.args[3]}")
