@@ -183,6 +183,9 @@ def _fused_pairs(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool,
         return
     if same and room is not None:
         side = max(1, room[2] // (room[0] + room[1]))
+        if side >= len(qpos):  # the whole block fits: one product, as forward's
+            yield (0, len(qpos)), (0, len(kpos)), "causal"
+            return
         yield from _pairs(qpos, kpos, causal, side, side)
         return
     plan: list[tuple[tuple[int, int], list[tuple[int, int]]]] = []
@@ -239,15 +242,16 @@ def _products(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, fused: bool,
             for (qa, qb), (ka, kb), kind in pairs]
 
 
-def _room(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int) -> tuple[int, int, int]:
+def _room(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, more: float = 0.0
+          ) -> tuple[int, int, int]:
     """(bytes a query row, bytes a key row, bytes in all) that a fused backward product of
     ``q`` against ``k``, ``v`` (as the kernel takes them: grouped-query heads expanded)
-    holds, in a room of ``PRODUCT_ROOM`` key/value blocks of ``block`` bytes. (The kernel's
-    scratch, a few hundred KiB a thread whatever the sizes, is not counted.)"""
+    holds, in a room of ``PRODUCT_ROOM`` (+ ``more``) key/value blocks of ``block`` bytes.
+    (The kernel's scratch, a few hundred KiB a thread whatever the sizes, is not counted.)"""
     rows = q.shape[-2], k.shape[-2]
     return (2 * q.numel() // max(1, rows[0]) * q.element_size(),  # dq and the kernel's copy
             (k.numel() + v.numel()) // max(1, rows[1]) * k.element_size(),
-            int(PRODUCT_ROOM * block))
+            int((PRODUCT_ROOM + more) * block))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -481,8 +485,11 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     block = k.nbytes + v.nbytes
     r.count("all_gather", axis, ring.phase, _bytes_like(k, v))
 
-    def add_grads(into: list[torch.Tensor], kb: torch.Tensor, vb: torch.Tensor, owner: int) -> None:
-        """Add this rank's share of the gradient of block ``owner`` into ``into``: [dk, dv]."""
+    def add_grads(into: list[torch.Tensor], kb: torch.Tensor, vb: torch.Tensor, owner: int,
+                  more: float = 0.0) -> None:
+        """Add this rank's share of the gradient of block ``owner`` into ``into``: [dk, dv];
+        with ``more``, the block is one product if that holds at most ``more`` blocks
+        beyond ``PRODUCT_ROOM``."""
         dk, dv = into
         kpos = positions(seq, interleave, owner, G, q.device)
         m = _mask_columns(mask, kpos, seq)
@@ -490,8 +497,12 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         # grouped-query: the expanded heads' gradients first, then folded onto the few
         gk = dk if ke is kb else torch.zeros(ke.shape, dtype=work, device=q.device)
         gv = dv if ve is vb else torch.zeros(ve.shape, dtype=work, device=q.device)
+        room = _room(q, ke, ve, block)
+        wider = _room(q, ke, ve, block, more)
+        if q.shape[-2] * wider[0] + ke.shape[-2] * wider[1] <= wider[2]:
+            room = wider  # the block is one product in the wider room (else cut as the others)
         products = _ring_products(seq, interleave, G, ring.coord, owner, causal, _can_fuse(q, k, v, m),
-                                  _room(q, ke, ve, block), TILE, SPAN)
+                                  room, TILE, SPAN)
         _block_backward(q, ke, ve, scale, m, qpos, kpos, causal, dout, out, lse, delta, dq, gk, gv, products)
         if gk is not dk:
             dk += _fold(gk, k.shape[1])
@@ -532,9 +543,15 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
             del share
         assert acc is not None
         # the own block's share, while the last hop brings the others' home: its buffer
-        # takes the place of the key/value block no longer held
+        # takes the place of the key/value block no longer held, and no next block is
+        # arriving: 2.5 blocks of buffers at most here against 3.5 at every other step, so
+        # it may be one product of up to one block more than the others' room, as torch's
+        # ring computes it (a causal own block holds two: its dq, the kernel's copy of q, dk
+        # and dv), where three made 160 kernel calls a step of the 2-layer GPT on 8 ranks
+        # against torch's 128. (Cut smaller, its tiles would be no cheaper for the room:
+        # the head-tail cut's own tiles, seen in part, take the math form.)
         own = zeros()
-        add_grads(own, k, v, ring.coord)
+        add_grads(own, k, v, ring.coord, more=1.0)
         ring.finish(acc[1])
         for mine, theirs in zip(own, _unpack(acc[0], [k, v])):
             mine += theirs
