@@ -501,9 +501,10 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         gk = dk if ke is kb else torch.zeros(ke.shape, dtype=work, device=q.device)
         gv = dv if ve is vb else torch.zeros(ve.shape, dtype=work, device=q.device)
         room = _room(q, ke, ve, block)
-        wider = _room(q, ke, ve, block, more)
-        if q.shape[-2] * wider[0] + ke.shape[-2] * wider[1] <= wider[2]:
-            room = wider  # the block is one product in the wider room (else cut as the others)
+        if more:
+            wider = _room(q, ke, ve, block, more)
+            if q.shape[-2] * wider[0] + ke.shape[-2] * wider[1] <= wider[2]:
+                room = wider  # the block is one product in the wider room (else cut as the others)
         products = _ring_products(seq, interleave, G, ring.coord, owner, causal, _can_fuse(q, k, v, m),
                                   room, TILE, SPAN)
         _block_backward(q, ke, ve, scale, m, qpos, kpos, causal, dout, out, lse, delta, dq, gk, gv, products)
