@@ -54,8 +54,8 @@ STEP_PIPELINE: list[Pass] = [
     # a view meets the strides its input really has (a kernel may lay its result out
     # otherwise than its shape function said): reshape, the same view wherever one exists
     strides_pass,
-    # after the order is final: an output whose last step is a wait (the loss's data
-    # all-reduce) is returned unwaited and waited on first read
+    # after the order is final: an output whose last step is a wait (a mean squared
+    # error's data all-reduce) is returned unwaited and waited on first read
     defer_pass,
 ]
 

@@ -158,12 +158,17 @@ def mean_of_rows(local_sum: torch.Tensor, rows: int, shards: int) -> torch.Tenso
     return local_sum * (shards / rows)
 
 
-def mean_over_shards(local_sum: torch.Tensor, global_count: torch.Tensor, shards: int) -> torch.Tensor:
-    """``local_sum * shards / global_count``: averaging this over the batch shards gives
-    the exact global mean, even when the shards hold different numbers of counted
-    targets; when they hold the same number it equals the local mean."""
-    # the count is exact in any float type; divide in the loss's precision
-    return local_sum * (shards / global_count.to(local_sum.dtype))
+def sum_and_count(local_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``[local_sum, count]`` as one tensor, so that one all-reduce sums both over the batch
+    shards. At least float32: a bfloat16 count is exact only up to 256."""
+    dtype = torch.promote_types(torch.promote_types(local_sum.dtype, count.dtype), torch.float32)
+    return torch.stack([local_sum.to(dtype), count.to(dtype)])
+
+
+def mean_of_sums(sums: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The global mean from ``sum_and_count``'s all-reduced pair: every rank's loss is
+    then the whole batch's, with no reduction left for the output."""
+    return (sums[0] / sums[1]).to(dtype)
 
 
 def _provided(rt: str, site: int | None, global_shape: list[int]) -> torch.Tensor | None:

@@ -365,16 +365,22 @@ def cross_entropy_rule(L: Lowering, node: fx.Node) -> Any:
     if probs:  # every row counts: a mean over a number known now
         n = L.emit(R.mean_of_rows, (total, vec_val.numel(), shards), layout=avg, val=val)
         return Val(n, avg.clean(mesh), val)
-    # mean: divide by the counted targets (their weights) over the whole batch
+    # mean: divide by the counted targets (their weights) over the whole batch. The sum
+    # and the count go in one all-reduce a row axis, so the loss comes out whole: a count
+    # reduced alone and then the loss's mean would be two collectives a step
     if wv is None:
         cnt_val = torch.empty([], device="meta", dtype=torch.float32)
         cnt = L.emit(R.valid_count, (tn, ignore), layout=part, val=cnt_val)
     else:
         cnt_val = torch.empty([], device="meta", dtype=wv.val.dtype)
         cnt = L.emit(R.target_weight_total, (tn, w_whole, ignore), layout=part, val=cnt_val)
-    lay = part
+    pair_dtype = torch.promote_types(torch.promote_types(val.dtype, cnt_val.dtype), torch.float32)
+    pair_val = torch.empty([2], device="meta", dtype=pair_dtype)
+    pair_part = Layout(1, ((),), part.partial, (1,))
+    pair = L.emit(R.sum_and_count, (total, cnt), layout=pair_part, val=pair_val)
+    lay = pair_part
     for a in rows:
-        cnt = L._all_reduce(cnt, lay, a, "sum", cnt_val)
+        pair = L._all_reduce(pair, lay, a, "sum", pair_val)
         lay = lay.with_replicated(a)
-    n = L.emit(R.mean_over_shards, (total, cnt, shards), layout=avg, val=val)
-    return Val(n, avg.clean(mesh), val)
+    n = L.emit(R.mean_of_sums, (pair, val.dtype), layout=Layout(0), val=val)
+    return Val(n, Layout(0), val)

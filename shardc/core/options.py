@@ -44,7 +44,9 @@ class Options:
     ``step_graph`` (default True) runs forward and backward as one traced program whose
     passes move and pack the backward collectives: ``overlap`` schedules them against
     compute (OAR, ORS, early buckets) and returns an output whose last step is a
-    collective (a loss averaged over data) before that collective is waited, as a
+    collective (a mean squared error averaged over data; a cross-entropy mean is all-reduced
+    with its target count before backward, which needs the count, and comes out whole)
+    before that collective is waited, as a
     ``shardc.PendingOutput`` that waits on its first read (``loss.backward()`` does not
     read it); ``bucket_mb`` packs the post-backward gradient reductions into buckets that
     close once they hold that many MiB, as DDP's reducer closes its own (0: one per
