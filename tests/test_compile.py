@@ -117,6 +117,48 @@ def test_special_cases_are_the_known_systems(fake_world) -> None:
     assert layouts == {"layers.0.weight": "[S(0)@x]", "layers.1.weight": "[S(1)@x]"}
 
 
+class _WeightedCE(nn.Module):
+    """A linear head and a mean cross-entropy in the forms that divide by a count: plain,
+    with class weights (the counted targets' weights), and padded (``ignore_index``)."""
+
+    def __init__(self, weighted: bool) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 10)
+        self.register_buffer("w", torch.linspace(0.5, 2.0, 10) if weighted else None)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(x), t, weight=self.w, ignore_index=3)
+
+
+@pytest.mark.parametrize("mesh", [shardc.Mesh(data=8), shardc.Mesh(z=2, data=4), shardc.Mesh(x=2, data=4)],
+                         ids=str)
+def test_a_cross_entropy_mean_is_one_all_reduce_a_batch_axis_and_comes_out_whole(fake_world, mesh) -> None:
+    """The mean divides the rows' sum by the targets counted over the whole batch: the sum
+    and the count travel in one all-reduce of two values over each batch axis, so the
+    loss leaves the forward whole on every rank, with no reduction of the output (two
+    collectives a step before: the count's, then the mean's)."""
+    from shardc.core.context import PLACEMENT
+    from shardc.core.placement import Layout
+    from shardc.runtime import ops as R
+
+    fake_world(8)
+    tokens = torch.randint(0, 64, (8, 16))
+    models = [(GPT(), (tokens, tokens)), (_WeightedCE(True), (torch.randn(16, 16), torch.randint(0, 10, (16,)))),
+              (_WeightedCE(False), (torch.randn(16, 16), torch.randint(0, 10, (16,))))]
+    for model, inputs in models:
+        gm = shardc.compile(model, mesh, inputs).graph_module
+        batch_axes = [a for a in ("z", "data") if mesh.size(a) > 1]
+        pairs = [n for n in gm.graph.nodes if n.target is C.all_reduce_start and
+                 n.args[0].target in (R.sum_and_count, C.wait)
+                 and n.meta[GLOBAL_VAL].shape == (2,)]
+        assert sorted(n.args[2] for n in pairs) == sorted(batch_axes), (type(model).__name__, pairs)
+        # no other all-reduce of a scalar: neither the count alone nor the output's
+        scalars = [n for n in gm.graph.nodes if n.target is C.all_reduce_start and n.meta[GLOBAL_VAL].dim() == 0]
+        assert scalars == [], (type(model).__name__, scalars)
+        (loss,) = gm.graph.find_nodes(op="output")[0].args[0]
+        assert loss.target is R.mean_of_sums and loss.meta[PLACEMENT] == Layout(0)
+
+
 def test_fused_qkv_columns_are_interleaved(fake_world) -> None:
     fake_world(8)
     sm = shardc.compile(GPT(), shardc.Mesh(x=4, y=2), (torch.randint(0, 64, (8, 16)),) * 2)
