@@ -158,10 +158,9 @@ def mean_of_rows(local_sum: torch.Tensor, rows: int, shards: int) -> torch.Tenso
     return local_sum * (shards / rows)
 
 
-def sum_and_count(local_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """``[local_sum, count]`` as one tensor, so that one all-reduce sums both over the batch
-    shards. At least float32: a bfloat16 count is exact only up to 256."""
-    dtype = torch.promote_types(torch.promote_types(local_sum.dtype, count.dtype), torch.float32)
+def sum_and_count(local_sum: torch.Tensor, count: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[local_sum, count]`` as one tensor of ``dtype`` (the rule's choice), so that one
+    all-reduce sums both over the batch shards."""
     return torch.stack([local_sum.to(dtype), count.to(dtype)])
 
 

@@ -374,10 +374,11 @@ def cross_entropy_rule(L: Lowering, node: fx.Node) -> Any:
     else:
         cnt_val = torch.empty([], device="meta", dtype=wv.val.dtype)
         cnt = L.emit(R.target_weight_total, (tn, w_whole, ignore), layout=part, val=cnt_val)
+    # at least float32: a bfloat16 count is exact only up to 256
     pair_dtype = torch.promote_types(torch.promote_types(val.dtype, cnt_val.dtype), torch.float32)
     pair_val = torch.empty([2], device="meta", dtype=pair_dtype)
     pair_part = Layout(1, ((),), part.partial, (1,))
-    pair = L.emit(R.sum_and_count, (total, cnt), layout=pair_part, val=pair_val)
+    pair = L.emit(R.sum_and_count, (total, cnt, pair_dtype), layout=pair_part, val=pair_val)
     lay = pair_part
     for a in rows:
         pair = L._all_reduce(pair, lay, a, "sum", pair_val)
