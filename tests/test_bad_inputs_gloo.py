@@ -33,7 +33,9 @@ from bounded_ranks import run_bounded
 
 import shardc
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+# serial: its ranks run under a short process-group timeout, which a second test beside
+# them (the suite runs two at a time) could trip by starving one rank of the CPU
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.serial]
 
 WORLD = 4
 MESH = shardc.Mesh(x=2, data=2)

@@ -24,7 +24,9 @@ from bounded_ranks import run_bounded
 
 import shardc
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+# serial: its ranks run under a short process-group timeout, which a second test beside
+# them (the suite runs two at a time) could trip by starving one rank of the CPU
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.serial]
 
 PG_TIMEOUT_S = 5.0
 # Noticing a closed socket is immediate; a timeout fires after PG_TIMEOUT_S, and a
