@@ -100,25 +100,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if problems:
         raise pytest.UsageError("tests without a tier (see tests/conftest.py):\n  "
                                 + "\n  ".join(problems[:40]))
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        _heaviest_modules_first(items)
-
-
-def _heaviest_modules_first(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``tools/test_suite.sh``), order the modules by how many gloo
-    cases they hold, most first, each module's own order kept: a worker takes modules in
-    this order, so the long ones start early and the last module to finish is a short
-    one, instead of the longest gloo file running alone at the end while the other worker
-    has nothing left. Every worker computes the same order, as xdist requires."""
-    by_module: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        by_module.setdefault(str(item.path), []).append(item)
-
-    def gloo_cases(module_items: list[pytest.Item]) -> int:
-        return sum(item.get_closest_marker("distributed") is not None for item in module_items)
-
-    ordered = sorted(by_module.values(), key=gloo_cases, reverse=True)  # stable: ties keep order
-    items[:] = [item for module_items in ordered for item in module_items]
 
 
 @pytest.hookimpl(hookwrapper=True)

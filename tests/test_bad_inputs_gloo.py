@@ -33,8 +33,9 @@ from bounded_ranks import run_bounded
 
 import shardc
 
-# serial: its ranks run under a short process-group timeout, which a second test beside
-# them (the suite runs two at a time) could trip by starving one rank of the CPU
+# serial: its ranks run under a short process-group timeout, which another test beside
+# them (tools/test_suite.sh runs the one-process tests beside the gloo tests) could trip
+# by starving one rank of the CPU; the suite runs these alone, last
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.serial]
 
 WORLD = 4
