@@ -33,10 +33,7 @@ from bounded_ranks import run_bounded
 
 import shardc
 
-# serial: its ranks run under a short process-group timeout, which another test beside
-# them (tools/test_suite.sh runs the one-process tests beside the gloo tests) could trip
-# by starving one rank of the CPU; the suite runs these alone, last
-pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.serial]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 WORLD = 4
 MESH = shardc.Mesh(x=2, data=2)
