@@ -109,16 +109,26 @@ class Runtime:
         # draw number -> the whole tensor that draw would make, when another drew it (a
         # pipeline stage: its micro-batch's rows of one device's mask); None: draw here
         self.draws: Callable[[int], torch.Tensor] | None = None
+        # while a step program is traced (shardc/program/share.py): the axes whose
+        # coordinate it read ("*": the rank), which the ranks it is shared with must agree on
+        self.reads: set[str] | None = None
         _RUNTIMES[self.key] = self
 
     @property
     def rank(self) -> int:
+        if self.reads is not None:
+            self.reads.add("*")
+        return self._rank()
+
+    def _rank(self) -> int:
         # offline (shardc.program.offline, the planner) there is no process group; the program
         # is the compiled rank's
         return dist.get_rank() if dist.is_initialized() else self.compiled_rank
 
     def coord(self, axis: str) -> int:
-        return self.mesh.coords(self.rank)[axis]
+        if self.reads is not None:
+            self.reads.add(axis)
+        return self.mesh.coords(self._rank())[axis]
 
     def group(self, axis: str) -> dist.ProcessGroup:
         g = axis_groups(self.mesh)[axis]

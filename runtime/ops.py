@@ -216,7 +216,9 @@ def _this_ranks_piece(whole: torch.Tensor, rt: str, dims: tuple[tuple[str, ...],
 
     r = get_runtime(rt)
     layout = Layout(whole.dim(), dims, (), interleave)
-    return local_slice(whole, layout, r.mesh.coords(r.rank), r.mesh)
+    # only the cut axes' coordinates: what a trace bakes in (shardc/program/share.py)
+    coords = {a: r.coord(a) for axes in dims for a in axes}
+    return local_slice(whole, layout, coords, r.mesh)
 
 
 def global_dropout(x: torch.Tensor, p: float, train: bool, global_shape: list[int],

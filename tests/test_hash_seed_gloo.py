@@ -7,6 +7,11 @@ AdamW steps' gradients against float64, the weights after them, and the bytes mo
 equal to the report's (``test_train_gloo._case_failures``). It once refused the model on
 every mesh, naming a different path through forward.
 
+The same ranks then train the tests' GPT on a pure data mesh: its step program is traced by
+one rank and decoded by the three others (``shardc/program/share.py``), which needs each
+rank's signature of the program to be the same bytes whatever the hash seed (the compile
+context holds sets of parameter names).
+
 ``python tests/test_hash_seed_gloo.py RANK WORLD STORE`` is one rank.
 """
 from __future__ import annotations
@@ -79,6 +84,8 @@ def test_gemma3_trains_with_a_hash_seed_per_rank() -> None:
     failed = [(r, o) for r, (p, o) in enumerate(zip(procs, outs)) if p.returncode != 0]
     assert not failed, "\n".join(f"rank {r}:\n{o[-4000:]}" for r, o in failed)
     assert all("trained like one device" in o for o in outs), outs[0][-2000:]
+    shared = [o.split("shared: ")[1].split()[0] for o in outs]
+    assert sorted(shared) == ["received", "received", "received", "traced"], shared
 
 
 def _rank(rank: int, world: int, store: str) -> None:
@@ -98,6 +105,19 @@ def _rank(rank: int, world: int, store: str) -> None:
         if failures:
             raise AssertionError("\n".join(failures))
         print("trained like one device", flush=True)
+        from models import GPT
+
+        from shardc.program import share
+        from shardc.tools.models import lm_batch
+
+        torch.manual_seed(0)
+        mesh = shardc.Mesh.parse("x1y1z1d4")
+        batch = lm_batch(8, 16, 64)
+        sm = shardc.compile(GPT(vocab=64, dim=32, layers=2, heads=4, seq=16), mesh, example_inputs=batch)
+        before = dict(share.COUNTS)
+        sm(*[shardc.shard_batch(x, mesh) for x in batch]).backward()
+        how = [k for k in share.COUNTS if share.COUNTS[k] != before.get(k, 0)]
+        print(f"shared: {','.join(how)}", flush=True)
     finally:
         dist.destroy_process_group()
 

@@ -408,6 +408,52 @@ def _runtime_ops_check() -> list[str]:
     return out
 
 
+def _share_check() -> list[str]:
+    """``shardc/program/share.py`` on 4 processes: on a pure data mesh and on x2d2 the ranks
+    of a class trace once and the others decode the tracer's program (``share.COUNTS``);
+    losses, gradients and the bytes moved are bitwise those of every rank tracing its own,
+    and the gradients float64's (within the judge's bound)."""
+    import torch.distributed as dist
+
+    from shardc.program import share
+
+    out = []
+    for name, spec, tracers in (("gpt", "x1y1z1d4", 1), ("litgpt_gqa", "x2y1z1d2", 2)):
+        make, batches = MODELS[name]()
+        torch.manual_seed(0)
+        model = make()
+        mesh = shardc.Mesh.parse(spec)
+        runs = {}
+        for enabled in (True, False):
+            share.ENABLED = enabled
+            before = dict(share.COUNTS)
+            try:
+                sm, losses, grads, comm = _train(model, mesh, batches)
+            finally:
+                share.ENABLED = True
+            got = {k: share.COUNTS[k] - before.get(k, 0) for k in ("traced", "received", "retraced")}
+            runs[enabled] = (losses, grads, comm, sm)
+            counts = [None] * dist.get_world_size()
+            dist.all_gather_object(counts, got)
+            want = ({"traced": tracers, "received": 4 - tracers, "retraced": 0} if enabled
+                    else {"traced": 0, "received": 0, "retraced": 0})
+            total = {k: sum(c[k] for c in counts) for k in want}
+            if total != want:
+                out.append(f"share {name}@{spec} enabled={enabled}: {total}, expected {want}")
+        (l1, g1, c1, sm), (l0, g0, c0, _) = runs[True], runs[False]
+        if any(not torch.equal(a, b) for a, b in zip(l1, l0)):
+            out.append(f"share {name}@{spec}: losses {l1} against {l0} traced by every rank")
+        for step, (a, b) in enumerate(zip(g1, g0)):
+            bad = [k for k in b if not torch.equal(a[k], b[k])]
+            if bad or a.keys() != b.keys():
+                out.append(f"share {name}@{spec} step {step}: gradients differ: {bad[:4]}")
+        if [c for c, _ in c1] != [c for c, _ in c0] or [k for _, k in c1] != [k for _, k in c0]:
+            out.append(f"share {name}@{spec}: measured bytes or calls differ")
+        out += _against_f64(f"share {name}@{spec}", model, batches[0], mesh, g0[0], g1[0],
+                            sm.param_layouts)
+    return out
+
+
 def _case(rank: int, world_size: int, name: str, spec: str) -> None:
     failures = _one(name, spec)
     if failures:
@@ -416,7 +462,7 @@ def _case(rank: int, world_size: int, name: str, spec: str) -> None:
 
 CHECKS = {"overlap": lambda tmp: _overlap_check(), "gemm_modes": lambda tmp: _gemm_check(),
           "trace": lambda tmp: _trace_check(f"{tmp}/trace"),
-          "runtime_ops": lambda tmp: _runtime_ops_check()}
+          "runtime_ops": lambda tmp: _runtime_ops_check(), "share": lambda tmp: _share_check()}
 
 
 def _check(rank: int, world_size: int, which: str, tmp: str) -> None:

@@ -21,6 +21,7 @@ from shardc.passes import STEP_PIPELINE, run_step_pipeline
 from shardc.passes.gemm_modes import gemm_modes_pass, settle
 from shardc.passes.joint import trace_joint
 from shardc.passes.remat import remat_pass
+from shardc.program import share
 from shardc.program.backend import build_runner
 
 
@@ -30,11 +31,22 @@ def build(program: fx.GraphModule, ctx: CompileContext, args: Sequence[Any], nee
     (None, why) when any rank could not build it: every rank must run the same program or
     their collectives would not match, so one rank's failure makes all fall back to the
     forward program (one small all-reduce, once per input signature). Collective."""
+    def trace() -> StepProgram:
+        return run_step_pipeline(trace_joint(program, ctx, args, needs, names), ctx)
+
     jp, err = None, ""
-    try:
-        jp = run_step_pipeline(trace_joint(program, ctx, args, needs, names), ctx)
-    except Exception as e:  # noqa: BLE001 - the forward program is always there
-        err = f"{type(e).__name__}: {e}"
+    if share.ENABLED and dist.get_world_size() > 1 and dist.get_backend() != "fake":
+        # one trace for the ranks whose programs are equal (share.py)
+        try:
+            key: str | None = share.signature(program, ctx, args, needs, names)
+        except Exception:  # noqa: BLE001 - a program the encoder cannot write: trace it
+            key = None
+        jp, err = share.build_shared(trace, ctx, key, share.baked_axes(program), device)
+    else:
+        try:
+            jp = trace()
+        except Exception as e:  # noqa: BLE001 - the forward program is always there
+            err = f"{type(e).__name__}: {e}"
     flag = torch.tensor([1.0 if err else 0.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() > 0:
