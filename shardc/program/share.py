@@ -257,16 +257,21 @@ def _graph_module_from(plain: dict[str, Any], rt: str) -> fx.GraphModule:
     return gm
 
 
-_PARAMS: dict[Any, list[str]] = {}
+_SIGNATURES: dict[Any, inspect.Signature] = {}
+
+
+def _signature_of(fn: Callable) -> inspect.Signature:
+    sig = _SIGNATURES.get(fn)
+    if sig is None:
+        sig = _SIGNATURES[fn] = inspect.signature(fn)
+    return sig
 
 
 def _with_group(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], value: Any,
                 rt: str | None = None) -> tuple[tuple, dict[str, Any]]:
     """The node's arguments with its group name replaced, where it was given: by ``value``,
     or (``rt`` given) by this rank's group name for the node's axis."""
-    names = _PARAMS.get(fn)
-    if names is None:
-        names = _PARAMS[fn] = list(inspect.signature(fn).parameters)
+    names = list(_signature_of(fn).parameters)
     args, kwargs = list(args), dict(kwargs)
 
     def where(name: str) -> tuple[Any, Any]:
@@ -337,7 +342,7 @@ def baked_axes(program: fx.GraphModule) -> set[str]:
         f = _BAKES.get(n.target) if n.op == "call_function" else None
         if f is not None:
             try:
-                out |= f(inspect.signature(n.target).bind(*n.args, **n.kwargs).arguments)
+                out |= f(_signature_of(n.target).bind(*n.args, **n.kwargs).arguments)
             except (TypeError, KeyError):
                 out.add(ANY)
     return out
