@@ -1,7 +1,7 @@
 """CPU ranks on gloo: shardc's eager program vs backend="inductor", side by side.
 
     python benchmarks/backend_gloo.py --ranks 2 --mesh x2y1z1d1 --rounds 7 [--pieces]
-                                      [--activation-checkpoint blocks]
+                                      [--activation-checkpoint blocks|selective]
 
 Both programs are compiled in the same processes from the same model; each round runs
 one training step of each, in turns (eager, inductor, eager, ...), with a barrier around
@@ -122,9 +122,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--pieces", action="store_true", help="also run the piecewise inductor program")
-    p.add_argument("--activation-checkpoint", choices=("none", "blocks"), default="none",
-                   help="both programs with this recompute (blocks: each runs the forward program "
-                        "with autograd's backward; inductor compiles its segments between collectives)")
+    p.add_argument("--activation-checkpoint", choices=("none", "blocks", "selective"), default="none",
+                   help="both programs with this recompute (blocks, or selective under eager: the forward "
+                        "program with autograd's backward; selective under inductor: a pass of the step program)")
     args = p.parse_args()
     if args.pieces and args.activation_checkpoint != "none":
         p.error("--pieces cuts the step program, which block recompute does not run")

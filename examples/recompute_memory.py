@@ -2,8 +2,11 @@
 against "blocks" and "selective", on gloo CPU ranks (the figures of docs/recompute.md's
 table):
 
-    python examples/recompute_memory.py LAYERS MESH [MESH ...] [--prefetch-depth N]
+    python examples/recompute_memory.py LAYERS MESH [MESH ...] [--prefetch-depth N] [--backend inductor]
     python examples/recompute_memory.py 8 x1y1z1d4 x1y1z4d1
+
+With ``--backend inductor`` the three run compiled: "blocks" as compiled segments under
+autograd's checkpoint, "selective" inside the step program (``passes/remat.py``).
 
 A GPT of LAYERS blocks (dim 64, 64 tokens, 16 sequences a rank); the peak is measured
 from torch's profiler's allocation records (``shardc.planning.memory.measured_peak``, through
@@ -26,7 +29,8 @@ from test_recompute_gloo import _peak_growth  # noqa: E402
 import shardc  # noqa: E402
 
 
-def _measure(rank: int, world_size: int, spec: str, layers: int, prefetch_depth: int) -> None:
+def _measure(rank: int, world_size: int, spec: str, layers: int, prefetch_depth: int,
+             backend: str = "eager") -> None:
     warnings.simplefilter("ignore")
     mesh = shardc.Mesh.parse(spec)
     g = torch.Generator().manual_seed(1)
@@ -36,12 +40,13 @@ def _measure(rank: int, world_size: int, spec: str, layers: int, prefetch_depth:
     peak = {}
     for policy in ("none", "blocks", "selective"):
         sm = shardc.compile(model, mesh, example_inputs=(tokens, tokens), activation_checkpoint=policy,
-                            prefetch_depth=prefetch_depth)
+                            prefetch_depth=prefetch_depth, backend=backend)
         local = [shardc.shard_batch(tokens, mesh)] * 2
         _peak_growth(sm, local)
         peak[policy] = min(_peak_growth(sm, local) for _ in range(2))
     if rank == 0:
-        print(f"{spec} layers={layers} prefetch_depth={prefetch_depth}: none {peak['none'] / 2**20:.2f} MiB, blocks "
+        print(f"{spec} layers={layers} prefetch_depth={prefetch_depth} backend={backend}: "
+              f"none {peak['none'] / 2**20:.2f} MiB, blocks "
               f"{peak['blocks'] / 2**20:.2f} MiB (ratio {peak['none'] / peak['blocks']:.2f}), selective "
               f"{peak['selective'] / 2**20:.2f} MiB (ratio {peak['none'] / peak['selective']:.2f})", flush=True)
 
@@ -53,7 +58,8 @@ if __name__ == "__main__":
     ap.add_argument("layers", type=int)
     ap.add_argument("meshes", nargs="+")
     ap.add_argument("--prefetch-depth", type=int, default=1)
+    ap.add_argument("--backend", default="eager", choices=["eager", "inductor"])
     args = ap.parse_args()
     for spec in args.meshes:
         run_on_ranks(_measure, shardc.Mesh.parse(spec).world_size, spec, args.layers,
-                     args.prefetch_depth)
+                     args.prefetch_depth, args.backend)

@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
+from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardc.core.context import (
@@ -46,6 +47,7 @@ from shardc.core.context import (
 from shardc.core.ir import StepProgram
 from shardc.core.placement import Layout
 from shardc.core.precision import reduce_dtype
+from shardc.passes.recompute import BLOCK
 from shardc.passes.reshard import reshard_pass
 from shardc.passes.step_nodes import (
     N_OUTPUTS,
@@ -74,10 +76,25 @@ class _NamingInterpreter(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         F.STATE.node = n.name
+        block = n.meta.get(BLOCK)
+        graph = _tracing_graph() if block is not None else None
+        start = len(graph.nodes) if graph is not None else 0
         try:
             return super().run_node(n)
         finally:
             F.STATE.node = ""
+            if graph is not None:
+                # the ops this node became carry its block (a selective policy inside the
+                # step program reads it: passes/remat.py)
+                for m, _ in zip(reversed(graph.nodes), range(len(graph.nodes) - start)):
+                    m.meta[BLOCK] = block
+
+
+def _tracing_graph() -> fx.Graph | None:
+    """The graph make_fx is writing (older torch names the mode's getter differently)."""
+    current: Any = getattr(proxy_tensor, "get_proxy_mode", None) or proxy_tensor.get_innermost_proxy_mode
+    mode = current()
+    return mode.tracer.graph if mode is not None else None
 
 
 def trace_joint(program: fx.GraphModule, ctx: CompileContext, primals: Sequence[Any],

@@ -71,6 +71,20 @@ def _block_of(n: fx.Node, blocks: list[str]) -> str | None:
     return None
 
 
+BLOCK = "shardc_block"  # node.meta: the repeated block a node of the program belongs to
+
+
+def mark_blocks(gm: fx.GraphModule, blocks: list[str]) -> None:
+    """Mark each node of the rank's program with its repeated block (``BLOCK``), for a
+    selective policy applied inside the step program (``passes/remat.py``; the joint
+    trace copies the mark to the ops each node becomes). A collective keeps its mark but
+    is never recomputed there."""
+    for n in gm.graph.nodes:
+        b = _block_of(n, blocks) if n.op == "call_function" else None
+        if b is not None:
+            n.meta[BLOCK] = b
+
+
 def mark_and_split(gm: fx.GraphModule, blocks: list[str], rt: str,
                    selective: Selective | None = None) -> fx.GraphModule:
     """Mark the nodes each block's recompute re-runs and return the program split into

@@ -28,15 +28,31 @@ stops returning it. A tie keeps the value saved: recomputing at equal bytes (a G
 output saved in place of the log-softmax made from it, 296 ops moved for a GPT-2 small
 instead of 110) made the CPU step 2-3% slower, measured side by side. A value that
 anything writes in place is never read by a recompute: it may hold another value by then.
+
+A selective policy (``activation_checkpoint="selective"`` or ``Selective(save=...)`` under
+inductor) is applied here too, in place of torch's per-op checkpoint policy that compiled
+code would never consult: every saved value that a repeated block made (``meta[BLOCK]``,
+copied from the rank's program by ``joint.py``) with an ATen op the policy does not save
+is recomputed, back to the block's saved ops' outputs, its input and the primals, whatever
+the bytes, unless what it would save instead keeps more storage than the value frees (then
+the value stays saved: the policy never makes forward keep more). Collectives and random
+draws are never recomputed: their outputs (a gathered weight, a partial sum's total, a
+dropout mask) stay saved, so the step moves the bytes it moves without the policy and the
+masks stay one device's. Eager selective recompute re-runs
+a block's collectives in backward instead (``passes/recompute.py``).
 """
 from __future__ import annotations
+
+import operator
+from typing import Iterable
 
 import torch
 import torch.fx as fx
 
 from shardc.core.context import COMM, CompileContext
-from shardc.core.ir import DEFERRED, StepProgram
+from shardc.core.ir import DEFERRED, StepProgram, op_named
 from shardc.passes.aliases import view_of, written
+from shardc.passes.recompute import BLOCK
 from shardc.passes.step_nodes import PART
 
 aten = torch.ops.aten
@@ -105,13 +121,93 @@ class _Search:
         return save
 
 
+def _recomputable(n: fx.Node, keep: frozenset) -> bool:
+    """May a selective policy recompute ``n`` (an ATen op whose packet it does not save,
+    neither a collective nor a random draw nor a write, or an element of such an op's
+    tuple)?"""
+    if n.op != "call_function":
+        return False
+    if n.target is operator.getitem:
+        src = n.args[0]
+        return isinstance(src, fx.Node) and _recomputable(src, keep)
+    t = n.target
+    if not isinstance(t, torch._ops.OpOverload) or t.namespace != "aten":
+        return False
+    if COMM in n.meta or t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags:
+        return False
+    if t.overloadpacket in keep:
+        return False
+    v = n.meta.get("val")
+    vals = v if isinstance(v, (tuple, list)) else (v,)
+    return all(isinstance(x, torch.Tensor) for x in vals) and len(vals) > 0
+
+
+class _Selective:
+    """A selective policy's plan for a value of a block: recompute every op of the block
+    the policy does not save, back to what the policy saves, what another block (or no
+    block) made, and the primals; those are saved. The policy decides, not the bytes
+    (``cost`` only vetoes a plan that would save more than the value)."""
+
+    def __init__(self, have: set[fx.Node], touched: set[fx.Node], keep: frozenset) -> None:
+        self.have, self.touched, self.keep = have, touched, keep
+        self.memo: dict[fx.Node, _Plan | None] = {}
+
+    def applies(self, n: fx.Node) -> bool:
+        return n.meta.get(BLOCK) is not None and _recomputable(n, self.keep)
+
+    def cost(self, plan: _Plan) -> int:
+        """Bytes of storage the plan newly keeps: a saved view keeps its base, and a base
+        something backward has already, or a primal, costs nothing."""
+        held = {_root(h) for h in self.have}
+        roots = dict.fromkeys(_root(n) for n in plan.save)
+        return sum(max(_bytes(r), 0) for r in roots if r.op != "placeholder" and r not in held)
+
+    def plan(self, n: fx.Node, block: str) -> _Plan | None:
+        if n not in self.memo:
+            self.memo[n] = self._plan(n, block)
+        return self.memo[n]
+
+    def _plan(self, n: fx.Node, block: str) -> _Plan | None:
+        if n in self.touched:
+            return None
+        if n in self.have or n.op == "placeholder":
+            return _Plan(_FREE, [] if n in self.have else [n], [])
+        size = _bytes(n)
+        save = _Plan(size, [n], []) if size >= 0 else None
+        if n.meta.get(BLOCK) != block or not _recomputable(n, self.keep):
+            return save
+        saves: list[fx.Node] = []
+        computes: list[fx.Node] = []
+        for a in n.all_input_nodes:
+            p = self.plan(a, block)
+            if p is None:
+                return save
+            saves += p.save
+            computes += p.compute
+        return _Plan(_FREE, saves, [*computes, n])
+
+
 def _root(n: fx.Node) -> fx.Node:
     """The node whose storage ``n`` shares (itself, unless it is a view)."""
     seen = {n}
-    while (v := view_of(n)) is not None and v not in seen:
+    while (v := _view_of(n)) is not None and v not in seen:
         seen.add(v)
         n = v
     return n
+
+
+def _stored(saved: Iterable[fx.Node]) -> int:
+    """Bytes of storage forward keeps for backward: each saved view's base once; the
+    primals (held by the caller anyway) not."""
+    roots = dict.fromkeys(_root(s) for s in saved)
+    return sum(max(_bytes(r), 0) for r in roots if r.op != "placeholder")
+
+
+def _view_of(n: fx.Node) -> fx.Node | None:
+    # an element of a view op's tuple (a split's piece) shares its input's storage too
+    if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+        return n.args[0] if view_of(n.args[0]) is not None else None
+    return view_of(n)
 
 
 def _touched(fg: fx.Graph, bg: fx.Graph, forward_of: dict[fx.Node, fx.Node]) -> set[fx.Node]:
@@ -131,15 +227,17 @@ REMAT = "shardc_remat"  # forward part's gm.meta: a Remat
 
 class Remat:
     """What ``remat_pass`` did to a step program: bytes saved for backward before and
-    after (a rank's, one step), and how many ops backward recomputes."""
+    after (a rank's, one step), how many ops backward recomputes, and how many of those
+    a selective policy chose (ops of the repeated blocks)."""
 
-    def __init__(self, before: int, after: int, ops: int) -> None:
-        self.before, self.after, self.ops = before, after, ops
+    def __init__(self, before: int, after: int, ops: int, blocks: int = 0) -> None:
+        self.before, self.after, self.ops, self.blocks = before, after, ops, blocks
 
     def describe(self) -> str:
         mib = 2 ** 20
+        policy = f", {self.blocks} of them by the selective policy" if self.blocks else ""
         return (f"saved for backward: {self.after / mib:,.1f} MiB ({self.before / mib:,.1f} MiB before "
-                f"{self.ops} ops were moved to backward to recompute there)")
+                f"{self.ops} ops were moved to backward to recompute there{policy})")
 
 
 def remat_pass(jp: StepProgram, ctx: CompileContext) -> StepProgram:
@@ -147,6 +245,10 @@ def remat_pass(jp: StepProgram, ctx: CompileContext) -> StepProgram:
     (``backend="inductor"`` only)."""
     if ctx.options.backend != "inductor":
         return jp
+    # a selective policy (activation_checkpoint="selective" under inductor): the packets
+    # whose outputs it saves; every other op of a block is recomputed
+    policy = ctx.options.activation_checkpoint
+    keep = frozenset(op_named(n) for n in policy.save) if ctx.options.recompute_in_step else None
     fg, bg = jp.forward.graph, jp.backward.graph
     f_out = next(n for n in fg.nodes if n.op == "output")
     vals = list(f_out.args[0])
@@ -165,7 +267,7 @@ def remat_pass(jp: StepProgram, ctx: CompileContext) -> StepProgram:
         else:
             held[s] = p
     touched = _touched(fg, bg, {p: s for s, p in zip(saved, saved_ph)})
-    before = sum(max(_bytes(s), 0) for s in held)
+    before = _stored(held)
     changed = True
     while changed:
         changed = False
@@ -177,8 +279,16 @@ def remat_pass(jp: StepProgram, ctx: CompileContext) -> StepProgram:
                 del held[s]
                 changed = True
                 continue
-            search = _Search(set(held) - {s}, touched)
-            plan = search.plan(s, DEPTH)
+            have = set(held) - {s}
+            selective = _Selective(have, touched, keep) if keep is not None else None
+            if selective is not None and selective.applies(s):
+                plan = selective.plan(s, s.meta[BLOCK])
+                if plan is not None and selective.cost(plan) > _bytes(_root(s)):
+                    # the policy's saves would cost more than the value itself (a GEMM's
+                    # output autograd did not keep, for a smaller value made from it)
+                    plan = None
+            else:
+                plan = _Search(have, touched).plan(s, DEPTH)
             if plan is None or not plan.compute:
                 continue
             order = _order(bg)
@@ -196,16 +306,19 @@ def remat_pass(jp: StepProgram, ctx: CompileContext) -> StepProgram:
             p.replace_all_uses_with(held[s])
             changed = True
     # what is still a placeholder is what forward saves; the rest is gone from both
-    keep = [s for s, p in held.items() if p.op == "placeholder"]
+    keep_saved = [s for s, p in held.items() if p.op == "placeholder"]
     for p in [n for n in bg.nodes if n.op == "placeholder" and n not in tangents]:
-        if p not in {held[s] for s in keep}:
+        if p not in {held[s] for s in keep_saved}:
             bg.erase_node(p)
-    _order_placeholders(bg, [held[s] for s in keep], tangents)
+    _order_placeholders(bg, [held[s] for s in keep_saved], tangents)
     _repair_order(bg)
-    f_out.args = (tuple(head) + tuple(keep) + tuple(tail),)
+    f_out.args = (tuple(head) + tuple(keep_saved) + tuple(tail),)
     bg.lint()
-    recomputed = sum(1 for p in held.values() if p.op != "placeholder")
-    jp.forward.meta[REMAT] = Remat(before, sum(max(_bytes(s), 0) for s in keep), recomputed)
+    copies = [(s, p) for s, p in held.items() if p.op != "placeholder"]
+    by_policy = sum(1 for s, _ in copies if keep is not None and s.meta.get(BLOCK) is not None
+                    and _recomputable(s, keep))
+    jp.forward.meta[REMAT] = Remat(before, _stored(keep_saved), len(copies),
+                                   by_policy)
     jp.forward.recompile()
     jp.backward.recompile()
     return jp

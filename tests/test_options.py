@@ -70,9 +70,9 @@ def test_an_option_of_the_wrong_type_or_name_is_a_type_error(fake_world, kw: dic
     ({"activation_checkpoint": "everything"}, r"activation_checkpoint='everything' is not one of"),
     # pairs that cannot work name both options and the way out
     ({"reshard_after_forward": True, "step_graph": False}, r"reshard_after_forward=True .* needs step_graph=True"),
-    ({"activation_checkpoint": "selective", "backend": "inductor"},
-     r"selective recompute .* with backend='inductor' is not supported: .* compiled code runs fused "
-     r"kernels it never sees\. Use activation_checkpoint='blocks' with this backend, or backend='eager'"),
+    ({"activation_checkpoint": "selective", "backend": "inductor", "step_graph": False},
+     r"selective recompute .* with backend='inductor' is applied inside the step program, which "
+     r"step_graph=False does not run; use step_graph=True, activation_checkpoint='blocks', or backend='eager'"),
     ({"gemm_modes": "NT", "step_graph": False}, r"gemm_modes='NT' .* use gemm_modes='default' with them"),
 ])
 def test_a_bad_value_or_pair_is_a_value_error_naming_the_options(kw: dict, match: str) -> None:

@@ -24,7 +24,9 @@ from test_train_gloo import ATOL, EPS, LR, RTOL, _steps_grad_failures
 
 import shardc
 from shardc.core.compat import RECOMPUTE_COMPILED_FROM, torch_version
+from shardc.passes.remat import REMAT
 from shardc.planning.memory import estimate, measured_peak
+from shardc.program.backend import WholePart
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -62,7 +64,8 @@ def _train_failures(spec: str, policy: str = "blocks", make=lambda: GPT(layers=3
     mesh = shardc.Mesh.parse(spec)
     where = f"{name} {policy}@{spec} {backend}"
     batches = _batches(3)
-    if backend != "eager" and torch_version() < RECOMPUTE_COMPILED_FROM:
+    in_step = policy == "selective" and backend == "inductor"
+    if backend != "eager" and not in_step and torch_version() < RECOMPUTE_COMPILED_FROM:
         # refused there (shardc.core.compat says why): the refusal is what to check
         try:
             shardc.compile(make(), mesh, example_inputs=batches[0], activation_checkpoint=policy,
@@ -72,7 +75,22 @@ def _train_failures(spec: str, policy: str = "blocks", make=lambda: GPT(layers=3
         return [f"{where}: compiled on torch {torch.__version__}, older than {RECOMPUTE_COMPILED_FROM}"]
     run = train_side_by_side(make, batches, mesh, lr=LR, eps=EPS, activation_checkpoint=policy,
                              backend=backend)
-    if backend == "inductor":
+    if in_step:
+        # the policy is a pass of the step program: each part one inductor graph, and the
+        # pass moved ops of the blocks (no collective, no draw) to backward
+        out = []
+        for jp in run.sm._joint.values():
+            for part in jp.runners():
+                if not isinstance(part, WholePart) or part.compiled is None or part.fallbacks:
+                    out.append(f"{where}: a part did not run as one inductor graph: {part.fallbacks}")
+            remat = jp.forward.meta.get(REMAT)
+            if remat is None or not remat.blocks:
+                out.append(f"{where}: the selective policy recomputed nothing in the blocks")
+        if not run.sm._joint:
+            out.append(f"{where}: the step program was not built")
+        if out:
+            return out
+    elif backend == "inductor":
         # every segment's pieces ran compiled: none fell back to eager, none was skipped
         pieces = [p for prog in run.sm._recompute_programs for p in prog._pieces.values()]
         ran = [p for p in pieces if p.tried and p.compiled is not None]
@@ -98,6 +116,10 @@ def _train_failures(spec: str, policy: str = "blocks", make=lambda: GPT(layers=3
     fwd = {(r.node, r.collective) for r in rep.rows if r.phase == "forward"
            and r.collective in ("all_gather", "all_reduce")}
     again = [r for r in rep.rows if r.phase == "backward" and (r.node, r.collective) in fwd]
+    if in_step:
+        # inside the step program the collectives' outputs are saved, never re-issued:
+        # the step moves what it moves without recompute
+        return out + [f"{where}: re-issued in backward: {r.node} {r.collective}" for r in again]
     if not again:
         out.append(f"{where}: no forward collective is re-issued in backward: nothing recomputed")
     if mesh.z > 1 and not any(r.collective == "all_gather" and r.param for r in again):
@@ -224,6 +246,12 @@ CASES: dict[str, Callable[[int], list[str]]] = {
     # the fp32 rounding, not its order of magnitude). Dropout's draws run eagerly between
     # the pieces, and the checkpoint's replay restores the random state for them.
     "gpt-blocks-inductor-x1y1z2d2": lambda rank: _train_failures("x1y1z2d2", backend="inductor"),
+    # a selective policy under inductor is a pass of the step program (passes/remat.py):
+    # the same bounds; dropout's masks are saved, the ops around them recomputed
+    "gpt-selective-inductor-x2y1z2d1": lambda rank: _train_failures("x2y1z2d1", "selective",
+                                                                    backend="inductor"),
+    "llama-selective-inductor-x1y2z1d2": lambda rank: _train_failures("x1y2z1d2", "selective", llama,
+                                                                      "llama", backend="inductor"),
     "llama-blocks-inductor-x2y1z1d2": lambda rank: _train_failures("x2y1z1d2", "blocks", llama, "llama",
                                                                    backend="inductor"),
     # the model's own torch.utils.checkpoint calls, honoured without any option

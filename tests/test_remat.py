@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import operator
 from typing import Any, Callable
 
 import pytest
@@ -20,7 +21,8 @@ from models import GPT, gpt2, llama
 
 import shardc
 from shardc.core.context import COMM, CompileContext
-from shardc.core.ir import DEFERRED, StepProgram
+from shardc.core.ir import DEFERRED, StepProgram, op_named
+from shardc.passes.recompute import BLOCK, mark_blocks, repeated_blocks
 from shardc.passes.remat import REMAT, remat_pass
 from shardc.tools.models import lm_batch
 
@@ -165,3 +167,75 @@ def test_a_value_written_in_place_is_never_read_by_a_recompute() -> None:
     _, grads_b = _run(before, [x.clone()], [tangent])
     _, grads_a = _run(after, [x.clone()], [tangent])
     assert torch.equal(grads_a[0], grads_b[0])
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_selective_policy_recomputes_every_block_op_it_does_not_save(fake_world, name: str) -> None:
+    """``activation_checkpoint="selective"`` under inductor is this pass with a policy: of
+    what forward saves, a block keeps only its GEMM and attention outputs, what a
+    collective or a draw made, and what came from outside the block; the rest is
+    recomputed in backward, bit for bit, moving no extra bytes (on x2 z2: all-reduces and
+    weight gathers inside every block)."""
+    fake_world(4)
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    batch = lm_batch(4, 16, 64)
+    sm = shardc.compile(model, shardc.Mesh(x=2, z=2), batch)  # eager: the pass leaves it alone
+    mark_blocks(sm.graph_module, repeated_blocks(model))  # what compile does for the policy
+    jp, primals, tangents = _recorded_step(sm, tuple(shardc.shard_batch(t, sm.mesh) for t in batch))
+    before = StepProgram(copy.deepcopy(jp.forward), copy.deepcopy(jp.backward), jp.n_outputs,
+                         jp.diff_outputs, jp.grad_of, jp.joint)
+    cheap = remat_pass(copy.deepcopy(before), dataclasses.replace(
+        sm.ctx, options=dataclasses.replace(sm.ctx.options, backend="inductor")))
+    policy = shardc.Selective()
+    ctx = dataclasses.replace(sm.ctx, options=dataclasses.replace(
+        sm.ctx.options, backend="inductor", activation_checkpoint=policy))
+    after = remat_pass(copy.deepcopy(before), ctx)
+
+    remat = after.forward.meta[REMAT]
+    # never more storage than the bytes-driven pass keeps (for the small GPTs the cheap ops
+    # between their GEMMs are already recomputed by bytes; Llama's RMSNorm keeps less here)
+    assert remat.blocks > 0 and remat.after < remat.before, remat.describe()
+    assert remat.after <= cheap.forward.meta[REMAT].after, (remat.describe(), cheap.forward.meta[REMAT].describe())
+    keep = {op_named(n) for n in policy.save}
+
+    def kept(n: torch.fx.Node) -> bool:
+        """Made by what the policy saves: a GEMM or attention (an element of its tuple
+        too), a collective, a draw or in-place write, or a function outside ATen."""
+        while n.target is operator.getitem:
+            n = n.args[0]
+        t = n.target
+        if not isinstance(t, torch._ops.OpOverload) or t.namespace != "aten" or COMM in n.meta:
+            return True
+        return (t.overloadpacket in keep or t._schema.is_mutable
+                or torch.Tag.nondeterministic_seeded in t.tags)
+
+    def reads_a_write(n: torch.fx.Node) -> bool:
+        # a dropout's mask is scaled in place after its draw: never re-read by a recompute
+        return any(isinstance(a.target, torch._ops.OpOverload) and a.target._schema.is_mutable
+                   for a in n.all_input_nodes)
+
+    saved = fwd_outputs(after.forward)[after.n_outputs:]
+    in_blocks = [s for s in saved if isinstance(s, torch.fx.Node) and s.meta.get(BLOCK)]
+    assert in_blocks, "the trace lost the blocks' marks"
+    left = [s for s in in_blocks if not kept(s) and not reads_a_write(s)]
+    # a value the policy would recompute stays saved only where its recompute would keep
+    # more storage than it frees (GPT's residual sum on x2: the all-reduced projection
+    # plus its gathered bias, for the sum alone): so never one whose inputs are all saved
+    have = set(saved)
+    free = [s.format_node() for s in left
+            if all(a in have or a.op == "placeholder" for a in s.all_input_nodes)]
+    assert free == [], free
+    if name == "llama":
+        # RMSNorm and SwiGLU between the GEMMs: all of it is recomputed
+        assert left == [], [s.format_node() for s in left]
+    for part in ("forward", "backward"):
+        a, b = getattr(after, part), getattr(before, part)
+        assert _ops(a, lambda n: COMM in n.meta) == _ops(b, lambda n: COMM in n.meta)
+    assert _ops(after.backward, _random) == []
+
+    outs_b, grads_b = _run(before, primals, tangents)
+    outs_a, grads_a = _run(after, primals, tangents)
+    for x, y in zip(outs_a + grads_a, outs_b + grads_b):
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y)

@@ -63,8 +63,11 @@ class Options:
     ``"selective"`` (or ``shardc.Selective(save=[...])``) cuts the same blocks but keeps
     the outputs of their GEMMs and attention (or of the ops named) and recomputes the
     rest, as torch's selective activation checkpointing does. With ``backend="inductor"``
-    each segment's compute runs compiled between its collectives; the selective policy is
-    refused there (it chooses what to save op by op, and compiled code runs fused kernels).
+    each "blocks" segment's compute runs compiled between its collectives; a selective
+    policy is applied inside the step program instead (``passes/remat.py``: the ops of a
+    block it does not save move to the backward part, where inductor fuses them into the
+    kernels that read them; collectives and random draws keep their outputs saved, so the
+    step moves no extra bytes), and the step passes apply.
     ``precision="bf16"`` computes and communicates in bf16 with fp32 parameters and
     gradient reductions; a ``shardc.Precision(compute, reduce)`` says both dtypes (see
     ``shardc.core.precision``). ``shard_optimizer=True`` shards the optimizer state
@@ -176,8 +179,16 @@ class Options:
 
     @property
     def recompute(self) -> bool:
-        """Does the program recompute blocks in backward ("blocks" or a selective policy)?"""
-        return bool(self.activation_checkpoint != "none")
+        """Does the forward program recompute blocks in backward under autograd's
+        checkpoint ("blocks", or a selective policy with the eager backend)? Then the step
+        program does not run."""
+        return bool(self.activation_checkpoint != "none") and not self.recompute_in_step
+
+    @property
+    def recompute_in_step(self) -> bool:
+        """Is a selective policy applied inside the step program (``backend="inductor"``):
+        ``passes/remat.py`` moves the ops it does not save into the backward part?"""
+        return isinstance(self.activation_checkpoint, Selective) and self.backend == "inductor"
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -219,15 +230,14 @@ class Options:
                 f"torch >= {'.'.join(map(str, RECOMPUTE_COMPILED_FROM))} (this is {torch.__version__}): "
                 "on older torch the gradient hooks of parameters read by compiled code inside a "
                 "checkpoint did not fire, so their gradients went unreduced. Use one of them.")
-        if isinstance(self.activation_checkpoint, Selective) and self.backend != "eager":
-            # the policy decides op by op, as each op runs, what to save; compiled code
-            # runs fused kernels the policy never sees, so it would save nothing it names
-            # and recompute everything: "blocks" under another name
+        if self.recompute_in_step and not self.step_graph:
+            # under inductor the policy is a pass of the step program (remat.py): compiled
+            # code runs fused kernels a per-op policy would never see
             raise OptionError("shardc.compile: selective recompute (activation_checkpoint="
-                             f"{self.activation_checkpoint!r}) with backend={self.backend!r} is not "
-                             "supported: the policy picks the ops to save as they run, and compiled "
-                             "code runs fused kernels it never sees. Use activation_checkpoint='blocks' "
-                             "with this backend, or backend='eager'.")
+                             f"{self.activation_checkpoint!r}) with backend={self.backend!r} is "
+                             "applied inside the step program, which step_graph=False does not "
+                             "run; use step_graph=True, activation_checkpoint='blocks', or "
+                             "backend='eager'.")
         if self.reshard_after_forward and self.recompute:
             raise OptionError("shardc.compile: reshard_after_forward=True is a pass of the "
                              "step program, which block or selective recompute does not "

@@ -22,7 +22,7 @@ from shardc.core.mesh import Mesh
 from shardc.core.options import Options
 from shardc.core.placement import Layout
 from shardc.passes import aliases, run_pipeline
-from shardc.passes.recompute import RECOMPUTE, mark_and_split, repeated_blocks
+from shardc.passes.recompute import RECOMPUTE, mark_and_split, mark_blocks, repeated_blocks
 from shardc.passes.trace import checkpointed_modules, trace
 from shardc.program.backend import build_runner, compile_segments
 from shardc.program.module import ShardedModule
@@ -144,8 +144,20 @@ def build(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
                          grad_inputs=grad_inputs)
     program = run_pipeline(ep.graph_module, ctx)
     sm = ShardedModule(program, ctx, model, ep, canonical, runtime)
-    if options.recompute and blocks == []:
+    if (options.recompute or options.recompute_in_step) and blocks == []:
         pass  # a pipeline stage that holds no block (the embeddings alone): nothing to recompute
+    elif options.recompute_in_step:
+        # backend="inductor": the selective policy is a pass of the step program
+        # (passes/remat.py), which reads each node's block from this mark
+        blocks = repeated_blocks(model) if blocks is None else blocks
+        if not blocks:
+            raise ShardcError(
+                f"shardc.compile: activation_checkpoint={options.activation_checkpoint!r} found "
+                f"no repeated blocks in {type(model).__name__} (a ModuleList or Sequential of "
+                "two or more modules of one class). Use activation_checkpoint='none'.")
+        mark_blocks(program, blocks)
+        sm.decisions.append(f"selective recompute inside the step program: {len(blocks)} blocks; "
+                            "what the policy does not save is recomputed in backward (remat)")
     elif options.recompute:
         # a pipeline stage's program is a GraphModule cut from the model's graph: its
         # blocks are the ones the cut gave it, by the model's module names

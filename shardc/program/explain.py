@@ -277,6 +277,10 @@ def _step_section(sm: Any) -> list[str]:
         remat = jp.forward.meta.get(REMAT)
         if remat is not None:
             lines.append(f"    {remat.describe()}")
+        if o.recompute_in_step:
+            lines.append(f"    selective recompute (save {', '.join(o.activation_checkpoint.save)}) "
+                         "is applied here: each block's other ops are recomputed in backward, its "
+                         "collectives' outputs and random draws stay saved (no collective is re-issued)")
     lines.append("")
     return lines
 

@@ -62,7 +62,7 @@ def refuse_with_stages(options: Options, input_layouts: Any) -> None:
             raise OptionError(
                 f"shardc.compile: {name}={getattr(options, name)!r} with pipe > 1 is not supported yet "
                 "(docs/pipeline.md lists what a pipeline runs); leave it at its default.")
-    if options.recompute and options.schedule == "zero_bubble":
+    if options.activation_checkpoint != "none" and options.schedule == "zero_bubble":
         raise OptionError(
             f"shardc.compile: activation_checkpoint={options.activation_checkpoint!r} with "
             "schedule='zero_bubble': its backward runs in two passes (input gradients, then weight "
