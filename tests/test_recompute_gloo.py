@@ -60,9 +60,9 @@ class SelfCheckpointedReentrant(SelfCheckpointed):
 
 
 def _train_failures(spec: str, policy: str = "blocks", make=lambda: GPT(layers=3, dropout=0.1),
-                    name: str = "gpt", backend: str = "eager") -> list[str]:
+                    name: str = "gpt", backend: str = "eager", **opts: Any) -> list[str]:
     mesh = shardc.Mesh.parse(spec)
-    where = f"{name} {policy}@{spec} {backend}"
+    where = f"{name} {policy}@{spec} {backend} {opts or ''}"
     batches = _batches(3)
     in_step = policy == "selective" and backend == "inductor"
     if backend != "eager" and not in_step and torch_version() < RECOMPUTE_COMPILED_FROM:
@@ -74,7 +74,7 @@ def _train_failures(spec: str, policy: str = "blocks", make=lambda: GPT(layers=3
             return [] if "needs torch >=" in str(e) else [f"{where}: refused for another reason: {e}"]
         return [f"{where}: compiled on torch {torch.__version__}, older than {RECOMPUTE_COMPILED_FROM}"]
     run = train_side_by_side(make, batches, mesh, lr=LR, eps=EPS, activation_checkpoint=policy,
-                             backend=backend)
+                             backend=backend, **opts)
     if in_step:
         # the policy is a pass of the step program: each part one inductor graph, and the
         # pass moved ops of the blocks (no collective, no draw) to backward
@@ -250,8 +250,9 @@ CASES: dict[str, Callable[[int], list[str]]] = {
     # the same bounds; dropout's masks are saved, the ops around them recomputed
     "gpt-selective-inductor-x2y1z2d1": lambda rank: _train_failures("x2y1z2d1", "selective",
                                                                     backend="inductor"),
-    "llama-selective-inductor-x1y2z1d2": lambda rank: _train_failures("x1y2z1d2", "selective", llama,
-                                                                      "llama", backend="inductor"),
+    # with a step option that eager recompute refuses: the GEMMs' NT forms
+    "llama-selective-inductor-nt-x1y2z1d2": lambda rank: _train_failures(
+        "x1y2z1d2", "selective", llama, "llama", backend="inductor", gemm_modes="NT"),
     "llama-blocks-inductor-x2y1z1d2": lambda rank: _train_failures("x2y1z1d2", "blocks", llama, "llama",
                                                                    backend="inductor"),
     # the model's own torch.utils.checkpoint calls, honoured without any option
