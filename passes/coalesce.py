@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 
 from shardc.core.context import COMM, CompileContext
-from shardc.passes.reshard import REGATHER
+from shardc.passes.reshard import ACTIVATION, REGATHER
 from shardc.passes.step_nodes import RUN_FUNCTIONS, collective_nodes
 from shardc.runtime import functional as F
 
@@ -81,7 +81,9 @@ def coalesce_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         c = n.meta[COMM]
         if _wait_of(n) is None:
             continue
-        if n.target is F.run_all_gather and _from_placeholders(n):
+        if n.target is F.run_all_gather and _from_placeholders(n) and not n.meta.get(ACTIVATION):
+            # (an activation gathered again in backward reads a saved value, which this
+            # part sees as a placeholder; packing a block's would hold them all at once)
             kind = "all_gather"
         elif n.target is F.run_reduce_scatter and c["phase"] == "backward" and n.args[1] == "sum":
             kind = "reduce_scatter"

@@ -233,7 +233,7 @@ def _trace(prog: fx.GraphModule, program: fx.GraphModule, ctx: CompileContext,
     for ph, name in zip([n for n in gm.graph.nodes if n.op == "placeholder"], param_names):
         if name is not None:
             ph.meta[PARAM] = name
-    if ctx.options.reshard_after_forward:
+    if ctx.options.reshard_after_forward or ctx.options.recompute_in_step:
 
         gm.meta[N_OUTPUTS] = (n_outputs, n_primals)
         gm = reshard_pass(gm, ctx)

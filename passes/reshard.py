@@ -1,4 +1,5 @@
-"""Reshard after forward: gather weights again in backward instead of keeping them.
+"""Reshard after forward: gather weights (and, under a selective policy inside the step
+program, a block's gathered activations) again in backward instead of keeping them.
 
 Reads:  the unsplit step program's graph (``joint.py``, before its split into forward and
         backward; ``gm.meta[N_OUTPUTS]``), its forward weight all-gathers (an all-gather
@@ -29,6 +30,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from shardc.core.context import COMM, PARAM, CompileContext
+from shardc.passes.recompute import BLOCK
 from shardc.passes.step_nodes import (
     N_OUTPUTS,
     RUN_FUNCTIONS,
@@ -38,6 +40,9 @@ from shardc.passes.step_nodes import (
 from shardc.runtime import functional as F
 
 REGATHER = "shardc_regather_of"  # node.meta of a backward copy: the forward issue's origin
+# node.meta of a backward copy of an activation's gather: its input is a saved activation,
+# which a part's passes see as a placeholder, as they see a weight shard
+ACTIVATION = "shardc_regather_activation"
 
 
 def _weight_gathers(g: fx.Graph, fwd: set[fx.Node]) -> list[fx.Node]:
@@ -94,16 +99,51 @@ def _random(n: fx.Node) -> bool:
     return any(k in name for k in ("rand", "bernoulli", "dropout", "normal", "uniform"))
 
 
+def _activation_gathers(g: fx.Graph, fwd: set[fx.Node], weights: list[fx.Node]) -> list[fx.Node]:
+    """Forward all-gathers of activations inside a repeated block (``meta[BLOCK]``):
+    sequence parallelism's gather before a column-parallel GEMM."""
+    return [n for n in collective_nodes(g) if n in fwd and n.target is F.run_all_gather
+            and n.meta.get(BLOCK) is not None and n not in weights]
+
+
+def _gathered_chain(issue: fx.Node, fwd: set[fx.Node]) -> list[fx.Node]:
+    """The issue, its wait, and the forward ops computed from the gathered buffer alone
+    (views, casts): an activation's gather reads its input from forward as it is."""
+    inside: set[fx.Node] = {issue}
+    frontier = list(issue.users)
+    while frontier:
+        u = frontier.pop()
+        if u in inside or u not in fwd or u.op != "call_function":
+            continue
+        if any(a not in inside for a in u.all_input_nodes):
+            continue
+        if _random(u) or u.target in RUN_FUNCTIONS or (u.target is F.WAIT and u.args[0] is not issue):
+            continue
+        inside.add(u)
+        frontier.extend(u.users)
+    order = {n: i for i, n in enumerate(issue.graph.nodes)}
+    return sorted(inside, key=order.__getitem__)
+
+
 def reshard_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    if not ctx.options.reshard_after_forward:
+    weights = ctx.options.reshard_after_forward
+    # a selective policy inside the step program (remat.py) frees a block's activations;
+    # the largest a block keeps on a tensor-parallel mesh are its gathered inputs, so it
+    # gathers them again in backward, as Megatron does with sequence parallelism
+    activations = ctx.options.recompute_in_step
+    if not (weights or activations):
         return gm
     g = gm.graph
     n_outputs, n_primals = gm.meta[N_OUTPUTS]
     fwd = forward_nodes(g, n_outputs, n_primals)
     order = {n: i for i, n in enumerate(g.nodes)}
     copies: list[tuple[list[fx.Node], fx.Node]] = []  # (issue and its input ops, its wait)
-    for issue in _weight_gathers(g, fwd):
-        chain = _chain(issue, fwd)
+    gathers = _weight_gathers(g, fwd)
+    chains = [(i, _chain(i, fwd)) for i in gathers] if weights else []
+    if activations:
+        chains += [(i, _gathered_chain(i, fwd)) for i in _activation_gathers(g, fwd, gathers)]
+    acts = {i for i, _ in chains} - set(gathers)
+    for issue, chain in chains:
         chain_set = set(chain)
         # the chain's values that backward reads
         uses = [(c, u) for c in chain for u in c.users
@@ -120,6 +160,8 @@ def reshard_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                     new.args = (*c.args[:-1], "backward")
                     new.meta[COMM] = dict(c.meta[COMM], phase="backward")
                     new.meta[REGATHER] = c.meta[COMM].get("origin", c.name)
+                    if issue in acts:
+                        new.meta[ACTIVATION] = True
         for c, u in uses:
             u.replace_input_with(c, env[c])
         wait = next(w for w in env[issue].users if w.target is F.WAIT)

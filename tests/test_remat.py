@@ -20,10 +20,15 @@ import torch
 from models import GPT, gpt2, llama
 
 import shardc
-from shardc.core.context import COMM, CompileContext
+from shardc.core.context import COMM, PARAM, CompileContext
 from shardc.core.ir import DEFERRED, StepProgram, op_named
+from shardc.passes import run_step_pipeline
+from shardc.passes.aliases import view_of
+from shardc.passes.joint import trace_joint
 from shardc.passes.recompute import BLOCK, mark_blocks, repeated_blocks
 from shardc.passes.remat import REMAT, remat_pass
+from shardc.passes.reshard import REGATHER
+from shardc.runtime import functional as F
 from shardc.tools.models import lm_batch
 
 pytestmark: list = []  # one process, fake group: the fast tier
@@ -169,13 +174,21 @@ def test_a_value_written_in_place_is_never_read_by_a_recompute() -> None:
     assert torch.equal(grads_a[0], grads_b[0])
 
 
+def _step_program(sm: shardc.ShardedModule, ctx: CompileContext, primals: list) -> StepProgram:
+    """The step program ``build`` makes for ``primals`` under ``ctx`` (not compiled)."""
+    needs = [isinstance(a, torch.Tensor) and a.requires_grad for a in primals]
+    names = [t if role == "param" else None for role, t in sm._feeds]
+    return remat_pass(run_step_pipeline(trace_joint(sm.graph_module, ctx, primals, needs, names), ctx), ctx)
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_a_selective_policy_recomputes_every_block_op_it_does_not_save(fake_world, name: str) -> None:
     """``activation_checkpoint="selective"`` under inductor is this pass with a policy: of
-    what forward saves, a block keeps only its GEMM and attention outputs, what a
-    collective or a draw made, and what came from outside the block; the rest is
-    recomputed in backward, bit for bit, moving no extra bytes (on x2 z2: all-reduces and
-    weight gathers inside every block)."""
+    what forward saves, a block keeps its GEMM and attention outputs, what a draw made,
+    what came from outside the block, and what a collective made, except the activations
+    it all-gathers (sequence parallelism's GEMM inputs), which backward gathers again; the
+    rest is recomputed in backward, bit for bit (on x2 z2: all-reduces, reduce-scatters,
+    activation and weight gathers inside every block)."""
     fake_world(4)
     torch.manual_seed(0)
     model = MODELS[name]()
@@ -183,20 +196,18 @@ def test_a_selective_policy_recomputes_every_block_op_it_does_not_save(fake_worl
     sm = shardc.compile(model, shardc.Mesh(x=2, z=2), batch)  # eager: the pass leaves it alone
     mark_blocks(sm.graph_module, repeated_blocks(model))  # what compile does for the policy
     jp, primals, tangents = _recorded_step(sm, tuple(shardc.shard_batch(t, sm.mesh) for t in batch))
-    before = StepProgram(copy.deepcopy(jp.forward), copy.deepcopy(jp.backward), jp.n_outputs,
-                         jp.diff_outputs, jp.grad_of, jp.joint)
-    cheap = remat_pass(copy.deepcopy(before), dataclasses.replace(
-        sm.ctx, options=dataclasses.replace(sm.ctx.options, backend="inductor")))
+    inductor = dataclasses.replace(sm.ctx.options, backend="inductor")
+    cheap = _step_program(sm, dataclasses.replace(sm.ctx, options=inductor), primals)
     policy = shardc.Selective()
-    ctx = dataclasses.replace(sm.ctx, options=dataclasses.replace(
-        sm.ctx.options, backend="inductor", activation_checkpoint=policy))
-    after = remat_pass(copy.deepcopy(before), ctx)
+    after = _step_program(sm, dataclasses.replace(sm.ctx, options=dataclasses.replace(
+        inductor, activation_checkpoint=policy)), primals)
+    before = jp
 
     remat = after.forward.meta[REMAT]
-    # never more storage than the bytes-driven pass keeps (for the small GPTs the cheap ops
-    # between their GEMMs are already recomputed by bytes; Llama's RMSNorm keeps less here)
-    assert remat.blocks > 0 and remat.after < remat.before, remat.describe()
-    assert remat.after <= cheap.forward.meta[REMAT].after, (remat.describe(), cheap.forward.meta[REMAT].describe())
+    # less storage than the bytes-driven pass keeps (which already recomputes the small
+    # GPTs' cheap ops between their GEMMs): the gathered activations are gone
+    assert remat.blocks > 0 and remat.after < cheap.forward.meta[REMAT].after, \
+        (remat.describe(), cheap.forward.meta[REMAT].describe())
     keep = {op_named(n) for n in policy.save}
 
     def kept(n: torch.fx.Node) -> bool:
@@ -229,9 +240,18 @@ def test_a_selective_policy_recomputes_every_block_op_it_does_not_save(fake_worl
     if name == "llama":
         # RMSNorm and SwiGLU between the GEMMs: all of it is recomputed
         assert left == [], [s.format_node() for s in left]
-    for part in ("forward", "backward"):
-        a, b = getattr(after, part), getattr(before, part)
-        assert _ops(a, lambda n: COMM in n.meta) == _ops(b, lambda n: COMM in n.meta)
+    # no activation all-gather's output is saved: backward gathers each again
+    gathered = [s.format_node() for s in in_blocks if _made_by_activation_gather(s)]
+    assert gathered == [], gathered
+    again = [n for n in after.backward.graph.nodes if n.meta.get(REGATHER)]
+    assert again and all(n.meta[COMM]["collective"] == "all_gather" and n.meta[COMM]["phase"] == "backward"
+                         for n in again)
+    # forward's collectives do not move; backward has the re-gathers besides its own (as
+    # inductor's program packs them: it buckets gradients differently from eager's)
+    comm = lambda n: COMM in n.meta  # noqa: E731
+    assert _ops(after.forward, comm) == _ops(cheap.forward, comm)
+    assert sorted(_ops(after.backward, lambda n: comm(n) and not n.meta.get(REGATHER))) == \
+        sorted(_ops(cheap.backward, comm))
     assert _ops(after.backward, _random) == []
 
     outs_b, grads_b = _run(before, primals, tangents)
@@ -239,3 +259,23 @@ def test_a_selective_policy_recomputes_every_block_op_it_does_not_save(fake_worl
     for x, y in zip(outs_a + grads_a, outs_b + grads_b):
         if isinstance(x, torch.Tensor):
             assert torch.equal(x, y)
+
+
+def _made_by_activation_gather(n: torch.fx.Node) -> bool:
+    """Is ``n`` (through views) the wait of an all-gather whose input is not a weight?"""
+    while view_of(n) is not None:
+        n = view_of(n)
+    if n.target is not F.WAIT:
+        return False
+    issue = n.args[0]
+    return issue.meta[COMM]["collective"] == "all_gather" and not _from_params(issue.args[0])
+
+
+def _from_params(n: Any) -> bool:
+    if not isinstance(n, torch.fx.Node):
+        return True
+    if n.op == "placeholder":
+        return PARAM in n.meta
+    if n.target is F.WAIT or COMM in n.meta:
+        return False
+    return all(_from_params(a) for a in n.all_input_nodes)

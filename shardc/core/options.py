@@ -66,8 +66,9 @@ class Options:
     each "blocks" segment's compute runs compiled between its collectives; a selective
     policy is applied inside the step program instead (``passes/remat.py``: the ops of a
     block it does not save move to the backward part, where inductor fuses them into the
-    kernels that read them; collectives and random draws keep their outputs saved, so the
-    step moves no extra bytes), and the step passes apply.
+    kernels that read them; an activation a block all-gathers is gathered again in
+    backward, as Megatron does; other collectives and random draws keep their outputs
+    saved), and the step passes apply.
     ``precision="bf16"`` computes and communicates in bf16 with fp32 parameters and
     gradient reductions; a ``shardc.Precision(compute, reduce)`` says both dtypes (see
     ``shardc.core.precision``). ``shard_optimizer=True`` shards the optimizer state

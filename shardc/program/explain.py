@@ -280,7 +280,8 @@ def _step_section(sm: Any) -> list[str]:
         if o.recompute_in_step:
             lines.append(f"    selective recompute (save {', '.join(o.activation_checkpoint.save)}) "
                          "is applied here: each block's other ops are recomputed in backward, its "
-                         "collectives' outputs and random draws stay saved (no collective is re-issued)")
+                         "activations' all-gathers are issued again there, its other collectives' "
+                         "outputs and its random draws stay saved")
     lines.append("")
     return lines
 

@@ -458,10 +458,11 @@ class ShardedModule(nn.Module):
 
     def regathered(self) -> list[str]:
         """With ``reshard_after_forward``: the forward program's all-gather nodes whose
-        weight the step program gathers again in backward. Traced offline (fake tensors,
-        no communication) when no step has run yet."""
+        weight the step program gathers again in backward (and, with a selective policy
+        inside the step program, whose activation it gathers again). Traced offline (fake
+        tensors, no communication) when no step has run yet."""
 
-        if not self.ctx.options.reshard_after_forward:
+        if not (self.ctx.options.reshard_after_forward or self.ctx.options.recompute_in_step):
             return []
         built = [jp for jp in self._joint.values()]
         if built:
