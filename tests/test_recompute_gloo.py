@@ -119,8 +119,11 @@ def _train_failures(spec: str, policy: str = "blocks", make=lambda: GPT(layers=3
     if in_step:
         # inside the step program a collective's output is saved, except an activation's
         # all-gather (sequence parallelism's GEMM input), which backward gathers again
+        # (with reshard_after_forward the weights' gathers too)
         out += [f"{where}: re-issued in backward: {r.node} {r.collective} {r.param or ''}" for r in again
-                if r.collective != "all_gather" or r.param]
+                if r.collective != "all_gather" or r.param and not opts.get("reshard_after_forward")]
+        if "selective recompute (save" not in shardc.explain(sm):
+            out.append(f"{where}: explain does not say where the selective policy runs")
         if not again and any(r.phase == "forward" and r.collective == "all_gather" and not r.param
                              for r in rep.rows):
             out.append(f"{where}: no activation all-gather is gathered again in backward")
@@ -255,7 +258,11 @@ CASES: dict[str, Callable[[int], list[str]]] = {
     # the same bounds; dropout's masks are saved, the ops around them recomputed
     "gpt-selective-inductor-x2y1z2d1": lambda rank: _train_failures("x2y1z2d1", "selective",
                                                                     backend="inductor"),
-    # with a step option that eager recompute refuses: the GEMMs' NT forms
+    # with the step options eager recompute refuses or runs apart from the step program:
+    # weights gathered again in backward beside the activations, ZeRO's sharded optimizer
+    "gpt-selective-inductor-reshard-zero-x2y1z2d1": lambda rank: _train_failures(
+        "x2y1z2d1", "selective", backend="inductor", reshard_after_forward=True, shard_optimizer=True),
+    # the GEMMs' NT forms
     "llama-selective-inductor-nt-x2y1z1d2": lambda rank: _train_failures(
         "x2y1z1d2", "selective", llama, "llama", backend="inductor", gemm_modes="NT"),
     "llama-blocks-inductor-x2y1z1d2": lambda rank: _train_failures("x2y1z1d2", "blocks", llama, "llama",

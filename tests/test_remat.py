@@ -31,6 +31,8 @@ from shardc.passes.reshard import REGATHER
 from shardc.runtime import functional as F
 from shardc.tools.models import lm_batch
 
+aten = torch.ops.aten
+
 pytestmark: list = []  # one process, fake group: the fast tier
 
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
@@ -174,6 +176,45 @@ def test_a_value_written_in_place_is_never_read_by_a_recompute() -> None:
     assert torch.equal(grads_a[0], grads_b[0])
 
 
+def test_a_selective_policy_keeps_gemms_draws_and_written_values() -> None:
+    """The policy's own rules on a small block: a GEMM's output is saved and the ops after
+    it are recomputed from it; nothing draws again, and what reads a value written in place
+    (a draw is written into its buffer, as dropout's mask is) stays saved."""
+    def forward(g, op):
+        x, w = _placeholder(g, "x"), _placeholder(g, "w")
+        w.meta["val"] = torch.empty(8, 8)
+        m = op(aten.mm.default, x, w)               # kept by the policy
+        r = op(aten.relu.default, m)                # recomputed from m
+        b = op(aten.bernoulli_.float, op(aten.empty_like.default, x), 0.5)  # drawn in place
+        d = op(aten.mul.Tensor, r, b)               # reads the draw's buffer: stays saved
+        a = op(aten.mul.Tensor, x, 2.0)
+        op(aten.mul_.Tensor, a, 3.0)                # a is written in place after s reads it
+        s = op(aten.add.Tensor, a, 1.0)             # so s stays saved
+        return (op(aten.sum.default, d), r, d, s)
+
+    def backward(g, op):
+        r, d, s, tangent = (_placeholder(g, n) for n in ("r", "d", "s", "tangent"))
+        return (op(aten.mul.Tensor, op(aten.add.Tensor, op(aten.mul.Tensor, r, d), s), tangent),)
+
+    fwd, bwd = _graph(forward), _graph(backward)
+    for n in fwd.graph.nodes:
+        if n.op == "call_function":
+            n.meta[BLOCK] = "blocks.0"
+    jp = StepProgram(fwd, bwd, n_outputs=1, diff_outputs=[0], grad_of=[0], joint=fwd)
+    before = StepProgram(copy.deepcopy(fwd), copy.deepcopy(bwd), 1, [0], [0], fwd)
+    ctx = CompileContext(mesh=shardc.Mesh(), rt="remat-test", options=shardc.Options(
+        backend="inductor", activation_checkpoint="selective"))
+    after = remat_pass(jp, ctx)
+    saved = {str(n.target) for n in fwd_outputs(after.forward)[1:]}
+    assert saved == {"aten.mm.default", "aten.mul.Tensor", "aten.add.Tensor"}, saved
+    assert after.forward.meta[REMAT].blocks == 1  # the relu
+    assert _ops(after.backward, _random) == [] and _ops(after.backward, lambda n: "mm" in str(n.target)) == []
+    x, w, tangent = torch.randn(4, 8), torch.randn(8, 8), torch.randn(4, 8)
+    _, grads_b = _run(before, [x.clone(), w], [tangent])
+    _, grads_a = _run(after, [x.clone(), w], [tangent])
+    assert torch.equal(grads_a[0], grads_b[0])
+
+
 def _step_program(sm: shardc.ShardedModule, ctx: CompileContext, primals: list) -> StepProgram:
     """The step program ``build`` makes for ``primals`` under ``ctx`` (not compiled)."""
     needs = [isinstance(a, torch.Tensor) and a.requires_grad for a in primals]
@@ -253,6 +294,9 @@ def test_a_selective_policy_recomputes_every_block_op_it_does_not_save(fake_worl
     assert sorted(_ops(after.backward, lambda n: comm(n) and not n.meta.get(REGATHER))) == \
         sorted(_ops(cheap.backward, comm))
     assert _ops(after.backward, _random) == []
+    # nothing the policy saves is computed again: backward runs the GEMMs it ran before
+    gemm = lambda n: getattr(n.target, "overloadpacket", None) in keep  # noqa: E731
+    assert len(_ops(after.backward, gemm)) == len(_ops(cheap.backward, gemm))
 
     outs_b, grads_b = _run(before, primals, tangents)
     outs_a, grads_a = _run(after, primals, tangents)
