@@ -146,19 +146,7 @@ def build(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
     sm = ShardedModule(program, ctx, model, ep, canonical, runtime)
     if (options.recompute or options.recompute_in_step) and blocks == []:
         pass  # a pipeline stage that holds no block (the embeddings alone): nothing to recompute
-    elif options.recompute_in_step:
-        # backend="inductor": the selective policy is a pass of the step program
-        # (passes/remat.py), which reads each node's block from this mark
-        blocks = repeated_blocks(model) if blocks is None else blocks
-        if not blocks:
-            raise ShardcError(
-                f"shardc.compile: activation_checkpoint={options.activation_checkpoint!r} found "
-                f"no repeated blocks in {type(model).__name__} (a ModuleList or Sequential of "
-                "two or more modules of one class). Use activation_checkpoint='none'.")
-        mark_blocks(program, blocks)
-        sm.decisions.append(f"selective recompute inside the step program: {len(blocks)} blocks; "
-                            "what the policy does not save is recomputed in backward (remat)")
-    elif options.recompute:
+    elif options.recompute or options.recompute_in_step:
         # a pipeline stage's program is a GraphModule cut from the model's graph: its
         # blocks are the ones the cut gave it, by the model's module names
         blocks = repeated_blocks(model) if blocks is None else blocks
@@ -167,9 +155,16 @@ def build(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
                 f"shardc.compile: activation_checkpoint={options.activation_checkpoint!r} found "
                 f"no repeated blocks in {type(model).__name__} (a ModuleList or Sequential of "
                 "two or more modules of one class). Use activation_checkpoint='none'.")
-        selective = options.activation_checkpoint if isinstance(options.activation_checkpoint,
-                                                                Selective) else None
-        object.__setattr__(sm, "_recompute", mark_and_split(program, blocks, runtime.key, selective))
+        if options.recompute_in_step:
+            # backend="inductor": the selective policy is a pass of the step program
+            # (passes/remat.py), which reads each node's block from this mark
+            mark_blocks(program, blocks)
+            sm.decisions.append(f"selective recompute inside the step program: {len(blocks)} blocks; "
+                                "what the policy does not save is recomputed in backward (remat)")
+        else:
+            selective = options.activation_checkpoint if isinstance(options.activation_checkpoint,
+                                                                    Selective) else None
+            object.__setattr__(sm, "_recompute", mark_and_split(program, blocks, runtime.key, selective))
     elif own_blocks:
         # the model's own torch.utils.checkpoint calls on submodules, honoured: those
         # modules' segments of the rank's program are recomputed in backward
