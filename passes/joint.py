@@ -77,7 +77,7 @@ class _NamingInterpreter(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         F.STATE.node = n.name
         block = n.meta.get(BLOCK)
-        graph = _tracing_graph() if block is not None else None
+        graph = tracing_graph() if block is not None else None
         start = len(graph.nodes) if graph is not None else 0
         try:
             return super().run_node(n)
@@ -90,7 +90,7 @@ class _NamingInterpreter(fx.Interpreter):
                     m.meta[BLOCK] = block
 
 
-def _tracing_graph() -> fx.Graph | None:
+def tracing_graph() -> fx.Graph | None:
     """The graph make_fx is writing (older torch names the mode's getter differently)."""
     current: Any = getattr(proxy_tensor, "get_proxy_mode", None) or proxy_tensor.get_innermost_proxy_mode
     mode = current()

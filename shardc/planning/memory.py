@@ -43,12 +43,11 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardc.core.compat import checkpoint_whole
 from shardc.core.ir import Selective, op_named
-from shardc.passes.joint import SWAP, trace_joint
+from shardc.passes.joint import SWAP, trace_joint, tracing_graph
 from shardc.passes.recompute import Checkpointed
 from shardc.runtime import functional as F
 from shardc.runtime.collectives import get_runtime
@@ -309,10 +308,8 @@ def _trace_forward_program(sm: Any, args: list[Any], needs: list[bool]
 
     def recording(inner: Callable, block: int) -> Callable:
         def call(*a: Any) -> Any:
-            # the tracing mode's graph (get_proxy_mode; older torch: the legacy name)
-            current: Any = getattr(proxy_tensor, "get_proxy_mode", None) or \
-                proxy_tensor.get_innermost_proxy_mode
-            graph = current().tracer.graph
+            graph = tracing_graph()
+            assert graph is not None  # called under make_fx
             start = len(graph.nodes)
             out = inner(*a)
             spans.append((block, start, len(graph.nodes)))
