@@ -4,6 +4,11 @@ reference written the torchtitan way (DDP for the dense part, each rank's expert
 ``all_to_all_single`` dispatch and combine, one GEMM per local expert), side by side.
 
     python benchmarks/experts.py [--ranks 8] [--rounds 5] [--hidden 128] [--ffn 512] [--experts 8]
+                                 [--capacity F]
+
+With ``--capacity F`` a fourth system runs beside them: the experts cut with
+``expert_capacity=F`` (padded, fixed-size all-to-alls, rows past the capacity dropped);
+the rows it dropped and its bytes are printed too.
 
 A transformers Mixtral (2 layers, top 2, its default ``grouped_mm`` experts kernel, which
 on CPU fp32 is transformers' one-GEMM-per-expert fallback) whose experts are most of its
@@ -131,6 +136,11 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> None:
     for name, axes in (("shardc experts cut", ("data",)), ("shardc replicated", None)):
         sm = shardc.compile(copy.deepcopy(base), mesh, example_inputs=batches[0], expert_axes=axes)
         systems[name] = (sm, torch.optim.AdamW(sm.parameters(), lr=1e-4), None)
+    cap = f"shardc capacity {args.capacity:g}" if args.capacity else None
+    if cap:
+        sm = shardc.compile(copy.deepcopy(base), mesh, example_inputs=batches[0], expert_axes=("data",),
+                            expert_capacity=args.capacity)
+        systems[cap] = (sm, torch.optim.AdamW(sm.parameters(), lr=1e-4), None)
     ref, experts = _torch_reference(copy.deepcopy(base), rank, world)
     systems["torch EP + DDP"] = (ref, torch.optim.AdamW(ref.parameters(), lr=1e-4), experts)
     losses: dict[str, float] = {}
@@ -169,6 +179,14 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> None:
     every = [torch.empty_like(tokens) for _ in range(world)]
     dist.all_gather(every, tokens)
     est = {n: estimate(m).step_peak for n, m in (("cut", cut), ("replicated", whole))}
+    dropped = torch.zeros(2, dtype=torch.int64)
+    if cap:
+        capped = systems[cap][0]
+        capped(*local[0]).backward()
+        capped.zero_grad()
+        dropped[0] = sum(sum(v.dropped_per_expert) for v in capped.expert_load().values())
+        dropped[1] = sum(sum(v.sent_per_expert) for v in capped.expert_load().values())
+        dist.all_reduce(dropped)
     if rank != 0:
         return
     n_exp = sum(p.numel() for n, p in base.named_parameters() if ".experts." in n)
@@ -180,7 +198,7 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> None:
     for n, v in times.items():
         print(f"  {n:<20} median {med[n] * 1e3:8.1f} ms (min {min(v) * 1e3:.1f})  first loss {float(losses[n]):.6f}")
     c = "shardc experts cut"
-    for other in ("shardc replicated", "torch EP + DDP"):
+    for other in ("shardc replicated", "torch EP + DDP", *([cap] if cap else [])):
         ratios = [a / b for a, b in zip(times[c], times[other])]
         print(f"  {c} / {other}: {med[c] / med[other]:.3f} (median of per-round ratios "
               f"{statistics.median(ratios):.3f})")
@@ -190,6 +208,10 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> None:
     by = shardc.comm_report(cut).by_key()
     print(f"  all-to-all bytes a step, rank 0 (exact, routed): {a2a / 2**20:.2f} MiB; every collective: "
           + ", ".join(f"{k[0]}@{k[1]} {k[2]} {v / 2**20:.2f} MiB" for k, v in sorted(by.items())))
+    if cap:
+        capped_a2a = sum(r.bytes for r in shardc.comm_report(systems[cap][0]).rows if r.collective == "all_to_all")
+        print(f"  {cap}: all-to-all bytes a step, rank 0 (fixed, padded): {capped_a2a / 2**20:.2f} MiB; "
+              f"rows dropped in one step, all ranks and layers: {int(dropped[0])} of {int(dropped[1])}")
     held = {n: sum(p.numel() for k, p in m.named_parameters() if ".experts." in k)
             for n, m in (("cut", cut), ("replicated", whole))}
     print(f"  expert parameters a rank holds: cut {held['cut'] / 1e6:.3f}M, replicated "
@@ -210,6 +232,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--capacity", type=float, default=None, help="also run expert_capacity=F")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_rank, args=(args.ranks, f"{d}/store", args), nprocs=args.ranks, join=True)

@@ -27,8 +27,17 @@ The backward mirrors it (the output gradients travel to the experts, the input g
 back) and is autograd's over the segment's ops; the local experts' weight gradient is
 whole over ``axis``, since every row that met an expert, from any rank, met it there.
 
-How many rows a rank receives depends on the routing, so nothing of steps 2-4 has a shape
-a trace can know. The op is therefore one opaque ``torch.library`` custom op whose outputs
+With a capacity factor ``f`` (``compile(expert_capacity=f)``) each rank sends each expert
+at most ``C = ceil(f * N / E)`` of its ``N`` rows, the first ``C`` of that expert's run in
+the sorted order, and pads every run to exactly ``C`` rows (zero rows; an integer row
+input, the sorted keys, takes the run's expert number): every all-to-all then moves
+``E * C`` rows whatever the routing, so no counts are exchanged, and a rank's experts
+compute ``E * C`` rows. A row past the capacity is dropped: its output is zero (the token
+keeps its other experts' outputs and its residual) and no gradient reaches it through the
+experts. ``ExpertLoad.dropped_per_expert`` counts the drops.
+
+Dropless, how many rows a rank receives depends on the routing, so nothing of steps 2-4
+has a shape a trace can know. The op is therefore one opaque ``torch.library`` custom op whose outputs
 have the sender's rows, and what its backward needs (the segment's autograd graph, the
 split sizes, the order) waits on the rank in ``STASH`` under the node's key, as autograd's
 saved tensors would. Its backward is a second custom op, so the traced step program and
@@ -44,6 +53,8 @@ routing, and says so).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -96,6 +107,9 @@ class ExpertLoad:
     sent_per_expert: list[int]  # this rank's token-expert rows bound for each expert (all E)
     received_per_rank: list[int]  # rows this rank's experts got from each rank of the last axis
     received_per_expert: list[int]  # rows each of this rank's experts got, from every rank
+    # with a capacity factor: this rank's rows for each expert past its capacity, dropped
+    # (all zero dropless); the received rows then include the padding, which is computed
+    dropped_per_expert: list[int] = dataclasses.field(default_factory=list)
 
     def plus(self, other: "ExpertLoad") -> "ExpertLoad":
         """Both calls' rows (a pipeline step's micro-batches)."""
@@ -103,7 +117,14 @@ class ExpertLoad:
             return [x + y for x, y in zip(a, b)]
         return ExpertLoad(self.axis, add(self.sent_per_expert, other.sent_per_expert),
                           add(self.received_per_rank, other.received_per_rank),
-                          add(self.received_per_expert, other.received_per_expert))
+                          add(self.received_per_expert, other.received_per_expert),
+                          add(self.dropped_per_expert, other.dropped_per_expert))
+
+
+def capacity_rows(factor: float, rows: int, experts: int) -> int:
+    """The rows a rank sends each expert under capacity factor ``factor``, of its ``rows``
+    token-expert rows (GShard's and Megatron's rule: the factor times an even share)."""
+    return max(1, math.ceil(factor * rows / experts))
 
 
 @dataclass
@@ -111,6 +132,7 @@ class _Saved:
     leaves: list[torch.Tensor]  # the segment's inputs (received rows, then others), as leaves
     outs: list[torch.Tensor]  # its outputs, attached to the leaves by autograd
     hops: list["_Hop"]  # the way the rows came
+    pad: "_Pad | None" = None  # with a capacity: where the kept rows sit among the slots
     recomputed: bool = False  # made by a block's recompute, for the backward that follows
 
 
@@ -150,20 +172,25 @@ class _Hop:
 
 
 def _hop(rows: list[torch.Tensor], counts: torch.Tensor, base: int, span: int, rt: str,
-         axis: str, phase: str) -> tuple[list[torch.Tensor], torch.Tensor, int, int, _Hop]:
+         axis: str, phase: str, static: bool = False
+         ) -> tuple[list[torch.Tensor], torch.Tensor, int, int, _Hop]:
     """Move ``rows`` (sorted by expert; ``counts[e]`` of expert e, nonzero only for the
     experts ``base .. base+span`` this rank's position so far leads to) one axis closer to
     their experts: each row goes to the rank of the axis whose coordinate is its expert's
     along that axis. Returns the rows received, sorted by expert again, their counts, and
-    the experts they can still reach (the range of this rank's coordinate)."""
+    the experts they can still reach (the range of this rank's coordinate). ``static``:
+    every rank holds the same counts (padded to a capacity), so none are exchanged."""
     r = get_runtime(rt)
     g = r.mesh.size(axis)
     sub = span // g
     mine = counts[base:base + span].contiguous()
-    recv = torch.empty_like(mine)
-    r.count("all_to_all", axis, phase, mine)
-    with guarded(rt, "all_to_all", axis, phase):
-        dist.all_to_all_single(recv, mine, group=r.group(axis))
+    if static:
+        recv = mine.clone()
+    else:
+        recv = torch.empty_like(mine)
+        r.count("all_to_all", axis, phase, mine)
+        with guarded(rt, "all_to_all", axis, phase):
+            dist.all_to_all_single(recv, mine, group=r.group(axis))
     by_source = recv.view(g, sub)  # [source, expert of this rank's range]: its rows
     sent, got = mine.view(g, sub).sum(1).tolist(), by_source.sum(1).tolist()
     received = [_a2a(x, got, sent, rt, axis, phase) for x in rows]
@@ -177,6 +204,68 @@ def _hop(rows: list[torch.Tensor], counts: torch.Tensor, base: int, span: int, r
     new_counts = torch.zeros_like(counts)
     new_counts[new_base:new_base + sub] = by_source.sum(0)
     return [x[order] for x in received], new_counts, new_base, sub, _Hop(axis, order, sent, got)
+
+
+@dataclass
+class _Pad:
+    """Under a capacity: the rank's sorted rows ``src`` sit at slots ``dst`` of the padded
+    runs (expert e's run is slots e*C .. e*C+C-1); its other rows were dropped."""
+    src: torch.Tensor
+    dst: torch.Tensor
+    rows: int  # the rank's rows, kept or not
+    slots: int  # E * C
+
+
+def _padded(rows: list[torch.Tensor], counts: torch.Tensor, cap: int
+            ) -> tuple[list[torch.Tensor], _Pad, list[int]]:
+    """``rows`` (sorted by expert, ``counts[e]`` of expert e) as runs of exactly ``cap``
+    rows an expert: the first ``cap`` of each run, then padding (zero rows; an integer
+    input, the sorted keys, holds the run's expert, so what it looks up is in range).
+    Returns the padded rows, where the kept rows went, and the rows dropped per expert."""
+    experts = counts.numel()
+    dev = counts.device
+    expert_of = torch.repeat_interleave(torch.arange(experts, device=dev), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.arange(expert_of.numel(), device=dev) - starts[expert_of]
+    src = (pos < cap).nonzero().squeeze(1)
+    dst = expert_of[src] * cap + pos[src]
+    slots = experts * cap
+    slot_expert = torch.arange(experts, device=dev).repeat_interleave(cap)
+    out = []
+    for x in rows:
+        if x.is_floating_point():
+            z = x.new_zeros((slots, *x.shape[1:]))
+        else:
+            z = slot_expert.to(x.dtype).view(-1, *([1] * (x.dim() - 1))).expand(slots, *x.shape[1:]).clone()
+        z[dst] = x[src]
+        out.append(z)
+    pad = _Pad(src, dst, rows[0].shape[0], slots)
+    return out, pad, (counts - cap).clamp(min=0).tolist()
+
+
+def _pad(xs: list[torch.Tensor], pad: _Pad | None) -> list[torch.Tensor]:
+    """Rows in the rank's sorted order to the padded slots (what the dropped rows held is
+    not sent)."""
+    if pad is None:
+        return xs
+    out = []
+    for x in xs:
+        z = x.new_zeros((pad.slots, *x.shape[1:]))
+        z[pad.dst] = x[pad.src]
+        out.append(z)
+    return out
+
+
+def _unpad(xs: list[torch.Tensor], pad: _Pad | None) -> list[torch.Tensor]:
+    """The padded slots back to the rank's sorted rows; a dropped row gets zeros."""
+    if pad is None:
+        return xs
+    out = []
+    for x in xs:
+        z = x.new_zeros((pad.rows, *x.shape[1:]))
+        z[pad.src] = x[pad.dst]
+        out.append(z)
+    return out
 
 
 def _back(xs: list[torch.Tensor], hops: list[_Hop], rt: str, phase: str) -> list[torch.Tensor]:
@@ -196,24 +285,30 @@ def _there(xs: list[torch.Tensor], hops: list[_Hop], rt: str, phase: str) -> lis
 
 # the schemas spelled out: torch 2.6's schema inference takes no ``list[Tensor]``
 @torch.library.custom_op("shardc::expert_region", mutates_args=(), schema=(
-    "(Tensor[] rows, Tensor offs, Tensor[] others, int experts, str rt, str axis, str key) -> Tensor[]"))
+    "(Tensor[] rows, Tensor offs, Tensor[] others, int experts, str rt, str axis, str key, "
+    "float capacity) -> Tensor[]"))
 def expert_region(rows: list[torch.Tensor], offs: torch.Tensor, others: list[torch.Tensor],
-                  experts: int, rt: str, axis: str, key: str) -> list[torch.Tensor]:
+                  experts: int, rt: str, axis: str, key: str, capacity: float) -> list[torch.Tensor]:
     """The expert side of a routing region over ``experts`` experts cut over ``axis``:
     ``rows`` (each sorted by expert, ``offs`` their runs' ends) go to their experts' ranks,
     ``SEGMENTS[key]`` runs there on this rank's experts, and its outputs come back, each
-    row to its place."""
+    row to its place. ``capacity``: a capacity factor (0: dropless)."""
     seg = SEGMENTS[key]
     r = get_runtime(rt)
     phase = "backward" if r.recomputing else "forward"
     ends = offs.to(torch.int64)
     counts = first = torch.diff(ends, prepend=ends.new_zeros(1))  # rows per expert, this rank's
+    pad, dropped = None, [0] * experts
+    if capacity > 0:
+        cap = capacity_rows(capacity, rows[0].shape[0], experts)
+        rows, pad, dropped = _padded(rows, counts, cap)
+        counts = torch.full_like(counts, cap)
     base, span, hops = 0, experts, []
     for a in axis.split(","):  # outer axis first: the rows stay grouped by destination
-        rows, counts, base, span, hop = _hop(rows, counts, base, span, rt, a, phase)
+        rows, counts, base, span, hop = _hop(rows, counts, base, span, rt, a, phase, pad is not None)
         hops.append(hop)
     local = counts[base:base + span]
-    load = ExpertLoad(axis, first.tolist(), hops[-1].got, local.tolist())
+    load = ExpertLoad(axis, first.tolist(), hops[-1].got, local.tolist(), dropped)
     routed = [sum(h.got) for h in hops]
     if r.routed_adds and key in r.routed:
         if not r.recomputing:  # a recomputed block routes its rows again: the same ones
@@ -228,13 +323,13 @@ def expert_region(rows: list[torch.Tensor], offs: torch.Tensor, others: list[tor
         leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in [*rows, *others]]
         outs = list(seg.fn(*leaves[:len(rows)], torch.cumsum(local, 0).to(offs.dtype),
                            *leaves[len(rows):]))
-    STASH.saved[(rt, key)] = STASH.last[(rt, key)] = _Saved(leaves, outs, hops, r.recomputing)
-    return _back([o.detach() for o in outs], hops, rt, phase)
+    STASH.saved[(rt, key)] = STASH.last[(rt, key)] = _Saved(leaves, outs, hops, pad, r.recomputing)
+    return _unpad(_back([o.detach() for o in outs], hops, rt, phase), pad)
 
 
 @expert_region.register_fake
 def _(rows: list[torch.Tensor], offs: torch.Tensor, others: list[torch.Tensor], experts: int,
-      rt: str, axis: str, key: str) -> list[torch.Tensor]:
+      rt: str, axis: str, key: str, capacity: float) -> list[torch.Tensor]:
     n = rows[0].shape[0]
     return [rows[0].new_empty((n, *shape), dtype=dtype) for shape, dtype in SEGMENTS[key].outs]
 
@@ -247,7 +342,7 @@ def expert_region_backward(grads: list[torch.Tensor], rt: str, axis: str, key: s
     ranks) and its others (this rank's experts', whole over ``axis``; a table's, this
     rank's part of the sum)."""
     s = STASH.saved.pop((rt, key))
-    received = _there(list(grads), s.hops, rt, "backward")
+    received = _there(_pad(list(grads), s.pad), s.hops, rt, "backward")
     wants = [t for t in s.leaves if t.requires_grad]
     with _autograd_inside():
         found = torch.autograd.grad(s.outs, wants, received, allow_unused=True)
@@ -264,7 +359,7 @@ def expert_region_backward(grads: list[torch.Tensor], rt: str, axis: str, key: s
             rows.append(g)
         else:  # in the input's own layout, which the fake below gives the trace
             others.append(_laid_out_as(t, g))
-    return _back(rows, s.hops, rt, "backward") + others
+    return _unpad(_back(rows, s.hops, rt, "backward"), s.pad) + others
 
 
 def _laid_out_as(t: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
@@ -287,7 +382,7 @@ def _(grads: list[torch.Tensor], rt: str, axis: str, key: str) -> list[torch.Ten
 
 
 def _setup(ctx: Any, inputs: tuple, output: Any) -> None:
-    rows, _offs, others, _experts, rt, axis, key = inputs
+    rows, _offs, others, _experts, rt, axis, key, _capacity = inputs
     ctx.info = (rt, axis, key)
     ctx.saved = STASH.last.pop((rt, key), None)  # None while a trace runs the fake op
     ctx.outs = [(o.shape, o.dtype, o.device) for o in output]
@@ -309,7 +404,7 @@ def _backward(ctx: Any, grads: list[torch.Tensor]) -> tuple:
     g_rows = [next(found) if f else None for f in rows_f]
     g_others = [next(found) if f else None for f in others_f]
     assert len(seg.rows) == len(g_rows)
-    return g_rows, None, g_others, None, None, None, None
+    return g_rows, None, g_others, None, None, None, None, None
 
 
 expert_region.register_autograd(_backward, setup_context=_setup)

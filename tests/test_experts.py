@@ -31,9 +31,49 @@ def test_expert_axes_is_checked(axes, error, text) -> None:
         shardc.Options(expert_axes=axes)
 
 
-def test_a_capacity_factor_is_refused_not_ignored() -> None:
-    with pytest.raises(shardc.OptionError, match="expert_capacity"):
-        shardc.Options(expert_axes=("data",), expert_capacity=1.25)
+@pytest.mark.parametrize("kw,error,text", [
+    ({"expert_axes": ("data",), "expert_capacity": "1.25"}, shardc.OptionTypeError, "must be a number"),
+    ({"expert_axes": ("data",), "expert_capacity": True}, shardc.OptionTypeError, "must be a number"),
+    ({"expert_axes": ("data",), "expert_capacity": 0}, shardc.OptionError, "finite number > 0"),
+    ({"expert_axes": ("data",), "expert_capacity": float("inf")}, shardc.OptionError, "finite number > 0"),
+    ({"expert_capacity": 1.25}, shardc.OptionError, "without expert_axes"),
+])
+def test_expert_capacity_is_checked(kw, error, text) -> None:
+    with pytest.raises(error, match=text):
+        shardc.Options(**kw)
+
+
+def test_a_capacity_moves_fixed_sizes_known_before_any_step(fake_world) -> None:
+    """Under a capacity factor every rank sends each expert exactly C = ceil(f x rows / E)
+    rows (padded): no counts are exchanged, and every all-to-all's bytes are exact before
+    any step, on each leg; explain says what is dropped and where it is counted."""
+    fake_world(4)
+    sm = shardc.compile(Routed(), shardc.Mesh.parse("x1y1z2d2"), _batch(), expert_axes=("z", "data"),
+                        expert_capacity=1.25)
+    (seg,) = _segments(sm)
+    assert seg.args[7] == 1.25
+    rows = [r for r in shardc.comm_report(sm).rows if r.collective == "all_to_all"]
+    assert rows and all(r.op.endswith("(padded to capacity)") for r in rows), [r.op for r in rows]
+    own = 8 * 4 * 2 // 4  # token-expert rows a rank holds
+    slots = 4 * 5  # E x ceil(1.25 x 16 / 4)
+    x, keys, out = slots * 8 * 4, slots * 8, slots * 8 * 4
+    for axis in ("z", "data"):  # each leg moves the slots, both ways, half of them off-rank
+        fwd = sum(r.bytes for r in rows if r.axis == axis and r.phase == "forward")
+        bwd = sum(r.bytes for r in rows if r.axis == axis and r.phase == "backward")
+        assert fwd == pytest.approx(1 / 2 * (x + keys + out)) and bwd == pytest.approx(1 / 2 * (out + x))
+    assert own < slots
+    text = shardc.explain(sm)
+    assert "capacity factor 1.25" in text and "sm.expert_load()" in text
+
+
+def test_a_capacity_where_the_experts_are_not_cut_is_refused(fake_world) -> None:
+    """A capacity bounds rows on their way to the experts' ranks: on a mesh where the
+    experts' axis has one rank nothing travels, and running dropless would change what
+    the user asked for without a word."""
+    fake_world(2)
+    with pytest.raises(shardc.ShardcError, match="experts are not cut"):
+        shardc.compile(Routed(), shardc.Mesh.parse("x1y1z1d2"), _batch(), expert_axes=("z",),
+                       expert_capacity=1.0)
 
 
 def _segments(sm) -> list:
@@ -47,8 +87,8 @@ def test_the_experts_side_of_a_region_is_one_segment(fake_world) -> None:
     fake_world(4)
     sm = shardc.compile(Routed("norm"), shardc.Mesh.parse("x1y1z1d4"), _batch(), expert_axes=("data",))
     (seg,) = _segments(sm)
-    rows, _offs, others, experts, _rt, axis, key = seg.args
-    assert experts == 4 and axis == "data"
+    rows, _offs, others, experts, _rt, axis, key, capacity = seg.args
+    assert experts == 4 and axis == "data" and capacity == 0.0  # dropless
     # the token rows and the sorted keys travel; the output comes back
     assert sorted(str(r.meta[GLOBAL_VAL].dtype) for r in rows) == ["torch.float32", "torch.int64"]
     assert len(SEGMENTS[key].outs) == 1
@@ -109,6 +149,15 @@ def test_a_segment_read_early_falls_back_to_one_a_gemm(fake_world) -> None:
     assert len(_segments(sm)) == 2
 
 
+def test_a_capacity_over_experts_in_several_segments_is_refused(fake_world) -> None:
+    """A row dropped by the first GEMM's segment would still be read between the GEMMs
+    (here by the scale) and sent to the second: no single meaning of "dropped"."""
+    fake_world(2)
+    with pytest.raises(shardc.ShardcError, match="run as 2 segments"):
+        shardc.compile(_EarlyRead(), shardc.Mesh.parse("x1y1z1d2"), _batch(), expert_axes=("data",),
+                       expert_capacity=1.0)
+
+
 def test_a_model_without_grouped_experts_is_refused(fake_world) -> None:
     fake_world(2)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -147,7 +196,7 @@ def test_expert_weights_of_a_transformers_model_are_stored_cut(fake_world) -> No
     # on the experts' ranks, shardc's grouped GEMM in place of transformers' fallback
     # (runtime/grouped_gemm.py), on the transposed views transformers makes of the weights
     for seg in _segments(sm):
-        fn = SEGMENTS[seg.args[-1]]
+        fn = SEGMENTS[seg.args[6]]
         gemms = [n.target for n in fn.fn.graph.nodes if n.op == "call_function"
                  and "grouped_mm" in str(n.target)]
         assert gemms == [GROUPED_MM, GROUPED_MM], gemms
@@ -235,6 +284,30 @@ def test_the_memory_estimate_counts_what_the_experts_hold(fake_world, monkeypatc
     # activation, the second GEMM's output; made at the forward op, freed at the backward
     least = own * (32 * 4 + 8 + 3 * 128 * 4 + 32 * 4)
     assert made >= least and freed == -made
+    # under a capacity factor it holds the padded runs, whatever the routing: 2x the
+    # rows a rank sends at factor 2
+    capped = shardc.compile(Routed(dim=32, hidden=128), shardc.Mesh.parse("x1y1z1d2"),
+                            (torch.randn(8, 4, 32),), expert_axes=("data",), expert_capacity=2.0)
+    made2, _ = sorted(M._expert_buffers(M.traced_step(capped)[0]).values(), reverse=True)
+    assert made2 == pytest.approx(2 * made, rel=0.01)
     with_segment = M.estimate(sm).step_peak
     monkeypatch.setattr(M, "_expert_buffers", lambda graph: {})
     assert with_segment > M.estimate(sm).step_peak
+
+
+def test_the_trace_lines_say_what_a_capacity_dropped(tmp_path) -> None:
+    """``shardc trace --expert-axes``'s lines: the rows each rank's experts computed, and
+    under a capacity the rank's own rows dropped (dropless traces say nothing of it)."""
+    import json
+
+    from shardc.tools.timeline import expert_load_lines
+
+    def load(got: list[int], dropped: list[int]) -> dict:
+        return {"axis": "data", "sent_per_expert": [5, 3], "received_per_rank": [sum(got)],
+                "received_per_expert": got, "dropped_per_expert": dropped}
+
+    for rank, (got, dropped) in enumerate([([6, 6], [1, 0]), ([6, 6], [0, 0])]):
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps({"shardcExpertLoad": {"moe": load(got, dropped)}}))
+    lines = expert_load_lines(sorted(str(p) for p in tmp_path.glob("rank*.json")))
+    assert lines[0].endswith("; 1 of its own rows dropped past the capacity"), lines
+    assert "dropped" not in lines[1] and "computed 12 rows (1.00x the mean)" in lines[1]

@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from shardc.core.context import COMM
 from shardc.core.errors import ShardcError
-from shardc.core.ir import Val
+from shardc.core.ir import Val, source_of
 from shardc.core.placement import Layout
 from shardc.passes.rules.routing import (
     IGNORED,
@@ -86,10 +86,28 @@ def expert_rules(L: Lowering, region: Region) -> dict[fx.Node, Callable[[Lowerin
     """The rules of the region's segments' nodes (each but the last emits nothing; the
     last emits the segment), and each expert weight's storage, fixed now."""
     axes = cut_axes(L.ctx.options.expert_axes, L.mesh)
+    capacity = L.ctx.options.expert_capacity
     if not axes:
+        if capacity is not None and region.gemms:
+            raise ShardcError(
+                f"shardc.compile: expert_capacity={capacity!r}, but on {L.mesh} expert_axes="
+                f"{L.ctx.options.expert_axes!r} has one rank, so the experts are not cut and no rows "
+                "travel: a capacity would not apply and the step would silently be dropless. Leave "
+                "expert_capacity=None on this mesh, or cut the experts over an axis of more than one rank.")
         return {}
     out: dict[fx.Node, Callable[[Lowering, fx.Node], Any]] = {}
-    for seg in _segments(region):
+    segments = _segments(region)
+    if capacity is not None and len(segments) > 1:
+        g = segments[0].gemms[0]
+        src = source_of(g)
+        raise ShardcError(
+            f"shardc.compile: expert_capacity={capacity!r}: the experts of {g.target} "
+            f"({src.module}:{src.line}) run as {len(segments)} segments (a value between their "
+            "grouped GEMMs is read outside the experts' path, or the GEMMs read different offsets), "
+            "and a row dropped by one segment would still reach the next and what reads it between: "
+            "a capacity is applied only where a layer's experts are one segment (docs/experts.md). "
+            "Leave expert_capacity=None (dropless) for this model.")
+    for seg in segments:
         for n in seg.nodes:
             out[n] = _segment_rule(region, seg)
         for w in seg.weights:
@@ -245,8 +263,9 @@ def _emit_segment(L: Lowering, region: Region, seg: _Segment) -> Any:
                             [(tuple(o.meta["val"].shape[1:]), o.meta["val"].dtype) for o in seg.outputs],
                             specs, strides)
     vals = tuple(o.meta["val"] for o in seg.outputs)
-    op = L.emit(EXPERT_REGION, (rows, offs, others, experts, L.rt, ",".join(axes), key), layout=None,
-                val=vals)
+    capacity = float(L.ctx.options.expert_capacity or 0.0)
+    op = L.emit(EXPERT_REGION, (rows, offs, others, experts, L.rt, ",".join(axes), key, capacity),
+                layout=None, val=vals)
     op.meta[COMM] = {"collective": "all_to_all", "axis": axes[-1]}
     for i, o in enumerate(seg.outputs):
         lay = rows_layout(region.axes or (), ndim_of(o))
@@ -262,7 +281,12 @@ def _emit_segment(L: Lowering, region: Region, seg: _Segment) -> Any:
         f"{len(seg.nodes)} ops "
         f"({', '.join(n.name for n in seg.gemms)} and what lies between) run on the experts' "
         f"ranks: {len(seg.rows)} row input(s) go there and {len(seg.outputs)} output(s) come back by "
-        f"all-to-all{'' if len(axes) == 1 else ', one axis at a time (' + ', then '.join(axes) + ')'}")
+        f"all-to-all{'' if len(axes) == 1 else ', one axis at a time (' + ', then '.join(axes) + ')'}"
+        + ("" if not capacity else
+           f"; capacity factor {capacity:g}: each rank sends each expert at most "
+           f"ceil({capacity:g} x its rows / {experts}) rows, padded to that many (every all-to-all "
+           "the same size whatever the routing), and drops the rest (their expert output is zero; "
+           "counted in sm.expert_load())"))
     return L.env[seg.nodes[-1]]
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -86,8 +87,10 @@ class Options:
     and inside a routing region every grouped GEMM sends each token-expert row to its
     expert's rank by all-to-all and the result back (``runtime/experts.py``), dropless.
     ``"data"``, ``"z"`` or both (``("z", "data")``: the first outermost; the rows then
-    travel one axis at a time). ``expert_capacity`` (a capacity factor with padding and
-    dropped tokens) is refused for now.
+    travel one axis at a time). ``expert_capacity=f``: each rank sends each expert at
+    most ``ceil(f * rows / E)`` of its token-expert rows, padded to that many (static
+    all-to-alls), and drops the rest (their expert output zero, counted in
+    ``sm.expert_load()``); None (default) runs dropless.
 
     ``microbatches``, ``schedule`` and ``virtual_stages`` (a mesh with ``pipe > 1``;
     docs/pipeline.md): the micro-batches a step's batch is cut into, the order the stages
@@ -265,10 +268,19 @@ class Options:
                     f"shardc.compile: virtual_stages={self.virtual_stages} with schedule="
                     f"{self.schedule!r}: only schedule='interleaved' runs several model chunks a rank.")
         if self.expert_capacity is not None:
-            raise OptionError(
-                f"shardc.compile: expert_capacity={self.expert_capacity!r}: a capacity factor "
-                "(padded, dropped tokens) is not implemented yet; expert parallelism runs "
-                "dropless (the same result as one device). Leave expert_capacity=None.")
+            f = self.expert_capacity
+            if isinstance(f, bool) or not isinstance(f, (int, float)):
+                raise OptionTypeError(f"shardc.compile: expert_capacity={f!r} must be a number "
+                                      "(a capacity factor, e.g. 1.25) or None (dropless).")
+            if not math.isfinite(f) or f <= 0:
+                raise OptionError(f"shardc.compile: expert_capacity={f!r}: a capacity factor is a "
+                                  "finite number > 0 (1.0: each expert takes an even share of a "
+                                  "rank's rows); None runs dropless.")
+            if self.expert_axes is None:
+                raise OptionError(
+                    f"shardc.compile: expert_capacity={f!r} without expert_axes: the capacity bounds "
+                    "the rows each rank sends each expert when the experts are cut over ranks; "
+                    "give expert_axes too (docs/experts.md), or leave expert_capacity=None.")
         if self.context_layout not in CONTEXT_LAYOUTS:
             raise OptionError(f"shardc.compile: context_layout={self.context_layout!r} is not one of "
                               f"{CONTEXT_LAYOUTS} (docs/long_sequences.md).")

@@ -51,7 +51,7 @@ from shardc.passes.joint import SWAP, trace_joint, tracing_graph
 from shardc.passes.recompute import Checkpointed
 from shardc.runtime import functional as F
 from shardc.runtime.collectives import get_runtime
-from shardc.runtime.experts import EXPERT_REGION, EXPERT_REGION_BACKWARD, SEGMENTS
+from shardc.runtime.experts import EXPERT_REGION, EXPERT_REGION_BACKWARD, SEGMENTS, capacity_rows
 from shardc.runtime.functional import ALIASES
 from shardc.runtime.grad_buckets import REDUCE_SCATTER
 
@@ -105,13 +105,15 @@ def _expert_buffers(graph: fx.Graph) -> dict[fx.Node, int]:
     from its forward to its backward (the rows it received and every value of the experts'
     ops, which their backward reads) is beside the graph. Counted at uniform routing (a
     rank receives as many rows as it sends), by running the segment's ops on fake tensors
-    of that many rows."""
+    of that many rows; under a capacity factor, at the padded rows it always receives."""
     out: dict[fx.Node, int] = {}
     made: dict[str, int] = {}
     for n in graph.nodes:
         if n.target is EXPERT_REGION:
-            key = n.args[6]
-            made[key] = _segment_bytes(SEGMENTS[key], int(n.args[0][0].meta["val"].shape[0]))
+            key, rows, capacity = n.args[6], int(n.args[0][0].meta["val"].shape[0]), n.args[7]
+            if capacity:  # the padded runs, whatever the routing
+                rows = n.args[3] * capacity_rows(capacity, rows, n.args[3])
+            made[key] = _segment_bytes(SEGMENTS[key], rows)
             out[n] = out.get(n, 0) + made[key]
         elif n.target is EXPERT_REGION_BACKWARD and n.args[3] in made:
             out[n] = out.get(n, 0) - made[n.args[3]]

@@ -33,7 +33,7 @@ from shardc.core.placement import Layout
 from shardc.core.precision import Precision, reduce_dtype
 from shardc.passes.step_nodes import collective_nodes
 from shardc.runtime import collectives as C
-from shardc.runtime.experts import EXPERT_REGION
+from shardc.runtime.experts import EXPERT_REGION, capacity_rows
 from shardc.runtime.ring import RING_ATTENTION
 from shardc.runtime.volume import as_number, ring_bytes
 
@@ -216,7 +216,7 @@ def expert_rows(n: fx.Node, mesh: Mesh, routed: dict[str, list[int]] | None) -> 
     gradient back. The first hop sends the rank's own rows (a fixed number); any other
     leg carries rows the routing decided: before a step they are taken as uniform (as
     many as the rank's own) and the row says so; after one, they are the last step's."""
-    rows_in, _offs, _others, experts, _rt, axes, key = cast(tuple[Any, ...], n.args)
+    rows_in, _offs, _others, experts, _rt, axes, key, capacity = cast(tuple[Any, ...], n.args)
     module = getattr(n.meta.get(SOURCE), "module", "") or ""
     hops = axes.split(",")
     got = (routed or {}).get(key)
@@ -226,6 +226,9 @@ def expert_rows(n: fx.Node, mesh: Mesh, routed: dict[str, list[int]] | None) -> 
     outs = list(n.meta[GLOBAL_VAL])
     floating_in = [x.meta[GLOBAL_VAL] for x in rows_in if x.meta[GLOBAL_VAL].dtype.is_floating_point]
     label = "uniform-routing estimate" if got is None else ROUTED
+    if capacity:
+        return _capped_expert_rows(n, mesh, module, hops, experts * capacity_rows(capacity, sent, experts),
+                                   outs, floating_in)
 
     def row(what: str, phase: str, axis: str, t: Any, held: int | None) -> CommRow:
         """``held``: the rows sent, when the routing decided them (None: the rank's own)."""
@@ -259,6 +262,26 @@ def expert_rows(n: fx.Node, mesh: Mesh, routed: dict[str, list[int]] | None) -> 
         for k in reversed(range(len(hops))):
             out += [row("expert combine (gradient)", "backward", hops[k], t, got[k] if got else -1)
                     for t in floating_in]
+    return out
+
+
+def _capped_expert_rows(n: fx.Node, mesh: Mesh, module: str, hops: list[str], slots: int,
+                        outs: list[Any], floating_in: list[Any]) -> list[CommRow]:
+    """An expert segment under a capacity factor: every leg moves the ``slots`` padded rows
+    (E x the capacity) whatever the routing, so every row is exact before any step, and
+    no counts are exchanged."""
+    def row(what: str, phase: str, axis: str, t: Any) -> CommRow:
+        nb = slots * math.prod(t.shape[1:]) * _elsize(t)
+        return CommRow(n.name, f"{what} (padded to capacity)", module, None, "all_to_all", axis, phase,
+                       as_number(ring_bytes("all_to_all", mesh.size(axis), nb)), nb, ())
+
+    rows_in = cast(list[fx.Node], n.args[0])
+    out = [row("expert dispatch", "forward", axis, x.meta[GLOBAL_VAL]) for axis in hops for x in rows_in]
+    out += [row("expert combine", "forward", axis, o) for axis in reversed(hops) for o in outs]
+    if n.meta.get(REQUIRES_GRAD):
+        out += [row("expert dispatch (gradient)", "backward", axis, o) for axis in hops for o in outs]
+        out += [row("expert combine (gradient)", "backward", axis, t) for axis in reversed(hops)
+                for t in floating_in]
     return out
 
 

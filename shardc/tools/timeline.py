@@ -88,21 +88,24 @@ def trace_step(sm: Any, inputs: tuple, out_dir: str, warmup: int = 1) -> str:
 def expert_load_lines(files: list[str]) -> list[str]:
     """One line per MoE layer and rank of the traces ``files`` (``trace_step``'s): the rows
     each rank's experts computed in the traced step, expert by expert, and their total
-    against the mean over ranks (the busiest rank sets the step's pace)."""
-    loads: dict[str, list[tuple[int, list[int]]]] = {}
+    against the mean over ranks (the busiest rank sets the step's pace), and under a
+    capacity factor the rank's rows dropped (its experts' rows then include the padding)."""
+    loads: dict[str, list[tuple[int, list[int], int]]] = {}
     for f in files:
         if not f.endswith(".json"):
             continue
         rank = int(os.path.basename(f)[len("rank"):-len(".json")])
         with open(f) as fh:
             for module, v in json.load(fh).get("shardcExpertLoad", {}).items():
-                loads.setdefault(module, []).append((rank, v["received_per_expert"]))
+                loads.setdefault(module, []).append(
+                    (rank, v["received_per_expert"], sum(v.get("dropped_per_expert", []))))
     out = []
     for module, ranks in loads.items():
-        mean = sum(sum(r) for _, r in ranks) / len(ranks)
-        for rank, rows in sorted(ranks):
+        mean = sum(sum(r) for _, r, _ in ranks) / len(ranks)
+        for rank, rows, dropped in sorted(ranks):
             out.append(f"{module}: rank {rank} computed {sum(rows)} rows ({sum(rows) / mean:.2f}x the "
-                       f"mean), by local expert {rows}")
+                       f"mean), by local expert {rows}"
+                       + (f"; {dropped} of its own rows dropped past the capacity" if dropped else ""))
     return out
 
 
