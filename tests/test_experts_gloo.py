@@ -429,10 +429,15 @@ def test_a_capacity_factor_drops_the_rows_past_it(ranks, spec: str, axis: str, f
     ranks.run(_capacity, 4, spec, axis, factor, options)
 
 
+@pytest.mark.parametrize("options", [
+    pytest.param({}, id="plain"),
+    # a recomputed block routes its rows again: the same padded runs
+    pytest.param({"activation_checkpoint": "blocks"}, id="recompute"),
+])
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_capacity_no_row_reaches_trains_like_one_device(ranks) -> None:
+def test_a_capacity_no_row_reaches_trains_like_one_device(ranks, options: dict) -> None:
     """Mixtral with a capacity of every row (factor = the number of experts): the padded,
     fixed-size all-to-alls and nothing dropped, so the checks of the dropless cases hold
     (gradients against float64, three AdamW steps, measured == reported)."""
-    ranks.run(_one, 4, "mixtral", "x1y1z2d2", "data", {"expert_capacity": 8.0})
+    ranks.run(_one, 4, "mixtral", "x1y1z2d2", "data", {"expert_capacity": 8.0, **options})
