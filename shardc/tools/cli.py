@@ -100,6 +100,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
         opts["bucket_mb"] = args.bucket_mb
     if args.expert_axes:
         opts["expert_axes"] = tuple(args.expert_axes.split(","))
+    if args.expert_capacity is not None:
+        opts["expert_capacity"] = args.expert_capacity
     if args.microbatches is not None:
         opts["microbatches"] = args.microbatches
     if args.schedule is not None:
@@ -190,6 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("--bucket-mb", type=float, default=None)
     t.add_argument("--expert-axes", default="", help="compile with expert_axes (e.g. data or z,data); "
                    "prints the rows each rank's experts computed")
+    t.add_argument("--expert-capacity", type=float, default=None,
+                   help="with --expert-axes: a capacity factor (padded all-to-alls); prints the "
+                        "rows each rank dropped past it")
     t.add_argument("--microbatches", type=int, default=None,
                    help="a mesh with pipeline stages: micro-batches a step (default: pipe); prints "
                         "each rank's schedule as it ran and its idle share")
