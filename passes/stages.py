@@ -14,9 +14,14 @@ Why here, before tracing a stage: each stage is then compiled by the existing co
 its own ranks (its x, y, z and data layout), exactly like a model of its own; what crosses
 a stage boundary is a plain tensor the runtime sends point to point.
 
-The cut falls between repeated blocks only (a transformer's layers): the nodes before the
-first block (embeddings) go with the first stage, those after the last block (final norm,
-head, loss) with the last. The blocks are spread over the stages by dynamic programming so
+By default the cut falls between repeated blocks (a transformer's layers): the nodes
+before the first block (embeddings) go with the first stage, those after the last block
+(final norm, head, loss) with the last. With ``split_points`` (module names) the user says
+where: stage i begins at the first op of the i-th named module, in the order forward runs
+them, and every op from there to the next named module's first op is the stage's
+(whatever module it belongs to), so any model whose forward is one graph can be cut.
+
+Between repeated blocks, the blocks are spread over the stages by dynamic programming so
 that the most expensive stage is as cheap as it can be: cost is the forward FLOPs of the
 GEMMs and attention (the work a step repeats three times), then the parameter bytes (the
 memory a stage holds) to break ties. A parameter read by two stages (a tied embedding and
@@ -24,6 +29,7 @@ head) is held by both; the runtime sums its gradient over them.
 """
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -63,6 +69,9 @@ class Stage:
     flops: float = 0.0
     param_bytes: int = 0
     params: list[str] = field(default_factory=list)
+    # split_points: the module that begins this stage (None: the first stage, or stages cut
+    # between repeated blocks)
+    begins: str | None = None
 
 
 def _val(n: Any) -> Any:
@@ -228,32 +237,89 @@ def local_casts(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def cut_stages(model: nn.Module, gm: fx.GraphModule, n_stages: int, per_rank: int = 1) -> list[Stage]:
+def _in_module(n: fx.Node, name: str) -> bool:
+    return any(path == name or path.startswith(name + ".")
+               for path, _ in (n.meta.get("nn_module_stack") or {}).values())
+
+
+def _split_units(model: nn.Module, nodes: list[fx.Node], points: tuple[str, ...], n_stages: int,
+                 ask: str) -> dict[fx.Node, int]:
+    """Each computing node's stage when the user names where the stages begin: stage i
+    begins at the first op of module ``points[i-1]``, in the order forward runs them."""
+    if len(points) != n_stages - 1:
+        raise ShardcError(
+            f"shardc.compile: split_points names {len(points)} module(s), which begin "
+            f"{len(points) + 1} stages, and {ask} needs {n_stages}: name {n_stages - 1}.")
+    names = dict(model.named_modules())
+    computing = [n for n in nodes if n.op in ("call_function", "call_method", "call_module")]
+    firsts = []
+    for q in points:
+        if q not in names:
+            close = difflib.get_close_matches(q, list(names), n=3)
+            hint = "; did you mean " + ", ".join(map(repr, close)) + "?" if close else "."
+            raise ShardcError(
+                f"shardc.compile: split_points: {q!r} is not a module of {type(model).__name__} "
+                f"(a name of model.named_modules()){hint}")
+        at = next((i for i, n in enumerate(computing) if _in_module(n, q)), None)
+        if at is None:
+            raise ShardcError(f"shardc.compile: split_points: module {q!r} runs no op in the "
+                              "model's forward, so no stage can begin there.")
+        firsts.append(at)
+    if firsts[0] == 0:
+        raise ShardcError(f"shardc.compile: split_points: nothing runs before {points[0]!r}, so the "
+                          "first stage would be empty; name the module that begins the second stage.")
+    for (a, i), (b, j) in zip(zip(points, firsts), zip(points[1:], firsts[1:])):
+        if j <= i:
+            raise ShardcError(
+                f"shardc.compile: split_points must follow the order forward runs them, and "
+                f"{b!r} starts {'with' if i == j else 'before'} {a!r}: each begins a later stage.")
+    unit: dict[fx.Node, int] = {}
+    for i, n in enumerate(computing):
+        unit[n] = sum(1 for f in firsts if f <= i)
+    return unit
+
+
+def cut_stages(model: nn.Module, gm: fx.GraphModule, n_stages: int, per_rank: int = 1,
+               split_points: tuple[str, ...] | None = None) -> list[Stage]:
     """Cut ``gm`` (``unlifted_graph`` of ``model``) into ``n_stages`` stages (``per_rank``
-    of them a pipe rank: the interleaved schedule's chunks, for the error's words)."""
+    of them a pipe rank: the interleaved schedule's chunks, for the error's words): between
+    the repeated blocks, balanced, or where ``split_points`` say."""
     blocks = repeated_blocks(model)
+    ask = f"pipe={n_stages // per_rank} x virtual_stages={per_rank} = {n_stages} stages" \
+        if per_rank > 1 else f"pipe={n_stages}"
+    if split_points is not None:
+        return _cut(model, gm, n_stages, blocks, split_points, ask)
     if len(blocks) < n_stages:
-        ask = f"pipe={n_stages // per_rank} x virtual_stages={per_rank} = {n_stages} stages" \
-            if per_rank > 1 else f"pipe={n_stages}"
         raise ShardcError(
             f"shardc.compile: {ask} cuts the model between its repeated blocks (the "
             f"children of a ModuleList or Sequential of one class), and it has {len(blocks)}"
             f"{' (' + ', '.join(blocks[:4]) + ')' if blocks else ''}: at most {len(blocks)} stages. "
-            f"Use a smaller pipe axis{' or fewer virtual_stages' if per_rank > 1 else ''}.")
+            f"Use a smaller pipe axis{' or fewer virtual_stages' if per_rank > 1 else ''}, or name "
+            "where the stages begin (split_points).")
+    return _cut(model, gm, n_stages, blocks, None, ask)
+
+
+def _cut(model: nn.Module, gm: fx.GraphModule, n_stages: int, blocks: list[str],
+         split_points: tuple[str, ...] | None, ask: str) -> list[Stage]:
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     out_node = nodes[-1]
     unit: dict[fx.Node, int] = {}
-    cur = 0
-    for n in nodes:
-        if n.op in ("call_function", "call_method", "call_module"):
-            b = _block_index(n, blocks)
-            cur = max(cur, b if b is not None else cur)  # a stage never reads a later one
-            unit[n] = cur
+    if split_points is not None:  # a unit a stage
+        unit = _split_units(model, nodes, split_points, n_stages, ask)
+        units = n_stages
+    else:  # a unit a repeated block
+        cur = 0
+        for n in nodes:
+            if n.op in ("call_function", "call_method", "call_module"):
+                b = _block_index(n, blocks)
+                cur = max(cur, b if b is not None else cur)  # a stage never reads a later one
+                unit[n] = cur
+        units = len(blocks)
     params = dict(gm.named_parameters(remove_duplicate=False))
     grads = _carries_grad(gm, params)
-    unit_flops = [0.0] * len(blocks)
-    unit_bytes = [0] * len(blocks)
+    unit_flops = [0.0] * units
+    unit_bytes = [0] * units
     counted: set[str] = set()
     for n in nodes:
         if n in unit:
@@ -262,8 +328,8 @@ def cut_stages(model: nn.Module, gm: fx.GraphModule, n_stages: int, per_rank: in
             counted.add(str(n.target))
             first = min(unit[u] for u in n.users if u in unit)
             unit_bytes[first] += params[str(n.target)].numel() * params[str(n.target)].element_size()
-    starts = balance(unit_flops, unit_bytes, n_stages)
-    stage_of_unit = [max(s for s in range(n_stages) if starts[s] <= u) for u in range(len(blocks))]
+    starts = balance(unit_flops, unit_bytes, n_stages) if split_points is None else list(range(n_stages))
+    stage_of_unit = [max(s for s in range(n_stages) if starts[s] <= u) for u in range(units)]
     stage: dict[fx.Node, int] = {n: stage_of_unit[u] for n, u in unit.items()}
 
     outputs = list(out_node.args[0]) if isinstance(out_node.args[0], (tuple, list)) else [out_node.args[0]]
@@ -339,11 +405,16 @@ def cut_stages(model: nn.Module, gm: fx.GraphModule, n_stages: int, per_rank: in
         g.output(tuple(env[v] for v in sends[s]))
         module = fx.GraphModule(gm, g)
         first = starts[s]
-        last = starts[s + 1] if s + 1 < n_stages else len(blocks)
+        last = starts[s + 1] if s + 1 < n_stages else units
+        if split_points is None:
+            held = blocks[first:last]
+        else:  # the repeated blocks wholly inside the stage (each recomputes on its own)
+            held = [b for b in blocks if {stage[n] for n in stage if _in_module(n, b)} == {s}]
         st = Stage(index=s, module=module, inputs=inputs, input_vals=input_vals,
                    consumers=[readers[v] for v in sends[s]],
                    output_vals=[_grad_val(_val(v), v in grads) for v in sends[s]],
-                   blocks=blocks[first:last], flops=sum(unit_flops[first:last]),
-                   param_bytes=sum(unit_bytes[first:last]), params=sorted(set(used_params)))
+                   blocks=held, flops=sum(unit_flops[first:last]),
+                   param_bytes=sum(unit_bytes[first:last]), params=sorted(set(used_params)),
+                   begins=(split_points[s - 1] if s else None) if split_points is not None else None)
         out.append(st)
     return out

@@ -128,6 +128,12 @@ def _prepare(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | 
         if machine is None:
             raise ShardcError("shardc.compile: mesh='auto' needs machine=shardc.Machine(...) or a preset "
                               "(machine=shardc.Machine.preset('perlmutter')), or pass a mesh.")
+        points = options_from(options, option_keywords).split_points
+        if points is not None:
+            raise OptionError(
+                f"shardc.compile: split_points={points!r} fixes {len(points) + 1} pipeline stages, which "
+                "mesh='auto' would choose for itself; pass a mesh with that many stages (pipe x "
+                "virtual_stages), or leave split_points unset for the planner.")
         fixed = {k: v for k, v in option_keywords.items() if k == "expert_axes"}
         try:  # stages are a candidate only where the options given run with them
             refuse_with_stages(options_from(options, option_keywords), input_layouts)
@@ -152,6 +158,9 @@ def _prepare(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | 
         raise OptionError(f"shardc.compile: microbatches={options.microbatches} cuts a step for pipeline "
                           f"stages, and {mesh} has none (pipe=1). Use a mesh with pipe > 1, or "
                           "accumulate gradients over calls under sm.no_sync().")
+    if options.split_points is not None:
+        raise OptionError(f"shardc.compile: split_points={options.split_points!r} cuts the model into "
+                          f"pipeline stages, and {mesh} has none (pipe=1). Use a mesh with pipe > 1.")
     if options.virtual_stages not in (None, 1):
         raise OptionError(f"shardc.compile: virtual_stages={options.virtual_stages} cuts the model into "
                           f"chunks for pipeline stages, and {mesh} has none (pipe=1). Use a mesh with "

@@ -109,6 +109,45 @@ def test_trains_like_one_device(ranks: Any, case: tuple) -> None:
     ranks.run(_run_cases, world, [case])
 
 
+# split_points: a model without repeated blocks, cut where the user says; a value read
+# two stages later (the residual) crosses both boundaries. With data, with x inside the
+# stages, interleaved (4 stages on 2 ranks), and with block recompute where the cut leaves
+# whole blocks (the GPT cut inside its second block: stage 0 recomputes blocks.0 alone)
+SPLIT_CASES = [("unrepeated", "p2x1y1z1d2", "1f1b", 2, ("mix",)),
+               ("unrepeated", "p2x2y1z1d1", "gpipe", 4, ("norm",)),
+               ("unrepeated", "p2x1y1z1d1", "interleaved", 2, ("norm", "mix", "head")),
+               ("gpt", "p2x1y1z1d2", "1f1b", 2, ("blocks.1.ln2",), {"activation_checkpoint": "blocks"})]
+
+
+def _split_case(rank: int, world: int, case: tuple) -> None:
+    from test_stages import _Unrepeated
+
+    name, spec, schedule, m, points, *extra = case
+    opts = {"split_points": points, **(extra[0] if extra else {})}
+    if name == "unrepeated":
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(3)]
+        make: Any = _Unrepeated
+    else:
+        batches, make = _lm_batches(), _model(name)
+    if schedule == "interleaved":
+        opts["virtual_stages"] = (len(points) + 1) // shardc.Mesh.parse(spec).pipe
+    failures = _train_failures(name, spec, schedule, m, make=make, batches=batches, opts=opts)
+    torch.manual_seed(0)
+    sm = shardc.compile(make(), spec, example_inputs=batches[0], schedule=schedule, microbatches=m, **opts)
+    text = shardc.explain(sm)
+    for q in points:
+        if f"from {q}," not in text:
+            failures.append(f"{name}@{spec}: explain does not say a stage begins at {q}:\n{text}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-m{c[3]}-" + "+".join(c[4])
+                         + "".join(f"-{k}" for k in (c[5] if len(c) > 5 else {})))
+def test_split_points_cut_where_the_user_says(ranks: Any, case: tuple) -> None:
+    ranks.run(_split_case, shardc.Mesh.parse(case[1]).world_size, case)
+
+
 # block recompute inside the stages: each stage recomputes its own blocks in backward
 # (a stage with no block, none); with x, the stage programs' sequence parallelism too
 RECOMPUTE_CASES = [("gpt", "p2x1y1z1d1", "1f1b", 2, {"activation_checkpoint": "blocks"}),

@@ -83,6 +83,76 @@ def test_too_many_stages_and_a_model_without_a_loss_are_refused() -> None:
         cut_stages(Logits(), unlifted_graph(Logits(), (x,)), 2)
 
 
+class _Unrepeated(nn.Module):
+    """No two layers of one class in a row: nothing for the default cut to cut between.
+    The head's input is also read by the loss's residual term, across a split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+        self.mix = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        h = h + self.mix(self.norm(h))
+        return F.cross_entropy(self.head(h), y) + h.pow(2).mean() * 1e-2
+
+
+def _unrepeated_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def test_split_points_cut_a_model_without_repeated_blocks() -> None:
+    """``split_points``: stage i begins at the first op of the i-th named module; what runs
+    between two named modules (the residual add outside any of them) is the earlier
+    stage's, and a value read across two stages is sent to each reader."""
+    torch.manual_seed(0)
+    model, batch = _Unrepeated(), _unrepeated_batch()
+    gm = unlifted_graph(model, batch)
+    with pytest.raises(shardc.ShardcError, match="it has 0.*split_points"):
+        cut_stages(model, gm, 2)
+    stages = cut_stages(model, gm, 3, split_points=("mix", "head"))
+    assert [st.begins for st in stages] == [None, "mix", "head"]
+    assert stages[0].params == ["embed.bias", "embed.weight", "norm.bias", "norm.weight"]
+    assert stages[1].params == ["mix.0.bias", "mix.0.weight", "mix.2.bias", "mix.2.weight"]
+    assert stages[2].params == ["head.bias", "head.weight"]
+    # the residual h comes to stage 2 from stage 1, which made it (the add runs there)
+    assert any(src == 1 for src, _ in stages[2].inputs)
+    torch.testing.assert_close(_run_chain(stages, batch), model(*batch), rtol=0, atol=0)
+    # a point inside a repeated block: that block is no stage's to recompute
+    gpt = GPT(layers=4)
+    cut = cut_stages(gpt, unlifted_graph(gpt, _batch()), 2, split_points=("blocks.1.ln2",))
+    assert cut[0].blocks == ["blocks.0"] and cut[1].blocks == ["blocks.2", "blocks.3"]
+    torch.testing.assert_close(_run_chain(cut, _batch()), gpt(*_batch()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("points,text", [
+    (("mix",), "names 1 module.*begin 2 stages.*needs 3"),
+    (("mixer", "head"), "'mixer' is not a module of _Unrepeated.*did you mean 'mix'"),
+    (("head", "mix"), "follow the order forward runs them.*'mix' starts before 'head'"),
+    (("embed", "head"), "nothing runs before 'embed'"),
+    (("mix", "mix.0"), "'mix.0' starts with 'mix'"),
+])
+def test_bad_split_points_are_refused_by_name(points: tuple, text: str) -> None:
+    model, batch = _Unrepeated(), _unrepeated_batch()
+    with pytest.raises(shardc.ShardcError, match=text):
+        cut_stages(model, unlifted_graph(model, batch), 3, split_points=points)
+
+
+@pytest.mark.parametrize("value,error,text", [
+    ("mix", shardc.OptionTypeError, "tuple of module names"),
+    ((), shardc.OptionError, "at least one module"),
+    (("mix", "mix"), shardc.OptionError, "each once"),
+    (("mix", 3), shardc.OptionTypeError, "tuple of module names"),
+])
+def test_split_points_option_is_checked(value, error, text) -> None:
+    with pytest.raises(error, match=text):
+        shardc.Options(split_points=value)
+
+
 def test_balance_minimises_the_most_expensive_stage() -> None:
     assert balance([1, 1, 1, 1], [0] * 4, 2) == [0, 2]
     assert balance([4, 1, 1, 1, 1], [0] * 5, 2) == [0, 1]
@@ -272,3 +342,14 @@ def test_pipeline_options_are_checked() -> None:
         shardc.Options(schedule="interleaved", virtual_stages=0)
     with pytest.raises(TypeError, match="virtual_stages='2' must be an int"):
         shardc.Options(schedule="interleaved", virtual_stages="2")
+
+
+def test_split_points_without_stages_are_refused(fake_world) -> None:
+    """A mesh without a pipe axis has no stages to begin; mesh="auto" picks its own stage
+    count, which named points would contradict."""
+    fake_world(2)
+    model, batch = _Unrepeated(), _unrepeated_batch()
+    with pytest.raises(shardc.OptionError, match="has none \\(pipe=1\\)"):
+        shardc.compile(model, "x1y1z1d2", batch, split_points=("mix",))
+    with pytest.raises(shardc.OptionError, match="fixes 2 pipeline stages"):
+        shardc.compile(model, "auto", batch, machine=shardc.Machine.preset("local"), split_points=("mix",))

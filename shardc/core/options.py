@@ -96,7 +96,10 @@ class Options:
     docs/pipeline.md): the micro-batches a step's batch is cut into, the order the stages
     run them in ("gpipe", "1f1b", "interleaved", "zero_bubble"), and under "interleaved"
     the model chunks each rank holds (default 2: the model cut into pipe x 2 stages,
-    chunk c of pipe rank r being stage c * pipe + r).
+    chunk c of pipe rank r being stage c * pipe + r). ``split_points``: where the stages
+    begin, by module name (``model.named_modules()``'s), one fewer than the stages, in the
+    order forward runs them; None (default) cuts between the repeated blocks, balanced by
+    FLOPs.
 
     ``context_attention`` and ``context_layout`` (a mesh with ``context > 1``;
     docs/long_sequences.md): attention on the cut sequence by a ring (``"ring"``, default:
@@ -150,6 +153,9 @@ class Options:
     # schedule="interleaved": the model chunks (virtual stages) each rank holds, so the
     # model is cut into pipe x virtual_stages stages (None: DEFAULT_VIRTUAL_STAGES)
     virtual_stages: Any = None
+    # a mesh with pipe > 1: the modules each of which begins a stage, in forward order
+    # (None: the stages are cut between the repeated blocks, balanced by FLOPs)
+    split_points: Any = None
     # a mesh with context > 1: how the sequence is cut inside the program ("balanced":
     # stripes, so a causal ring gives the ranks even work; "contiguous": the blocks the
     # inputs arrive in; "auto": balanced with the ring, contiguous with ulysses) and how
@@ -267,6 +273,17 @@ class Options:
                 raise OptionError(
                     f"shardc.compile: virtual_stages={self.virtual_stages} with schedule="
                     f"{self.schedule!r}: only schedule='interleaved' runs several model chunks a rank.")
+        if self.split_points is not None:
+            pts = self.split_points
+            if isinstance(pts, str) or not isinstance(pts, (tuple, list)) or \
+                    not all(isinstance(q, str) and q for q in pts):
+                raise OptionTypeError(
+                    f"shardc.compile: split_points={pts!r} must be a tuple of module names (as "
+                    "model.named_modules() names them), e.g. split_points=('layers.4',).")
+            if not pts or len(set(pts)) != len(pts):
+                raise OptionError(f"shardc.compile: split_points={pts!r}: name at least one module, "
+                                  "each once (each begins a new stage).")
+            object.__setattr__(self, "split_points", tuple(pts))
         if self.expert_capacity is not None:
             f = self.expert_capacity
             if isinstance(f, bool) or not isinstance(f, (int, float)):

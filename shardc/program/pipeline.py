@@ -771,7 +771,10 @@ class PipelineModule(nn.Module):
                  f"{self.bubble_formula():.1%})"]
         for st in self.stages:
             here = "  <- this rank" if st.index % self.mesh.pipe == self.index else ""
-            lines.append(f"  stage {st.index}: {len(st.blocks)} blocks ({st.blocks[0]} .. {st.blocks[-1]}), "
+            held = f"{len(st.blocks)} blocks ({st.blocks[0]} .. {st.blocks[-1]})" if st.blocks else "no repeated block"
+            if self.options.split_points is not None:
+                held = f"from {st.begins or 'the inputs'}, {held}"
+            lines.append(f"  stage {st.index}: {held}, "
                          f"{st.flops / 1e6:.1f} MFLOP forward, {st.param_bytes / 2**20:.2f} MiB of "
                          f"parameters, {len(st.inputs)} inputs{here}")
         lines.append("  this rank runs: " + " ".join(self.label(*a) for a in self.order()))
@@ -944,7 +947,7 @@ def compile_pipeline(model: nn.Module, mesh: Mesh, example_inputs: tuple, option
             # holds its casts, its boundary values carry the policy's dtypes, and its own
             # trace must not cast its inputs again (a value one device keeps in fp32 stays so)
             gm = local_casts(unlifted_graph(CastAtUse(model, compute), micro))
-        stages = cut_stages(model, gm, mesh.pipe * v, per_rank=v)
+        stages = cut_stages(model, gm, mesh.pipe * v, per_rank=v, split_points=options.split_points)
         mine = rank_stages(stages, mesh.pipe, mesh.coords(rank)[PIPE])
         _refuse_shared_in_rank(stages, mesh.pipe)
         programs = [_compile_stage(st, micro, mesh, options, rank, n, seq, model.training) for st in mine]
