@@ -7,6 +7,7 @@ rank of any mesh, with no process group.
 """
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any, Mapping
 
@@ -161,6 +162,12 @@ def build(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
             mark_blocks(program, blocks)
             sm.decisions.append(f"selective recompute inside the step program: {len(blocks)} blocks; "
                                 "what the policy does not save is recomputed in backward (remat)")
+            # where the forward program runs with gradients instead (no_sync micro-batches,
+            # a step program that could not be built), the policy runs as under the eager
+            # backend: autograd's checkpoint over a copy, whose recompute marks the report
+            # of the step program must not read
+            object.__setattr__(sm, "_recompute_fallback", mark_and_split(
+                copy.deepcopy(program), blocks, runtime.key, options.activation_checkpoint))
         else:
             selective = options.activation_checkpoint if isinstance(options.activation_checkpoint,
                                                                     Selective) else None

@@ -281,7 +281,8 @@ def _step_section(sm: Any) -> list[str]:
             lines.append(f"    selective recompute (save {', '.join(o.activation_checkpoint.save)}) "
                          "is applied here: each block's other ops are recomputed in backward, its "
                          "activations' all-gathers are issued again there, its other collectives' "
-                         "outputs and its random draws stay saved")
+                         "outputs and its random draws stay saved; a call that runs the forward "
+                         "program (under no_sync) recomputes under autograd's checkpoint instead")
     lines.append("")
     return lines
 

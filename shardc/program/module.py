@@ -98,6 +98,11 @@ class ShardedModule(nn.Module):
         # calls; backend.compile_segments) and their programs
         object.__setattr__(self, "_recompute_compiled", None)
         object.__setattr__(self, "_recompute_programs", [])
+        # a policy applied inside the step program (Options.recompute_in_step): the forward
+        # program split and checkpointed as under the eager backend, for the calls that run
+        # the forward program with gradients (no_sync micro-batches, a step program that
+        # could not be built), which would otherwise keep every activation
+        object.__setattr__(self, "_recompute_fallback", None)
         # what forward calls: the program itself, or a compiled form of it (shardc.program.backend)
         object.__setattr__(self, "_runner", program)
         self.mesh: Mesh = ctx.mesh
@@ -414,7 +419,9 @@ class ShardedModule(nn.Module):
         """The forward program, whose backward is autograd's (with no_sync's and
         recompute's runtime behaviour)."""
         self._hooks_active = True
-        run: Any = next(r for r in (self._recompute_compiled, self._recompute, self._runner) if r is not None)
+        fallback = self._recompute_fallback if torch.is_grad_enabled() else None
+        run: Any = next(r for r in (self._recompute_compiled, self._recompute, fallback, self._runner)
+                        if r is not None)
         return run(*args)
 
     def _run(self, args: list[Any]) -> Any:
