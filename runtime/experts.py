@@ -243,29 +243,26 @@ def _padded(rows: list[torch.Tensor], counts: torch.Tensor, cap: int
     return out, pad, (counts - cap).clamp(min=0).tolist()
 
 
+def _scatter_rows(xs: list[torch.Tensor], n: int, put: torch.Tensor, take: torch.Tensor
+                  ) -> list[torch.Tensor]:
+    """Each x's rows ``take`` at rows ``put`` of ``n`` zero rows."""
+    out = []
+    for x in xs:
+        z = x.new_zeros((n, *x.shape[1:]))
+        z[put] = x[take]
+        out.append(z)
+    return out
+
+
 def _pad(xs: list[torch.Tensor], pad: _Pad | None) -> list[torch.Tensor]:
     """Rows in the rank's sorted order to the padded slots (what the dropped rows held is
     not sent)."""
-    if pad is None:
-        return xs
-    out = []
-    for x in xs:
-        z = x.new_zeros((pad.slots, *x.shape[1:]))
-        z[pad.dst] = x[pad.src]
-        out.append(z)
-    return out
+    return xs if pad is None else _scatter_rows(xs, pad.slots, pad.dst, pad.src)
 
 
 def _unpad(xs: list[torch.Tensor], pad: _Pad | None) -> list[torch.Tensor]:
     """The padded slots back to the rank's sorted rows; a dropped row gets zeros."""
-    if pad is None:
-        return xs
-    out = []
-    for x in xs:
-        z = x.new_zeros((pad.rows, *x.shape[1:]))
-        z[pad.src] = x[pad.dst]
-        out.append(z)
-    return out
+    return xs if pad is None else _scatter_rows(xs, pad.rows, pad.src, pad.dst)
 
 
 def _back(xs: list[torch.Tensor], hops: list[_Hop], rt: str, phase: str) -> list[torch.Tensor]:
