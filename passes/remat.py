@@ -39,7 +39,10 @@ the value stays saved: the policy never makes forward keep more). Collectives an
 draws are never recomputed: their outputs (a gathered weight, a partial sum's total, a
 dropout mask) stay saved, so the step moves the bytes it moves without the policy and the
 masks stay one device's. Eager selective recompute re-runs
-a block's collectives in backward instead (``passes/recompute.py``).
+a block's collectives in backward instead (``passes/recompute.py``). Block recompute
+(``activation_checkpoint="blocks"`` under inductor) is the policy that saves no op: a
+block's values are recomputed from its inputs, and ``reshard.py`` gathers its weights
+again in backward, as the eager recompute re-issues their gathers.
 """
 from __future__ import annotations
 
@@ -50,9 +53,10 @@ import torch
 import torch.fx as fx
 
 from shardc.core.context import COMM, CompileContext
-from shardc.core.ir import DEFERRED, StepProgram, op_named
+from shardc.core.ir import DEFERRED, Selective, StepProgram, op_named
 from shardc.passes.aliases import view_of, written
 from shardc.passes.recompute import BLOCK
+from shardc.passes.reshard import COPY_OF
 from shardc.passes.step_nodes import PART
 
 aten = torch.ops.aten
@@ -153,7 +157,13 @@ class _Selective:
         self.memo: dict[fx.Node, _Plan | None] = {}
 
     def applies(self, n: fx.Node) -> bool:
-        return n.meta.get(BLOCK) is not None and _recomputable(n, self.keep)
+        block = n.meta.get(BLOCK)
+        # a block's output (what another block, or the code after the blocks, reads) stays
+        # saved, as a checkpoint keeps its block's input: recomputed, it would be needed
+        # by the next block's recompute, which backward runs first, so every block's
+        # recompute would run at the start of backward and hold all of them at once
+        return block is not None and _recomputable(n, self.keep) and not any(
+            u.op != "output" and u.meta.get(BLOCK) != block for u in n.users)
 
     def cost(self, plan: _Plan) -> int:
         """Bytes of storage the plan newly keeps: a saved view keeps its base, and a base
@@ -248,7 +258,11 @@ def remat_pass(jp: StepProgram, ctx: CompileContext) -> StepProgram:
     # a selective policy (activation_checkpoint="selective" under inductor): the packets
     # whose outputs it saves; every other op of a block is recomputed
     policy = ctx.options.activation_checkpoint
-    keep = frozenset(op_named(n) for n in policy.save) if ctx.options.recompute_in_step else None
+    keep: frozenset | None = None
+    if ctx.options.recompute_in_step:
+        # "blocks" saves nothing a block makes but what cannot be recomputed (collectives'
+        # outputs, draws): every ATen op of it is recomputed from the block's inputs
+        keep = frozenset(op_named(n) for n in policy.save) if isinstance(policy, Selective) else frozenset()
     fg, bg = jp.forward.graph, jp.backward.graph
     f_out = next(n for n in fg.nodes if n.op == "output")
     vals = list(f_out.args[0])
@@ -268,6 +282,14 @@ def remat_pass(jp: StepProgram, ctx: CompileContext) -> StepProgram:
             held[s] = p
     touched = _touched(fg, bg, {p: s for s, p in zip(saved, saved_ph)})
     before = _stored(held)
+    # what backward gathers again (reshard.py) it has already: a recompute reads the copy
+    by_name = {n.name: n for n in fg.nodes}
+    regathered = set()
+    for b in bg.nodes:
+        f = by_name.get(b.meta.get(COPY_OF))  # type: ignore[arg-type]
+        if f is not None and f not in held:
+            held[f] = b
+            regathered.add(f)
     changed = True
     while changed:
         changed = False
@@ -314,7 +336,7 @@ def remat_pass(jp: StepProgram, ctx: CompileContext) -> StepProgram:
     _repair_order(bg)
     f_out.args = (tuple(head) + tuple(keep_saved) + tuple(tail),)
     bg.lint()
-    copies = [(s, p) for s, p in held.items() if p.op != "placeholder"]
+    copies = [(s, p) for s, p in held.items() if p.op != "placeholder" and s not in regathered]
     by_policy = sum(1 for s, _ in copies if keep is not None and s.meta.get(BLOCK) is not None
                     and _recomputable(s, keep))
     jp.forward.meta[REMAT] = Remat(before, _stored(keep_saved), len(copies),

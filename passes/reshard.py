@@ -1,5 +1,6 @@
 """Reshard after forward: gather weights (and, under a selective policy inside the step
-program, a block's gathered activations) again in backward instead of keeping them.
+program, a block's gathered activations; under block recompute there, its weights too)
+again in backward instead of keeping them.
 
 Reads:  the unsplit step program's graph (``joint.py``, before its split into forward and
         backward; ``gm.meta[N_OUTPUTS]``), its forward weight all-gathers (an all-gather
@@ -43,6 +44,9 @@ REGATHER = "shardc_regather_of"  # node.meta of a backward copy: the forward iss
 # node.meta of a backward copy of an activation's gather: its input is a saved activation,
 # which a part's passes see as a placeholder, as they see a weight shard
 ACTIVATION = "shardc_regather_activation"
+# node.meta of every node of a backward copy: the name of the forward node it repeats
+# (``remat.py`` has a block recomputed in backward read the copy, not a saved value)
+COPY_OF = "shardc_copy_of"
 
 
 def _weight_gathers(g: fx.Graph, fwd: set[fx.Node]) -> list[fx.Node]:
@@ -131,6 +135,9 @@ def reshard_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     # the largest a block keeps on a tensor-parallel mesh are its gathered inputs, so it
     # gathers them again in backward, as Megatron does with sequence parallelism
     activations = ctx.options.recompute_in_step
+    # block recompute inside the step program frees what a block holds, its gathered
+    # weights too (the eager recompute gathers them again when it replays the block)
+    block_weights = activations and ctx.options.activation_checkpoint == "blocks"
     if not (weights or activations):
         return gm
     g = gm.graph
@@ -139,7 +146,8 @@ def reshard_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     order = {n: i for i, n in enumerate(g.nodes)}
     copies: list[tuple[list[fx.Node], fx.Node]] = []  # (issue and its input ops, its wait)
     gathers = _weight_gathers(g, fwd)
-    chains = [(i, _chain(i, fwd)) for i in gathers] if weights else []
+    chains = [(i, _chain(i, fwd)) for i in gathers
+              if weights or (block_weights and i.meta.get(BLOCK) is not None)]
     if activations:
         chains += [(i, _gathered_chain(i, fwd)) for i in _activation_gathers(g, fwd, gathers)]
     acts = {i for i, _ in chains} - set(gathers)
@@ -155,6 +163,7 @@ def reshard_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         with g.inserting_before(first):
             for c in chain:
                 new = g.node_copy(c, lambda a: env.get(a, a))
+                new.meta[COPY_OF] = c.name
                 env[c] = new
                 if c is issue:
                     new.args = (*c.args[:-1], "backward")

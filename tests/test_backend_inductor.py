@@ -197,14 +197,14 @@ def test_only_gradient_buckets_are_reduced_in_place(fake_world) -> None:
 @pytest.mark.skipif(torch_version() < RECOMPUTE_COMPILED_FROM,
                     reason="refused on this torch (test_options checks the refusal)")
 def test_block_recompute_runs_every_segment_compiled_between_its_collectives(fake_world) -> None:
-    """``activation_checkpoint="blocks"`` with inductor: every segment of the recompute's
+    """``activation_checkpoint="blocks"`` with inductor and ``step_graph=False``: every segment of the recompute's
     split (the checkpointed blocks' inner programs and the segments between them) runs as
     an ``InductorProgram``, whose pieces hold no collective and no random draw, and explain
     says so. (Nothing runs here: the gloo cases of ``test_recompute_gloo.py`` train it.)"""
     fake_world(2)
     torch.manual_seed(0)
     sm = shardc.compile(GPT(layers=3, dropout=0.1), shardc.Mesh(x=2), lm_batch(4, 16, 64),
-                        backend="inductor", activation_checkpoint="blocks")
+                        backend="inductor", activation_checkpoint="blocks", step_graph=False)
     programs = sm._recompute_programs
     children = list(sm._recompute_compiled.children())
     # the split the memory estimate traces stays uncompiled

@@ -96,14 +96,17 @@ def test_selective_policy_errors_are_option_errors() -> None:
 
 
 def test_block_recompute_with_inductor_needs_the_torch_it_was_verified_on(monkeypatch) -> None:
-    """Accepted from ``RECOMPUTE_COMPILED_FROM`` (the gloo cases of test_recompute_gloo train
-    it there); refused below, where torch 2.8 left some gradients unreduced."""
+    """The compiled segments under autograd's checkpoint (``step_graph=False``): accepted
+    from ``RECOMPUTE_COMPILED_FROM`` (the gloo cases of test_recompute_gloo train it
+    there); refused below, where torch 2.8 left some gradients unreduced."""
     from shardc.core.compat import RECOMPUTE_COMPILED_FROM
 
     monkeypatch.setattr(torch, "__version__", "2.8.0+cpu")
     with pytest.raises(shardc.OptionError, match=r"activation_checkpoint='blocks' with backend='inductor' "
                        r"needs torch >= 2\.11 \(this is 2\.8\.0\+cpu\): .* went unreduced"):
-        shardc.Options(activation_checkpoint="blocks", backend="inductor")
+        shardc.Options(activation_checkpoint="blocks", backend="inductor", step_graph=False)
     shardc.Options(activation_checkpoint="blocks")  # eager recompute: every supported torch
+    # with the step program the policy is a pass of it (no compiled code under a checkpoint)
+    assert shardc.Options(activation_checkpoint="blocks", backend="inductor").recompute_in_step
     monkeypatch.setattr(torch, "__version__", ".".join(map(str, RECOMPUTE_COMPILED_FROM)) + ".0")
-    assert shardc.Options(activation_checkpoint="blocks", backend="inductor").recompute
+    assert shardc.Options(activation_checkpoint="blocks", backend="inductor", step_graph=False).recompute

@@ -226,9 +226,9 @@ def _step_program(sm: shardc.ShardedModule, ctx: CompileContext, primals: list) 
 def test_a_selective_policy_recomputes_every_block_op_it_does_not_save(fake_world, name: str) -> None:
     """``activation_checkpoint="selective"`` under inductor is this pass with a policy: of
     what forward saves, a block keeps its GEMM and attention outputs, what a draw made,
-    what came from outside the block, and what a collective made, except the activations
-    it all-gathers (sequence parallelism's GEMM inputs), which backward gathers again; the
-    rest is recomputed in backward, bit for bit (on x2 z2: all-reduces, reduce-scatters,
+    what came from outside the block, its output (what the next block reads), and what a
+    collective made, except the activations it all-gathers (sequence parallelism's GEMM
+    inputs), which backward gathers again; the rest is recomputed in backward, bit for bit (on x2 z2: all-reduces, reduce-scatters,
     activation and weight gathers inside every block)."""
     fake_world(4)
     torch.manual_seed(0)
@@ -270,7 +270,13 @@ def test_a_selective_policy_recomputes_every_block_op_it_does_not_save(fake_worl
     saved = fwd_outputs(after.forward)[after.n_outputs:]
     in_blocks = [s for s in saved if isinstance(s, torch.fx.Node) and s.meta.get(BLOCK)]
     assert in_blocks, "the trace lost the blocks' marks"
-    left = [s for s in in_blocks if not kept(s) and not reads_a_write(s)]
+    def block_output(n: torch.fx.Node) -> bool:
+        # read by another block or after the blocks: kept, as a checkpoint keeps its
+        # block's input (recomputed, every block's recompute would run at the start of
+        # backward, the next block's needing it)
+        return any(u.op != "output" and u.meta.get(BLOCK) != n.meta.get(BLOCK) for u in n.users)
+
+    left = [s for s in in_blocks if not kept(s) and not reads_a_write(s) and not block_output(s)]
     # a value the policy would recompute stays saved only where its recompute would keep
     # more storage than it frees (GPT's residual sum on x2: the all-reduced projection
     # plus its gathered bias, for the sum alone): so never one whose inputs are all saved

@@ -64,12 +64,13 @@ class Options:
     ``"selective"`` (or ``shardc.Selective(save=[...])``) cuts the same blocks but keeps
     the outputs of their GEMMs and attention (or of the ops named) and recomputes the
     rest, as torch's selective activation checkpointing does. With ``backend="inductor"``
-    each "blocks" segment's compute runs compiled between its collectives; a selective
-    policy is applied inside the step program instead (``passes/remat.py``: the ops of a
-    block it does not save move to the backward part, where inductor fuses them into the
-    kernels that read them; an activation a block all-gathers is gathered again in
-    backward, as Megatron does; other collectives and random draws keep their outputs
-    saved), and the step passes apply.
+    either policy is applied inside the step program instead (``passes/remat.py``: the
+    ops of a block it does not save move to the backward part, where inductor fuses them
+    into the kernels that read them; a block's output stays saved; an activation a block
+    all-gathers is gathered again in backward, as Megatron does, and under "blocks" its
+    weights too; other collectives and random draws keep their outputs saved), and the
+    step passes apply; "blocks" with ``step_graph=False`` runs each segment compiled
+    between its collectives under autograd's checkpoint.
     ``precision="bf16"`` computes and communicates in bf16 with fp32 parameters and
     gradient reductions; a ``shardc.Precision(compute, reduce)`` says both dtypes (see
     ``shardc.core.precision``). ``shard_optimizer=True`` shards the optimizer state
@@ -190,15 +191,21 @@ class Options:
     @property
     def recompute(self) -> bool:
         """Does the forward program recompute blocks in backward under autograd's
-        checkpoint ("blocks", or a selective policy with the eager backend)? Then the step
-        program does not run."""
+        checkpoint (the eager backend's policies, and "blocks" with inductor and
+        step_graph=False)? Then the step program does not run."""
         return bool(self.activation_checkpoint != "none") and not self.recompute_in_step
 
     @property
     def recompute_in_step(self) -> bool:
-        """Is a selective policy applied inside the step program (``backend="inductor"``):
-        ``passes/remat.py`` moves the ops it does not save into the backward part?"""
-        return isinstance(self.activation_checkpoint, Selective) and self.backend == "inductor"
+        """Is recompute applied inside the step program (``backend="inductor"``):
+        ``passes/remat.py`` moves the ops a block does not save into the backward part? A
+        selective policy always; ``"blocks"`` where the step program runs (with
+        ``step_graph=False`` its segments run compiled under autograd's checkpoint)."""
+        if self.backend != "inductor":
+            return False
+        if isinstance(self.activation_checkpoint, Selective):
+            return True
+        return self.activation_checkpoint == "blocks" and self.step_graph
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -234,7 +241,7 @@ class Options:
         # both run the forward program through something the other cannot wrap: refuse
         # the pair rather than silently drop one
         if self.activation_checkpoint == "blocks" and self.backend != "eager" \
-                and torch_version() < RECOMPUTE_COMPILED_FROM:
+                and not self.recompute_in_step and torch_version() < RECOMPUTE_COMPILED_FROM:
             raise OptionError(
                 f"shardc.compile: activation_checkpoint='blocks' with backend={self.backend!r} needs "
                 f"torch >= {'.'.join(map(str, RECOMPUTE_COMPILED_FROM))} (this is {torch.__version__}): "

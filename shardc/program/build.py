@@ -157,17 +157,20 @@ def build(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
                 f"no repeated blocks in {type(model).__name__} (a ModuleList or Sequential of "
                 "two or more modules of one class). Use activation_checkpoint='none'.")
         if options.recompute_in_step:
-            # backend="inductor": the selective policy is a pass of the step program
+            # backend="inductor": the policy is a pass of the step program
             # (passes/remat.py), which reads each node's block from this mark
             mark_blocks(program, blocks)
-            sm.decisions.append(f"selective recompute inside the step program: {len(blocks)} blocks; "
+            what = "block" if options.activation_checkpoint == "blocks" else "selective"
+            sm.decisions.append(f"{what} recompute inside the step program: {len(blocks)} blocks; "
                                 "what the policy does not save is recomputed in backward (remat)")
             # where the forward program runs with gradients instead (no_sync micro-batches,
             # a step program that could not be built), the policy runs as under the eager
             # backend: autograd's checkpoint over a copy, whose recompute marks the report
             # of the step program must not read
+            selective = options.activation_checkpoint if isinstance(options.activation_checkpoint,
+                                                                    Selective) else None
             object.__setattr__(sm, "_recompute_fallback", mark_and_split(
-                copy.deepcopy(program), blocks, runtime.key, options.activation_checkpoint))
+                copy.deepcopy(program), blocks, runtime.key, selective))
         else:
             selective = options.activation_checkpoint if isinstance(options.activation_checkpoint,
                                                                     Selective) else None

@@ -229,7 +229,7 @@ def _step_section(sm: Any) -> list[str]:
             f"bucket_mb={buckets}):")
     if not o.step_graph:
         return [head, "  off: backward is autograd's walk over the forward program",
-                *_eager_buckets(sm), ""]
+                *_eager_buckets(sm), *_segment_lines(sm._recompute_programs), ""]
     built = list(sm._joint.values())
     if sm._joint_failed is not None:
         return [head, f"  could not be built ({sm._joint_failed}); autograd's backward runs",
@@ -277,7 +277,13 @@ def _step_section(sm: Any) -> list[str]:
         remat = jp.forward.meta.get(REMAT)
         if remat is not None:
             lines.append(f"    {remat.describe()}")
-        if o.recompute_in_step:
+        if o.recompute_in_step and o.activation_checkpoint == "blocks":
+            lines.append("    block recompute is applied here: each block's ops are recomputed in "
+                         "backward from its inputs, its weights' and activations' all-gathers are "
+                         "issued again there, its other collectives' outputs and its random draws "
+                         "stay saved; a call that runs the forward program (under no_sync) "
+                         "recomputes under autograd's checkpoint instead")
+        elif o.recompute_in_step:
             lines.append(f"    selective recompute (save {', '.join(o.activation_checkpoint.save)}) "
                          "is applied here: each block's other ops are recomputed in backward, its "
                          "activations' all-gathers are issued again there, its other collectives' "
