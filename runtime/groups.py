@@ -16,6 +16,19 @@ from shardc.core.mesh import CUT_AXES, PIPE, Mesh
 
 _CACHE: dict[tuple[str, int], dict[str, dist.ProcessGroup | None]] = {}
 _STAGES: dict[tuple[str, int], dist.ProcessGroup] = {}
+# the world the caches' groups belong to, held so that its id is not reused: a process
+# that destroys its process group and makes a new one (a notebook, a test per world) got
+# a new WORLD at the old one's address, and with it the destroyed world's groups
+_WORLD: list[object] = [None]
+
+
+def _world_id() -> int:
+    """``id`` of the current world, the caches emptied first if it is not theirs."""
+    if dist.group.WORLD is not _WORLD[0]:
+        _CACHE.clear()
+        _STAGES.clear()
+        _WORLD[0] = dist.group.WORLD
+    return id(_WORLD[0])
 
 
 def default_device() -> torch.device:
@@ -29,7 +42,7 @@ def axis_groups(mesh: Mesh) -> dict[str, dist.ProcessGroup | None]:
     """This rank's group on each axis (None for an axis of size 1)."""
     if not dist.is_initialized():
         raise RuntimeError("shardc: torch.distributed is not initialised")
-    key = (mesh.spec(), id(dist.group.WORLD))
+    key = (mesh.spec(), _world_id())
     if key not in _CACHE:
         groups: dict[str, dist.ProcessGroup | None] = {}
         for axis in CUT_AXES:
@@ -50,7 +63,7 @@ def axis_groups(mesh: Mesh) -> dict[str, dist.ProcessGroup | None]:
 
 
 def _make_pipeline_groups(mesh: Mesh) -> None:
-    key = (mesh.spec(), id(dist.group.WORLD))
+    key = (mesh.spec(), _world_id())
     if key in _STAGES:
         return
     stages = [[r for r in range(mesh.world_size) if mesh.coords(r)[PIPE] == s] for s in range(mesh.pipe)]
@@ -70,14 +83,14 @@ def stage_group(mesh: Mesh) -> dist.ProcessGroup:
         assert dist.group.WORLD is not None
         return dist.group.WORLD
     axis_groups(mesh)
-    return _STAGES[(mesh.spec(), id(dist.group.WORLD))]
+    return _STAGES[(mesh.spec(), _world_id())]
 
 
 def pipe_group(mesh: Mesh) -> dist.ProcessGroup:
     """This rank's group along ``pipe``: the ranks of every stage that share its x, y, z
     and data coordinates (made by every rank, for every such group, in one order)."""
     axis_groups(mesh)
-    return _STAGES[(mesh.spec() + "/pipe", id(dist.group.WORLD))]
+    return _STAGES[(mesh.spec() + "/pipe", _world_id())]
 
 
 def stage_ranks(mesh: Mesh, rank: int) -> list[int]:
@@ -102,3 +115,4 @@ def world_timeout() -> timedelta | None:
 def clear_cache() -> None:
     _CACHE.clear()
     _STAGES.clear()
+    _WORLD[0] = None
