@@ -16,19 +16,25 @@ from shardc.core.mesh import CUT_AXES, PIPE, Mesh
 
 _CACHE: dict[tuple[str, int], dict[str, dist.ProcessGroup | None]] = {}
 _STAGES: dict[tuple[str, int], dist.ProcessGroup] = {}
-# the world the caches' groups belong to, held so that its id is not reused: a process
-# that destroys its process group and makes a new one (a notebook, a test per world) got
-# a new WORLD at the old one's address, and with it the destroyed world's groups
-_WORLD: list[object] = [None]
+# every world the caches' groups belong to, by id, held so that no id is reused while
+# its groups are cached: a process that destroys its process group and makes a new one (a
+# notebook, a test per world) got a new WORLD at the old one's address, and with it the
+# destroyed world's groups. By id, not one slot: in a threaded world each rank thread has
+# its own WORLD
+_WORLDS: dict[int, object] = {}
 
 
 def _world_id() -> int:
-    """``id`` of the current world, the caches emptied first if it is not theirs."""
-    if dist.group.WORLD is not _WORLD[0]:
-        _CACHE.clear()
-        _STAGES.clear()
-        _WORLD[0] = dist.group.WORLD
-    return id(_WORLD[0])
+    """``id`` of the current world, its cached groups dropped first if they were made for
+    another world at the same address."""
+    world = dist.group.WORLD
+    key = id(world)
+    if _WORLDS.get(key) is not world:
+        for cache in (_CACHE, _STAGES):
+            for k in [k for k in cache if k[1] == key]:
+                del cache[k]
+        _WORLDS[key] = world
+    return key
 
 
 def default_device() -> torch.device:
@@ -115,4 +121,4 @@ def world_timeout() -> timedelta | None:
 def clear_cache() -> None:
     _CACHE.clear()
     _STAGES.clear()
-    _WORLD[0] = None
+    _WORLDS.clear()
