@@ -156,6 +156,8 @@ def build(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
                 f"shardc.compile: activation_checkpoint={options.activation_checkpoint!r} found "
                 f"no repeated blocks in {type(model).__name__} (a ModuleList or Sequential of "
                 "two or more modules of one class). Use activation_checkpoint='none'.")
+        selective = options.activation_checkpoint if isinstance(options.activation_checkpoint,
+                                                                Selective) else None
         if options.recompute_in_step:
             # backend="inductor": the policy is a pass of the step program
             # (passes/remat.py), which reads each node's block from this mark
@@ -167,13 +169,9 @@ def build(model: nn.Module, mesh: Mesh, example_inputs: tuple, options: Options,
             # a step program that could not be built), the policy runs as under the eager
             # backend: autograd's checkpoint over a copy, whose recompute marks the report
             # of the step program must not read
-            selective = options.activation_checkpoint if isinstance(options.activation_checkpoint,
-                                                                    Selective) else None
             object.__setattr__(sm, "_recompute_fallback", mark_and_split(
                 copy.deepcopy(program), blocks, runtime.key, selective))
         else:
-            selective = options.activation_checkpoint if isinstance(options.activation_checkpoint,
-                                                                    Selective) else None
             object.__setattr__(sm, "_recompute", mark_and_split(program, blocks, runtime.key, selective))
     elif own_blocks:
         # the model's own torch.utils.checkpoint calls on submodules, honoured: those
