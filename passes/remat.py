@@ -24,7 +24,10 @@ is either to save it (its bytes) or to recompute it from its inputs, each of the
 saved or recomputed (a small tree search over cheap ops: pointwise, views, casts,
 softmax and log-softmax, to a depth of ``DEPTH``); values already saved or already
 recomputed cost nothing. Where recomputing costs fewer bytes than the value, forward
-stops returning it. A tie keeps the value saved: recomputing at equal bytes (a GEMM's
+stops returning it. A value that backward reads with anything but such cheap ops (a GEMM:
+a GELU's output for the next layer's weight gradient) is never recomputed
+(``_materialized``): backward would write it whole again, a kernel's output with nothing
+to fuse into, where forward has it already; torch's partitioner keeps such values too. A tie keeps the value saved: recomputing at equal bytes (a GEMM's
 output saved in place of the log-softmax made from it, 296 ops moved for a GPT-2 small
 instead of 110) made the CPU step 2-3% slower, measured side by side. A value that
 anything writes in place is never read by a recompute: it may hold another value by then.
@@ -83,6 +86,36 @@ def _cheap(n: fx.Node) -> bool:
     if torch.Tag.nondeterministic_seeded in t.tags:
         return False
     return t in CHEAP or torch.Tag.pointwise in t.tags or view_of(n) is not None
+
+
+# reductions inductor fuses with the pointwise work that feeds them (a bias's gradient)
+_FUSED_REDUCTIONS = frozenset({aten.sum.dim_IntList, aten.sum.default, aten.mean.dim,
+                               aten.amax.default, aten.amin.default})
+
+
+def _materialized(p: fx.Node) -> bool:
+    """Does backward need ``p`` (a saved value's placeholder) in memory whole: does an op
+    other than a pointwise, cheap or reducing one (a GEMM, attention, a collective, the
+    output) read it, directly or through views? Then recomputing it writes the same bytes
+    again in backward, with no kernel to fuse into, while saving it costs forward nothing
+    (it wrote it already). AOTAutograd's min-cut partitioner bans such recomputes too
+    (``ban_if_materialized_backward``): measured on one CPU process (GPT, ``peer`` shape),
+    recomputing a GELU's output for the next GEMM's weight gradient made the backward's
+    GELU kernel 2.4x slower than ``torch.compile``'s, which saves it."""
+    stack, seen = list(p.users), set()
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if u.op != "call_function":
+            return True
+        if view_of(u) is not None or u.target is operator.getitem:
+            stack.extend(u.users)
+            continue
+        if not (u.target in _FUSED_REDUCTIONS or _cheap(u)):
+            return True
+    return False
 
 
 class _Plan:
@@ -309,6 +342,10 @@ def remat_pass(jp: StepProgram, ctx: CompileContext) -> StepProgram:
                     # the policy's saves would cost more than the value itself (a GEMM's
                     # output autograd did not keep, for a smaller value made from it)
                     plan = None
+            elif _materialized(p):
+                # backward writes it to memory whole anyway (a GEMM reads it): recomputed,
+                # it is one more buffer written in backward where forward's is free
+                continue
             else:
                 plan = _Search(have, touched).plan(s, DEPTH)
             if plan is None or not plan.compute:

@@ -176,6 +176,43 @@ def test_a_value_written_in_place_is_never_read_by_a_recompute() -> None:
     assert torch.equal(grads_a[0], grads_b[0])
 
 
+def test_a_value_a_gemm_reads_in_backward_stays_saved() -> None:
+    """forward: pre = x @ w1; g = gelu(pre); t = sin(pre); y = g @ w2. Backward reads g with
+    a GEMM (the next layer's weight gradient) and t only with pointwise ops. t is
+    recomputed from the saved pre (inductor fuses it into the kernel that reads it); g
+    stays saved: recomputed, it would be one more buffer written in backward where
+    forward's is there for free (torch.compile's partitioner keeps it too)."""
+    def forward(g, op):
+        x, w1, w2 = (_placeholder(g, n) for n in ("x", "w1", "w2"))
+        w1.meta["val"] = w2.meta["val"] = torch.empty(8, 8)
+        pre = op(aten.mm.default, x, w1)
+        gl = op(aten.gelu.default, pre)
+        t = op(aten.sin.default, pre)
+        return (op(aten.sum.default, op(aten.mm.default, gl, w2)), pre, gl, t)
+
+    def backward(g, op):
+        pre, gl, t, tangent = (_placeholder(g, n) for n in ("pre", "g", "t", "tangent"))
+        dw2 = op(aten.mm.default, op(aten.t.default, gl), tangent)
+        dpre = op(aten.gelu_backward.default, op(aten.mul.Tensor, t, tangent), pre)
+        return (dw2, dpre)
+
+    fwd, bwd = _graph(forward), _graph(backward)
+    jp = StepProgram(fwd, bwd, n_outputs=1, diff_outputs=[0], grad_of=[0, 1], joint=fwd)
+    before = StepProgram(copy.deepcopy(fwd), copy.deepcopy(bwd), 1, [0], [0, 1], fwd)
+    ctx = CompileContext(mesh=shardc.Mesh(), options=shardc.Options(backend="inductor"),
+                         rt="remat-test")
+    after = remat_pass(jp, ctx)
+    saved = [str(n.target) for n in fwd_outputs(after.forward)[1:]]
+    assert sorted(saved) == ["aten.gelu.default", "aten.mm.default"], saved
+    assert _ops(after.backward, lambda n: n.target is aten.sin.default) == ["aten.sin.default"]
+    assert after.forward.meta[REMAT].ops == 1
+    args = [torch.randn(4, 8), torch.randn(8, 8), torch.randn(8, 8)]
+    tangent = torch.randn(4, 8)
+    _, grads_b = _run(before, args, [tangent])
+    _, grads_a = _run(after, args, [tangent])
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+
+
 def test_a_selective_policy_keeps_gemms_draws_and_written_values() -> None:
     """The policy's own rules on a small block: a GEMM's output is saved and the ops after
     it are recomputed from it; nothing draws again, and what reads a value written in place
