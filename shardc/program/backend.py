@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import operator
 import socket
 import time
 import warnings
@@ -31,7 +32,7 @@ from typing import Any, Callable, cast
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import GmWrapper, counters
 from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -332,8 +333,12 @@ class WholePart:
             context = TracingContext(FakeTensorMode(shape_env=ShapeEnv()))
             with tracing(context):
                 # what dynamo would call: the compiled part, taking the part's arguments
+                # wrapped as dynamo wraps a graph whose inputs may be freed early: the
+                # compiled part then takes its arguments as one list and empties it, so
+                # each input (a saved activation) is freed after its last read
+                boxed = cast(fx.GraphModule, GmWrapper(self.whole, _as_listed))
                 self.compiled = cast(Callable[..., Any], compile_fx(
-                    self.whole, list(args), config_patches=dict(WHOLE_CONFIG)))
+                    boxed, list(args), config_patches=dict(WHOLE_CONFIG)))
         except Exception as e:  # noqa: BLE001 - any compiler failure: run the part in pieces
             self._fall_back(_reason(e))
         self.compile_seconds = time.perf_counter() - t0
@@ -390,13 +395,59 @@ class WholePart:
         return [f"{self.name}: {self.failure}", *self.pieces.fallbacks]
 
     def __call__(self, *args: Any) -> Any:
+        return self.call_boxed(list(args))
+
+    def call_boxed(self, args: list) -> Any:
+        """The part on ``args``, which it empties: what only ``args`` holds is freed as
+        soon as the part has read it for the last time (backward's saved activations)."""
         if not self.tried:
             self.tried = True
-            self._compile_in_turn(args)
+            self._compile_in_turn(tuple(args))
         if self.pieces is not None:
-            return self.pieces(*args)
+            inputs = tuple(args)
+            args.clear()
+            return self.pieces(*inputs)
         assert self.compiled is not None
-        return self.compiled(*args)
+        return self.compiled(args)
+
+
+def _as_listed(args: list) -> list:
+    """GmWrapper's unflattening: the part's inputs are its arguments, in order."""
+    return args
+
+
+class BoxedPart:
+    """An eager part of the step program called with its arguments as one list that it
+    empties (``call_boxed``), as inductor's parts are: the graph reads them through
+    ``getitem`` nodes, which fx's code frees after their last use, so backward drops each
+    saved activation once it has read it instead of holding all of them to its end.
+    ``part(*args)`` still works."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        graph = fx.Graph()
+        box = graph.placeholder("args")
+        env: dict[fx.Node, Any] = {}
+        i = 0
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                env[n] = graph.call_function(operator.getitem, (box, i))
+                env[n].meta.update(n.meta)
+                i += 1
+        graph.call_method("clear", (box,))
+        for n in gm.graph.nodes:
+            if n.op == "output":
+                graph.output(fx.map_arg(n.args[0], env.__getitem__))
+            elif n.op != "placeholder":
+                env[n] = graph.node_copy(n, env.__getitem__)
+        self.boxed = fx.GraphModule(gm, graph)
+        self.graph, self.meta = gm.graph, gm.meta  # the part as it was (what tests read)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.boxed(list(args))
+
+    def call_boxed(self, args: list) -> Any:
+        return self.boxed(args)
 
 
 # ---------------------------------------------------------------- the eager backend
@@ -546,7 +597,7 @@ def build_runner(gm: fx.GraphModule, backend: str, part: str | None = None) -> C
     """What ``ShardedModule.forward`` calls for ``backend``: for the forward program, or,
     with ``part`` ("forward", "backward"), for that part of the step program."""
     if backend == "eager":
-        return direct_calls(gm)
+        return BoxedPart(direct_calls(gm)) if part == "backward" else direct_calls(gm)
     if backend == "inductor":
         return WholePart(gm, part) if part else InductorProgram(gm)
     raise ValueError(f"shardc.compile: backend={backend!r} is not one of {BACKENDS}.")
