@@ -371,10 +371,10 @@ def _saved_by(graph: fx.Graph, spans: list[tuple[int, int, int]], policy: Any
         if len(seen) != 2:
             continue
         (fa, fb), (ra, rb) = seen
-        # the recompute adds detaches (autograd's unpacking of what it saves): not ops
-        # of the block
-        fwd = [n for n in nodes[fa:fb] if n.op == "call_function" and n.target is not _DETACH]
-        rec = [n for n in nodes[ra:rb] if n.op == "call_function" and n.target is not _DETACH]
+        # the recompute adds detaches (autograd's unpacking of what it saves; torch 2.15
+        # adds aliases there too): not ops of the block
+        fwd = [n for n in nodes[fa:fb] if n.op == "call_function" and n.target not in _UNPACKING]
+        rec = [n for n in nodes[ra:rb] if n.op == "call_function" and n.target not in _UNPACKING]
         if [n.target for n in fwd] != [n.target for n in rec]:
             continue  # not a replay: leave this block fully recomputed
         for f, r in zip(fwd, rec):
@@ -383,7 +383,7 @@ def _saved_by(graph: fx.Graph, spans: list[tuple[int, int, int]], policy: Any
     return out
 
 
-_DETACH = torch.ops.aten.detach.default
+_UNPACKING = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
 
 
 # ---------------------------------------------------------------------- liveness
