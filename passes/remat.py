@@ -24,13 +24,14 @@ is either to save it (its bytes) or to recompute it from its inputs, each of the
 saved or recomputed (a small tree search over cheap ops: pointwise, views, casts,
 softmax and log-softmax, to a depth of ``DEPTH``); values already saved or already
 recomputed cost nothing. Where recomputing costs fewer bytes than the value, forward
-stops returning it. A value that backward reads with anything but such cheap ops (a GEMM:
-a GELU's output for the next layer's weight gradient) is never recomputed
-(``_materialized``): backward would write it whole again, a kernel's output with nothing
-to fuse into, where forward has it already; torch's partitioner keeps such values too. A tie keeps the value saved: recomputing at equal bytes (a GEMM's
+stops returning it. A tie keeps the value saved: recomputing at equal bytes (a GEMM's
 output saved in place of the log-softmax made from it, 296 ops moved for a GPT-2 small
 instead of 110) made the CPU step 2-3% slower, measured side by side. A value that
-anything writes in place is never read by a recompute: it may hold another value by then.
+backward reads with anything but such cheap ops (a GEMM: a GELU's output for the next
+layer's weight gradient) is never recomputed (``_materialized``): backward would write it
+whole again, a kernel's output with nothing to fuse into, where forward has it already;
+torch's partitioner keeps such values too. A value that anything writes in place is never
+read by a recompute: it may hold another value by then.
 
 A selective policy (``activation_checkpoint="selective"`` or ``Selective(save=...)`` under
 inductor) is applied here too, in place of torch's per-op checkpoint policy that compiled
