@@ -424,7 +424,6 @@ class BoxedPart:
     ``part(*args)`` still works."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
-        self.gm = gm
         graph = fx.Graph()
         box = graph.placeholder("args")
         env: dict[fx.Node, Any] = {}
