@@ -46,6 +46,7 @@ from shardc.core.ir import Fallback, SourceInfo, Val, source_of, where
 from shardc.core.mesh import BATCH_AXES, CONTEXT, SEQUENCE_DIM, Mesh
 from shardc.core.placement import Layout
 from shardc.core.precision import reduce_dtype
+from shardc.passes.data_sized import WHY_NOT
 from shardc.passes.rules import RULES, fallback_rule
 from shardc.passes.rules.experts import cut_axes, expert_rules
 from shardc.passes.rules.routing import region_rules
@@ -75,7 +76,10 @@ def _unbacked(n: fx.Node) -> bool:
 # why a size known only at run time cannot be laid out, and the rewrite that avoids one
 FIXED_SIZE = ("shardc lays out every tensor when it compiles, so a size known only when the "
               "step runs (boolean-mask indexing `h[mask]`, `nonzero`, `masked_select`, "
-              "`unique`) cannot be sharded. Give it a fixed size instead: pick the rows by "
+              "`unique`) cannot be sharded, unless the rows picked are only written back "
+              "where they came from (`out.index_add_(0, rows, f(x[rows]))`, `y[mask] = "
+              "f(x[mask])`), which shardc computes at their bound. Give it a fixed size "
+              "instead: pick the rows by "
               "index (`h[torch.arange(B), idx]` with `idx` from `argmax` or a count), or keep "
               "every row and zero the others (`torch.where`).")
 
@@ -104,6 +108,10 @@ def _data_dependent_error(node: fx.Node, src: SourceInfo, cause: Exception) -> S
         elif n is not node and (origin is None or order[n] < order[origin]):
             origin = n
     made = f", made by {origin.target} {where(source_of(origin))}" if origin is not None else ""
+    why = origin.meta.get(WHY_NOT) if origin is not None else None
+    if why:
+        made += (f" (rows picked so are computed at their bound when they are only written back "
+                 f"where they came from; here {why})")
     return ShardcError(
         f"shardc.compile: {node.target} {where(src)} works on a size that depends on the "
         f"data{made}. {FIXED_SIZE} ({type(cause).__name__}: {str(cause).splitlines()[0]})")

@@ -44,6 +44,7 @@ from shardc.passes.autograd_functions import (
 )
 from shardc.passes.branch_checks import Unchecked, add_branch_checks, mark_branch_checks
 from shardc.passes.causal_masks import fold_causal_masks
+from shardc.passes.data_sized import pad_data_sized
 from shardc.passes.lower import FIXED_SIZE, data_sized_origin
 from shardc.passes.recompute_calls import record_recompute_calls, unique
 from shardc.passes.rules import RULES
@@ -122,6 +123,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
                 raise TraceError(_explain_trace_failure(model, cause)) from e
     # after the decompositions, which would trace the masks' subgraphs back in
     fold_causal_masks(ep.graph_module)
+    pad_data_sized(ep.graph_module)
     refuse_gradient_hooks(model, hooks)
     with torch.random.fork_rng(devices=[]):
         check_backwards(functions, type(model).__name__)

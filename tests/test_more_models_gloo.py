@@ -638,6 +638,47 @@ def _images(make, size: int = 16, labels: int = 10):
                    torch.randint(0, labels, (8,), generator=g)) for _ in range(3)]
 
 
+class LoopedExperts(torch.nn.Module):
+    """Experts in a ``ModuleList``, looped over with the rows the router sent each one, as
+    research code and transformers 4.x write mixtures of experts: ``torch.where`` of the
+    expert mask, rows looked up with ``x[None, tok]`` and weights with ``w[tok, slot,
+    None]``, summed back by ``index_add_`` (Mixtral, 4.36-4.47), or a boolean mask read and
+    written, ``y[flat == i] = expert(x[flat == i])`` (DeepSeek's remote code). How many
+    rows an expert gets is known only when the step runs: shardc computes each at its
+    bound (``passes/data_sized.py``)."""
+
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        self.style = style
+        self.emb = torch.nn.Embedding(64, 16)
+        self.router = torch.nn.Linear(16, 4, bias=False)
+        self.experts = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.SiLU(),
+                                torch.nn.Linear(32, 16)) for _ in range(4))
+        self.head = torch.nn.Linear(16, 64)
+
+    def forward(self, ids: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        b, t, d = h.shape
+        x = h.view(-1, d)
+        w, e = self.router(x).softmax(-1).topk(2, dim=-1)
+        if self.style == "where":
+            out = torch.zeros_like(x)
+            mask = F.one_hot(e, 4).permute(2, 1, 0)
+            for i, expert in enumerate(self.experts):
+                slot, tok = torch.where(mask[i])
+                rows = x[None, tok].reshape(-1, d)
+                out.index_add_(0, tok, expert(rows) * w[tok, slot, None])
+        else:
+            xs = x.repeat_interleave(2, dim=0)
+            flat = e.view(-1)
+            y = torch.empty_like(xs)
+            for i, expert in enumerate(self.experts):
+                y[flat == i] = expert(xs[flat == i])
+            out = (y.view(*w.shape, -1) * w.unsqueeze(-1)).sum(dim=1)
+        return F.cross_entropy(self.head(h + out.view(b, t, d)).flatten(0, 1), tgt.flatten())
+
+
 # (model, its batches) for those that are not causal language models
 def _routed():
     from test_routing import Routed
@@ -686,7 +727,11 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "mamba": (lambda: _tokens(_MAMBA), "x2y1z1d2"),
           "xlnet": (lambda: _tokens(_XLNET), "x2y1z1d2"),
           "llama-checkpointed": (lambda: _tokens(LlamaCheckpointed), "x1y1z2d2"),
-          "routed": (_routed, "x1y1z1d4")}
+          "routed": (_routed, "x1y1z1d4"),
+          # looped experts: rows the data picks, at their bound; on meshes that cut the
+          # batch and the weights (z) or the hidden dim (x)
+          "looped-experts-where": (lambda: _tokens(lambda: LoopedExperts("where")), "x1y1z2d2"),
+          "looped-experts-mask": (lambda: _tokens(lambda: LoopedExperts("mask")), "x2y1z1d2")}
 
 
 def _gathers_nothing(f) -> bool:
@@ -701,7 +746,12 @@ _ALLOWED = {"longformer": lambda f: not f.gathered or f.op == "aten.as_strided.d
             "hubert-ctc": lambda f: not f.gathered or f.op in ("aten.masked_select.default",
                                                                "shardc.ctc_loss.default"),
             "ctc-head": lambda f: not f.gathered or f.op in ("aten.masked_select.default",
-                                                             "shardc.ctc_loss.default")}
+                                                             "shardc.ctc_loss.default"),
+            # the picked rows' positions are the whole batch's (the batch-cut mask
+            # gathered for them): each rank runs the experts on every row, for now
+            # (docs/limitations.md)
+            "looped-experts-where": lambda f: not f.gathered or f.op == "aten.nonzero_static.default",
+            "looped-experts-mask": lambda f: not f.gathered or f.op == "aten.nonzero_static.default"}
 
 
 def _one(rank: int, world_size: int, name: str) -> None:

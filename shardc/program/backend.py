@@ -533,6 +533,12 @@ def _binding(node: fx.Node, seen: dict[tuple, Any]) -> Any:
         # reshape itself, so the probe below cannot match it; the boxed call would run
         # that same binding's code
         return torch.Tensor.reshape
+    if any(isinstance(a, (list, tuple)) and any(x is None for x in a)
+           for a in (*node.args, *node.kwargs.values())):
+        # an optional tensor list (``index_put(x, [None, i], v)``, the backward of
+        # ``x[None, i]``): the probe on meta tensors takes the None, while the binding
+        # refuses it on real ones
+        return None
     key = (t, tuple(type(a) for a in node.args), tuple(sorted(node.kwargs)))
     if key in seen:
         return seen[key]
