@@ -41,6 +41,19 @@ aten = torch.ops.aten
 
 # the meta key of a ``nonzero`` whose rows could not be padded: why not
 WHY_NOT = "shardc_picked_rows_kept"
+# the meta key of a padded region's ``nonzero_static``: its ``Picked``
+PICKED = "shardc_picked_rows"
+
+
+@dataclass
+class Picked:
+    """A padded region as the lowering needs it to run on each rank's own rows
+    (``passes/rules/picked.py``)."""
+    nonzero: fx.Node  # nonzero_static(mask, size=bound, fill_value=-1)
+    cols: dict[fx.Node, int]  # the nodes that hold one index column -> the mask dim it is
+    splits: list[fx.Node]  # unbind(nonzero, 1), whose getitems are columns
+    sources: list[fx.Node]  # x[..., cols, ...] of an x outside the region
+    writes: list[tuple[fx.Node, fx.Node, fx.Node, int]]  # (pad, write, slice back, dim)
 
 
 class _Reject(Exception):
@@ -108,7 +121,7 @@ def _prod(xs: Any) -> int:
 class _Region:
     nonzero: fx.Node
     rows: dict[fx.Node, int] = field(default_factory=dict)  # value -> its row dim
-    cols: set[fx.Node] = field(default_factory=set)  # index columns [n] (one of nonzero's)
+    cols: dict[fx.Node, int] = field(default_factory=dict)  # index column [n] -> the mask dim
     writes: list[tuple[fx.Node, int]] = field(default_factory=list)  # exit, dim it pads
     sizes: list[fx.Node] = field(default_factory=list)  # sym_size of the row dim
     tuples: set[fx.Node] = field(default_factory=set)  # ops of several outputs (getitems follow)
@@ -145,18 +158,19 @@ def _follow(region: _Region, user: fx.Node, src: fx.Node) -> None:
             return
         if t is aten.unbind.int and user.args[1] in (1, -1) \
                 and all(g.target is operator.getitem for g in user.users):
-            region.cols.update(user.users)
+            region.cols.update({g: int(g.args[1]) for g in user.users})
             region.tuples.add(user)
             return
         if (t is aten.select.int or t is aten.squeeze.dim and _val(src).shape[1] == 1) \
                 and user.args[1] in (1, -1):
-            region.cols.add(user)  # ``nz[:, j]``, and ``nz.squeeze(1)`` of a 1-d mask's
+            # ``nz[:, j]``, and ``nz.squeeze(1)`` of a 1-d mask's
+            region.cols[user] = int(user.args[2]) if t is aten.select.int else 0
             return
         raise _Reject(f"{_op(user)} reads the picked positions")
     if src in region.cols and t not in (aten.index.Tensor, aten.index_put.default,
                                         aten.index_add.default):
         if t in _COPIES and _val(user).dim() == 1:
-            region.cols.add(user)
+            region.cols[user] = region.cols[src]
             return
         raise _Reject(f"{_op(user)} computes with the picked positions")
     if t is aten.index.Tensor:
@@ -274,9 +288,9 @@ def _grow(nonzero: fx.Node) -> _Region:
             if user.target is _METADATA_CHECK or any(w is user for w, _ in region.writes) \
                     or user in region.rows or user in region.cols or user in region.tuples:
                 continue
-            before = set(region.rows) | region.cols | region.tuples
+            before = set(region.rows) | set(region.cols) | region.tuples
             _follow(region, user, src)
-            todo.extend((set(region.rows) | region.cols | region.tuples) - before)
+            todo.extend((set(region.rows) | set(region.cols) | region.tuples) - before)
     for s in region.sizes:  # a row count may only be checked (export's range asserts)
         for u in s.users:
             if u.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
@@ -288,7 +302,7 @@ def _grow(nonzero: fx.Node) -> _Region:
     if not region.writes:
         raise _Reject("nothing writes the picked rows back")
     region.writes = [(w, _check_write(region, w)) for w, _ in region.writes]
-    known = set(region.rows) | region.cols | region.tuples | {w for w, _ in region.writes} | \
+    known = set(region.rows) | set(region.cols) | region.tuples | {w for w, _ in region.writes} | \
         set(region.sizes)
     for v in [nonzero, *region.rows, *region.cols, *region.tuples]:  # every reader classified
         for u in v.users:
@@ -406,8 +420,12 @@ def _rewrite(graph: fx.Graph, region: _Region) -> None:
             cut = graph.call_function(aten.slice.Tensor, (w, dim, 0, size))
         cut.meta.update({k: v for k, v in w.meta.items() if k != "val"})
         w.replace_all_uses_with(cut, delete_user_cb=lambda u, cut=cut: u is not cut)
+    splits = [u for u in fixed.users if u.target is aten.unbind.int]
+    sources = [n for n in region.rows if n.target is aten.index.Tensor]
+    writes = [(w.args[0], w, next(iter(w.users)), dim) for w, dim in region.writes]
+    fixed.meta[PICKED] = Picked(fixed, dict(region.cols), splits, sources, writes)
     # the region's values again, at the bound (what reads a write's slice keeps its shape)
-    redo = set(region.rows) | region.cols | region.tuples | {fixed} | \
+    redo = set(region.rows) | set(region.cols) | region.tuples | {fixed} | \
         {n for w, _ in region.writes for n in (w, w.args[0], *w.users)}
     for n in graph.nodes:
         if n in redo:

@@ -49,6 +49,7 @@ from shardc.core.precision import reduce_dtype
 from shardc.passes.data_sized import WHY_NOT
 from shardc.passes.rules import RULES, fallback_rule
 from shardc.passes.rules.experts import cut_axes, expert_rules
+from shardc.passes.rules.picked import picked_rules
 from shardc.passes.rules.routing import region_rules
 from shardc.passes.rules.sequence import cut_inputs, token_wise
 from shardc.runtime import collectives as C
@@ -457,6 +458,8 @@ class Lowering:
 
         # ops whose rule depends on a region around them, not on the op alone
         regions, found = region_rules(self, self.old.graph)
+        # rows the data picks (padded at the trace): each rank its own
+        regions.update(picked_rules(self.old.graph))
         for region in found:
             # experts cut over an axis (expert_axes): the segments that run on the
             # experts' ranks take over their nodes' rules

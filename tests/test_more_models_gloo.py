@@ -746,12 +746,7 @@ _ALLOWED = {"longformer": lambda f: not f.gathered or f.op == "aten.as_strided.d
             "hubert-ctc": lambda f: not f.gathered or f.op in ("aten.masked_select.default",
                                                                "shardc.ctc_loss.default"),
             "ctc-head": lambda f: not f.gathered or f.op in ("aten.masked_select.default",
-                                                             "shardc.ctc_loss.default"),
-            # the picked rows' positions are the whole batch's (the batch-cut mask
-            # gathered for them): each rank runs the experts on every row, for now
-            # (docs/limitations.md)
-            "looped-experts-where": lambda f: not f.gathered or f.op == "aten.nonzero_static.default",
-            "looped-experts-mask": lambda f: not f.gathered or f.op == "aten.nonzero_static.default"}
+                                                             "shardc.ctc_loss.default")}
 
 
 def _one(rank: int, world_size: int, name: str) -> None:
