@@ -296,7 +296,7 @@ def _grow(nonzero: fx.Node) -> _Region:
             if u.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
                             aten.expand.default) and node_in(region, u.args[0]):
                 continue
-            if u.op == "call_function" and all(_asserts_only(u)):
+            if u.target in _CHECKS or u.op == "call_function" and all(_asserts_only(u)):
                 continue
             raise _Reject(f"{_op(u)} computes with how many rows were picked")
     if not region.writes:
@@ -311,8 +311,13 @@ def _grow(nonzero: fx.Node) -> _Region:
     return region
 
 
+# export's checks of a size the data decides (``u0 >= 0``; torch 2.8 also constrains it)
+_CHECKS = {getattr(aten, n).default for n in ("_assert_scalar", "sym_constrain_range_for_size",
+                                              "sym_constrain_range") if hasattr(aten, n)}
+
+
 def _asserts_only(n: fx.Node) -> list[bool]:
-    return [u.target is aten._assert_scalar.default or
+    return [u.target in _CHECKS or
             (u.op == "call_function" and not isinstance(u.target, torch._ops.OpOverload)
              and bool(u.users) and all(_asserts_only(u))) for u in n.users] or [False]
 
@@ -401,7 +406,9 @@ def _rewrite(graph: fx.Graph, region: _Region) -> None:
     region.nonzero = fixed
     for s in region.sizes:
         for u in list(s.users):
-            if u.op == "call_function" and not isinstance(u.target, torch._ops.OpOverload) \
+            if u.target in _CHECKS:
+                graph.erase_node(u)
+            elif u.op == "call_function" and not isinstance(u.target, torch._ops.OpOverload) \
                     and all(_asserts_only(u)):
                 _erase_tree(graph, u)
         s.replace_all_uses_with(bound)

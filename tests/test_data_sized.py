@@ -88,3 +88,22 @@ def test_an_optional_index_list_keeps_the_boxed_op() -> None:
     assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [aten.index_put.default]
     got = gm(torch.zeros(1, 5, 3), torch.tensor([0, 2]), torch.ones(1, 2, 3))
     assert got.sum().item() == 6.0 and got[0, 1].abs().sum().item() == 0.0
+
+
+@pytest.mark.filterwarnings("ignore:shardc.compile. rows picked")
+# the masks: (2 slots, 128 tokens) over 4 ranks; 256 token-slot pairs over 2; 128 tokens over 4
+@pytest.mark.parametrize("style, spec, axes, bound", [("where", "x1y1z2d2", "data and z", 64),
+                                                      ("mask", "x2y1z1d2", "data", 128),
+                                                      ("switch", "x1y1z1d4", "data", 32)])
+def test_each_rank_picks_its_own_rows(fake_world, style: str, spec: str, axes: str, bound: int) -> None:
+    """On a mesh that cuts the batch, no region gathers its mask or its rows: each rank
+    picks from its own block, as many rows as its block holds (the gloo tests check the
+    values, passes/rules/picked.py)."""
+    fake_world(4)
+    g = torch.Generator().manual_seed(3)
+    ids, tgt = torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g)
+    sm = shardc.compile(LoopedExperts(style), shardc.Mesh.parse(spec), (ids, tgt))
+    assert [f for f in sm.fallbacks if f.gathered] == []
+    picks = [d for d in sm.decisions if "picks the rows of its own block" in d]
+    assert len(picks) == 4 and all(f"over {axes} " in d for d in picks), sm.decisions
+    assert all(f"(up to {bound} of" in d for d in picks), picks

@@ -669,6 +669,12 @@ class LoopedExperts(torch.nn.Module):
                 slot, tok = torch.where(mask[i])
                 rows = x[None, tok].reshape(-1, d)
                 out.index_add_(0, tok, expert(rows) * w[tok, slot, None])
+        elif self.style == "switch":  # top-1, the unrouted rows kept: ``out[mask] = ...``
+            out = x.clone()
+            for i, expert in enumerate(self.experts):
+                picked = e[:, 0] == i
+                out[picked] = expert(x[picked]) * w[picked, :1]
+            out = out - x
         else:
             xs = x.repeat_interleave(2, dim=0)
             flat = e.view(-1)
@@ -731,7 +737,12 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           # looped experts: rows the data picks, at their bound; on meshes that cut the
           # batch and the weights (z) or the hidden dim (x)
           "looped-experts-where": (lambda: _tokens(lambda: LoopedExperts("where")), "x1y1z2d2"),
-          "looped-experts-mask": (lambda: _tokens(lambda: LoopedExperts("mask")), "x2y1z1d2")}
+          "looped-experts-mask": (lambda: _tokens(lambda: LoopedExperts("mask")), "x2y1z1d2"),
+          "looped-experts-switch": (lambda: _tokens(lambda: LoopedExperts("switch")), "x1y1z1d4"),
+          # the batch whole on every rank: every rank picks the same rows
+          "looped-experts-x": (lambda: _tokens(lambda: LoopedExperts("where")), "x2y2z1d1"),
+          "looped-experts-inductor": (lambda: _tokens(lambda: LoopedExperts("mask")), "x1y1z2d2",
+                                      {"backend": "inductor"})}
 
 
 def _gathers_nothing(f) -> bool:
