@@ -685,6 +685,30 @@ class LoopedExperts(torch.nn.Module):
         return F.cross_entropy(self.head(h + out.view(b, t, d)).flatten(0, 1), tgt.flatten())
 
 
+class MaskedDepthLoss(torch.nn.Module):
+    """GLPN's scale-invariant log loss: the pixels with a depth (``target > 0``) picked by
+    a boolean mask and read as a set (means over them). Their number is the data's, so
+    they run whole on every rank, the rows gathered (``pred[valid]`` is the mask's
+    nonzero and a lookup by it, passes/data_sized.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.out = torch.nn.Conv2d(4, 1, 1)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        pred = self.out(F.gelu(self.conv(x))).squeeze(1).exp()
+        valid = target > 0
+        d = torch.log(target[valid]) - torch.log(pred[valid])
+        return torch.sqrt((d ** 2).mean() - 0.5 * d.mean() ** 2)
+
+
+def _depth():
+    g = torch.Generator().manual_seed(1)
+    return MaskedDepthLoss, [(torch.randn(8, 3, 8, 8, generator=g), torch.rand(8, 8, 8, generator=g) - 0.3)
+                             for _ in range(3)]
+
+
 # (model, its batches) for those that are not causal language models
 def _routed():
     from test_routing import Routed
@@ -741,6 +765,7 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "looped-experts-switch": (lambda: _tokens(lambda: LoopedExperts("switch")), "x1y1z1d4"),
           # the batch whole on every rank: every rank picks the same rows
           "looped-experts-x": (lambda: _tokens(lambda: LoopedExperts("where")), "x2y2z1d1"),
+          "masked-depth-loss": (_depth, "x1y1z2d2"),
           "looped-experts-inductor": (lambda: _tokens(lambda: LoopedExperts("mask")), "x1y1z2d2",
                                       {"backend": "inductor"})}
 
@@ -757,7 +782,9 @@ _ALLOWED = {"longformer": lambda f: not f.gathered or f.op == "aten.as_strided.d
             "hubert-ctc": lambda f: not f.gathered or f.op in ("aten.masked_select.default",
                                                                "shardc.ctc_loss.default"),
             "ctc-head": lambda f: not f.gathered or f.op in ("aten.masked_select.default",
-                                                             "shardc.ctc_loss.default")}
+                                                             "shardc.ctc_loss.default"),
+            # the valid pixels' positions, whose number is the data's: the batch's
+            "masked-depth-loss": lambda f: not f.gathered or f.op == "aten.nonzero.default"}
 
 
 def _one(rank: int, world_size: int, name: str) -> None:
