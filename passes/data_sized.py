@@ -19,8 +19,8 @@ gain only zeros. The cost is the padding's FLOPs: an expert computes every token
 
 What a region may do with its rows (``_follow``): pointwise ops, GEMMs with the rows on
 the left, views, reductions and normalisations that leave the row dim alone, lookups of
-other tensors by the same indices, and writes by those indices (``index_put``,
-``index_add``) into a tensor that is not the region's. Anything that reads the rows as a
+other tensors by the same indices, and writes by those indices (``index_put``, which
+``index_add_`` and ``y[mask] = v`` trace to) into a tensor that is not the region's. Anything that reads the rows as a
 set (a sum or mean over them, their count, a sort, a random draw, whose draws would not be
 one device's) leaves the region as it is, and the lowering's refusal names it.
 """
@@ -76,8 +76,9 @@ _DIM_ARG1 = {aten.squeeze.dim, aten.squeeze.dims, aten.slice.Tensor, aten.select
              aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
              aten.max.dim, aten.min.dim, aten.var.correction, aten.std.correction,
              aten.cumsum.default, aten.logsumexp.default, aten.argmax.default,
-             aten.argmin.default, aten.topk.default}
-_DIM_ARG2 = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+             aten.argmin.default}
+_DIM_ARG2 = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.topk.default}
+_DIM_0 = {aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.unbind.int}  # dim=0 default
 _NORMS = {getattr(aten, n).default for n in ("native_layer_norm", "layer_norm", "rms_norm",
                                                "_fused_rms_norm") if hasattr(aten, n)}
 _GEMMS = {aten.linear.default, aten.mm.default, aten.matmul.default, aten.addmm.default}
@@ -130,7 +131,8 @@ class _Region:
 def _all_dims(node: fx.Node, ndim: int) -> list[int]:
     """The dims an op of _DIM_ARG1/_DIM_ARG2 names, normalised; [] for all of them."""
     i = 2 if node.target in _DIM_ARG2 else 1
-    arg = node.args[i] if len(node.args) > i else node.kwargs.get("dim", 0 if i == 2 else None)
+    default = -1 if node.target is aten.topk.default else 0 if i == 2 or node.target in _DIM_0 else None
+    arg = node.args[i] if len(node.args) > i else node.kwargs.get("dim", default)
     if arg is None:
         return list(range(ndim))
     arg = list(arg) if isinstance(arg, (list, tuple)) else [arg]
@@ -250,7 +252,8 @@ def _follow(region: _Region, user: fx.Node, src: fx.Node) -> None:
 
 
 def _check_write(region: _Region, user: fx.Node) -> int:
-    """The dim a write by the region's indices pads (its scratch slot's), or _Reject."""
+    """The dim a write by the region's indices pads (its scratch slot's, which the
+    padding's index -1 reaches), or _Reject."""
     dest = user.args[0]
     if node_in(region, dest) or not _static(_val(dest)):
         raise _Reject(f"{_op(user)} writes into the picked rows")
@@ -262,11 +265,9 @@ def _check_write(region: _Region, user: fx.Node) -> int:
         if r is None or not (fixed or region.rows.get(vals) == r):
             raise _Reject(f"{_op(user)} writes other values or by other indices")
         return at[0]
-    dim, index, vals = user.args[1], user.args[2], user.args[3]
-    dim = int(dim) % max(_val(dest).dim(), 1)
-    if index not in region.cols or region.rows.get(vals) != dim:
-        raise _Reject(f"{_op(user)} adds other values or by other indices")
-    return dim
+    # ``index_add`` itself (torch's export decomposes it into the ``index_put`` above
+    # where shardc has no rule for it) takes no index -1, the padding's
+    raise _Reject(f"{_op(user)} adds by the picked positions whole")
 
 
 def node_in(region: _Region, n: Any) -> bool:

@@ -1,7 +1,7 @@
 """Rows the data picks, each rank its own.
 
 ``passes/data_sized.py`` traced a region of picked rows (``torch.where(mask)``, ``x[mask]``
-written back by ``index_add_`` or ``y[mask] = ...``) at its bound. Op by op, its
+written back by ``index_add_`` or ``y[mask] = ...``: an ``index_put``) at its bound. Op by op, its
 ``nonzero_static`` would gather a batch-cut mask and every rank would pick, and compute,
 the whole batch's rows. The region as a whole is row-local: each picked row is read from
 where the mask marks it and written back to the same place. So when the mask arrives cut,
@@ -70,9 +70,6 @@ def _ordinary(L: Lowering, node: fx.Node) -> Any:
 def _indexed(st: _Taken, node: fx.Node) -> dict[int, int]:
     """For a lookup or a write by the region's positions: dim of the tensor -> the mask dim
     whose positions index it."""
-    if node.target is aten.index_add.default:
-        dim = int(node.args[1]) % node.args[0].meta["val"].dim()
-        return {dim: st.rec.cols[node.args[2]]}
     return {d: st.rec.cols[i] for d, i in enumerate(node.args[1]) if i is not None}
 
 
@@ -225,20 +222,12 @@ def _write_rule(st: _Taken) -> Rule:
         padded = L.env[node.args[0]]
         need = padded.layout
         indexed = _indexed(st, node)
-        if node.target is aten.index_add.default:
-            v = L.env[node.args[3]]
-            dims = list(need.dims)
-            dims[int(node.args[1]) % need.ndim] = st.axes
-            vl = Layout(need.ndim, tuple(dims), (), need.interleave)
-            args = (padded.node, node.args[1], _local_cols(L, st, [node.args[2]])[0], L.to_layout(v, vl),
-                    *node.args[4:])
-        else:
-            v = L.env[node.args[2]]
-            if isinstance(v, Val) and v.ndim == _rows_of(st, need, indexed, 1).ndim:
-                vn = L.to_layout(v, _rows_of(st, need, indexed, 1))
-            else:  # a value of fixed shape, broadcast (``out[rows] = 0``)
-                vn = L.to_layout(v, Layout.replicate(v.ndim)) if isinstance(v, Val) else v
-            args = (padded.node, _local_cols(L, st, list(node.args[1])), vn, *node.args[3:])
+        v = L.env[node.args[2]]
+        if isinstance(v, Val) and v.ndim == _rows_of(st, need, indexed, 1).ndim:
+            vn = L.to_layout(v, _rows_of(st, need, indexed, 1))
+        else:  # a value of fixed shape, broadcast (``out[rows] = 0``)
+            vn = L.to_layout(v, Layout.replicate(v.ndim)) if isinstance(v, Val) else v
+        args = (padded.node, _local_cols(L, st, list(node.args[1])), vn, *node.args[3:])
         n = L.emit(node.target, args, dict(node.kwargs), layout=need, val=padded.val)
         return Val(n, need.clean(L.mesh), padded.val)
     return rule
