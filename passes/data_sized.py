@@ -26,6 +26,7 @@ one device's) leaves the region as it is, and the lowering's refusal names it.
 """
 from __future__ import annotations
 
+import math
 import operator
 import warnings
 from dataclasses import dataclass, field
@@ -111,13 +112,6 @@ def _static(v: Any) -> bool:
     return not isinstance(v, torch.Tensor) or all(type(s) is int for s in v.shape)
 
 
-def _prod(xs: Any) -> int:
-    out = 1
-    for x in xs:
-        out *= int(x)
-    return out
-
-
 @dataclass
 class _Region:
     nonzero: fx.Node
@@ -176,7 +170,7 @@ def _follow(region: _Region, user: fx.Node, src: fx.Node) -> None:
             return
         raise _Reject(f"{_op(user)} computes with the picked positions")
     if t is aten.index.Tensor:
-        if src not in region.cols or node_in(region, user.args[0]):
+        if src not in region.cols or _node_in(region, user.args[0]):
             raise _Reject(f"{_op(user)} indexes the picked rows")
         r = _index_rows(user, region)
         if r is None:
@@ -215,9 +209,9 @@ def _follow(region: _Region, user: fx.Node, src: fx.Node) -> None:
             raise _Reject(f"{_op(user)} normalises across the picked rows")
     elif t in _GEMMS:
         a, b = (user.args[1], user.args[2]) if t is aten.addmm.default else user.args[:2]
-        if src is a and r_src < nd - 1 and not node_in(region, b):
+        if src is a and r_src < nd - 1 and not _node_in(region, b):
             pass
-        elif src is b and r_src == nd - 1 and not node_in(region, a) and t is not aten.linear.default:
+        elif src is b and r_src == nd - 1 and not _node_in(region, a) and t is not aten.linear.default:
             pass
         else:
             raise _Reject(f"{_op(user)} contracts over the picked rows")
@@ -233,14 +227,14 @@ def _follow(region: _Region, user: fx.Node, src: fx.Node) -> None:
         if not isinstance(o, torch.Tensor):
             raise _Reject(f"{_op(user)} makes a number")
     for a in user.all_input_nodes:  # any other input: fixed sizes, or this region's rows
-        if a is not src and not node_in(region, a) and not _static(_val(a)):
+        if a is not src and not _node_in(region, a) and not _static(_val(a)):
             raise _Reject(f"{_op(user)} mixes in rows another selection picked")
     if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
              aten.flatten.using_ints):
         # the elements before and after the row dim the same: each row stays whole
         r = _row_dim(out)
-        if r is None or _prod(_val(src).shape[:r_src]) != _prod(out.shape[:r]) or \
-                _prod(_val(src).shape[r_src + 1:]) != _prod(out.shape[r + 1:]):
+        if r is None or math.prod(_val(src).shape[:r_src]) != math.prod(out.shape[:r]) or \
+                math.prod(_val(src).shape[r_src + 1:]) != math.prod(out.shape[r + 1:]):
             raise _Reject(f"{_op(user)} reshapes across the picked rows")
     if isinstance(out, torch.Tensor):
         r = _row_dim(out)
@@ -255,13 +249,13 @@ def _check_write(region: _Region, user: fx.Node) -> int:
     """The dim a write by the region's indices pads (its scratch slot's, which the
     padding's index -1 reaches), or _Reject."""
     dest = user.args[0]
-    if node_in(region, dest) or not _static(_val(dest)):
+    if _node_in(region, dest) or not _static(_val(dest)):
         raise _Reject(f"{_op(user)} writes into the picked rows")
     if user.target is aten.index_put.default:
         vals = user.args[2]
         r = _index_rows(user, region)
         at = [d for d, i in enumerate(user.args[1]) if i is not None]
-        fixed = not node_in(region, vals) and _static(_val(vals))  # ``out[rows] = 0``
+        fixed = not _node_in(region, vals) and _static(_val(vals))  # ``out[rows] = 0``
         if r is None or not (fixed or region.rows.get(vals) == r):
             raise _Reject(f"{_op(user)} writes other values or by other indices")
         return at[0]
@@ -270,7 +264,7 @@ def _check_write(region: _Region, user: fx.Node) -> int:
     raise _Reject(f"{_op(user)} adds by the picked positions whole")
 
 
-def node_in(region: _Region, n: Any) -> bool:
+def _node_in(region: _Region, n: Any) -> bool:
     return n is region.nonzero or n in region.rows or n in region.cols
 
 
@@ -295,7 +289,7 @@ def _grow(nonzero: fx.Node) -> _Region:
     for s in region.sizes:  # a row count may only be checked (export's range asserts)
         for u in s.users:
             if u.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-                            aten.expand.default) and node_in(region, u.args[0]):
+                            aten.expand.default) and _node_in(region, u.args[0]):
                 continue
             if u.target in _CHECKS or u.op == "call_function" and all(_asserts_only(u)):
                 continue
@@ -394,10 +388,11 @@ def _fake(node: fx.Node) -> None:
         node.meta["val"] = node.target(*args, **kwargs)
 
 
-def _rewrite(graph: fx.Graph, region: _Region) -> None:
+def _rewrite(graph: fx.Graph, region: _Region) -> int:
+    """Pad ``region`` to its bound, which it returns."""
     nz = region.nonzero
     mask = nz.args[0]
-    bound = _prod(_val(mask).shape)
+    bound = math.prod(_val(mask).shape)
     with graph.inserting_after(nz):
         fixed = graph.call_function(aten.nonzero_static.default, (mask,),
                                     {"size": bound, "fill_value": -1})
@@ -438,6 +433,7 @@ def _rewrite(graph: fx.Graph, region: _Region) -> None:
     for n in graph.nodes:
         if n in redo:
             _fake(n)
+    return bound
 
 
 def _erase_tree(graph: fx.Graph, n: fx.Node) -> None:
@@ -465,8 +461,7 @@ def pad_data_sized(gm: fx.GraphModule) -> None:
         except _Reject as e:
             nz.meta[WHY_NOT] = str(e)  # for the lowering's refusal
             continue
-        done.append((source_of(nz), _prod(_val(nz.args[0]).shape)))
-        _rewrite(graph, region)
+        done.append((source_of(nz), _rewrite(graph, region)))  # the source read before nz goes
     gm.recompile()
     if done:
         places = ", ".join(sorted({f"{where(s)} (up to {b} rows)" for s, b in done}))

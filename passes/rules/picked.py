@@ -95,14 +95,14 @@ def _laid_like_mask(st: _Taken, lay: Layout | None, ndim: int, indexed: dict[int
     return Layout(ndim, tuple(dims), (), tuple(il))
 
 
-def _rows_of(st: _Taken, base: Layout, indexed: dict[int, int], width: int) -> Layout:
+def _rows_of(st: _Taken, base: Layout, indexed: dict[int, int]) -> Layout:
     """The layout of ``x[..., cols, ...]`` for ``x`` laid out as ``base``: the positions'
     dim (where torch puts it) cut over the region's axes, x's other dims as they are."""
     at = sorted(indexed)
     rest = [d for d in range(base.ndim) if d not in indexed]
     front = at == list(range(at[0], at[0] + len(at)))
     before = [d for d in rest if front and d < at[0]]
-    order: list[int | None] = before + [None] * width + [d for d in rest if d not in before]
+    order: list[int | None] = before + [None] + [d for d in rest if d not in before]
     dims = tuple(st.axes if d is None else base.dims[d] for d in order)
     il = tuple(1 if d is None else base.interleave[d] for d in order)
     return Layout(len(order), dims, (), il)
@@ -175,7 +175,7 @@ def _source_rule(st: _Taken) -> Rule:
         x = L.env[node.args[0]]
         indexed = _indexed(st, node)
         need = _laid_like_mask(st, x.layout.clean(L.mesh) if x.layout is not None else None, x.ndim, indexed)
-        out = _rows_of(st, need, indexed, 1)
+        out = _rows_of(st, need, indexed)
         n = L.emit(node.target, (L.to_layout(x, need), _local_cols(L, st, list(node.args[1]))), {},
                    layout=out, val=node.meta["val"])
         return Val(n, out.clean(L.mesh), node.meta["val"])
@@ -183,7 +183,8 @@ def _source_rule(st: _Taken) -> Rule:
 
 
 def _dest_layout(L: Lowering, st: _Taken, w: fx.Node) -> Layout:
-    dest = L.env[w.args[0]]
+    """The layout a write's target takes (before its scratch slot is added)."""
+    dest = L.env[w.args[0].args[0]]
     return _laid_like_mask(st, dest.layout.clean(L.mesh) if dest.layout is not None else None,
                            dest.ndim, _indexed(st, w))
 
@@ -193,8 +194,7 @@ def _pad_rule(st: _Taken, w: fx.Node) -> Rule:
         if st.mask is None:
             return _ordinary(L, node)
         dest = L.env[node.args[0]]
-        need = _laid_like_mask(st, dest.layout.clean(L.mesh) if dest.layout is not None else None,
-                               dest.ndim, _indexed(st, w))
+        need = _dest_layout(L, st, w)
         # each rank's block gains its own scratch slot: the whole is as many rows longer
         # as the dim has blocks (what the reports count a tensor of it as)
         dim = _scratch_dim(node)
@@ -223,8 +223,9 @@ def _write_rule(st: _Taken) -> Rule:
         need = padded.layout
         indexed = _indexed(st, node)
         v = L.env[node.args[2]]
-        if isinstance(v, Val) and v.ndim == _rows_of(st, need, indexed, 1).ndim:
-            vn = L.to_layout(v, _rows_of(st, need, indexed, 1))
+        rows = _rows_of(st, need, indexed)
+        if isinstance(v, Val) and v.ndim == rows.ndim:
+            vn = L.to_layout(v, rows)
         else:  # a value of fixed shape, broadcast (``out[rows] = 0``)
             vn = L.to_layout(v, Layout.replicate(v.ndim)) if isinstance(v, Val) else v
         args = (padded.node, _local_cols(L, st, list(node.args[1])), vn, *node.args[3:])
