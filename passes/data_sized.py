@@ -291,7 +291,7 @@ def _grow(nonzero: fx.Node) -> _Region:
             if u.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
                             aten.expand.default) and _node_in(region, u.args[0]):
                 continue
-            if u.target in _CHECKS or u.op == "call_function" and all(_asserts_only(u)):
+            if u.target in _CHECKS or u.op == "call_function" and all(asserts_only(u)):
                 continue
             raise _Reject(f"{_op(u)} computes with how many rows were picked")
     if not region.writes:
@@ -311,10 +311,10 @@ _CHECKS = {getattr(aten, n).default for n in ("_assert_scalar", "sym_constrain_r
                                               "sym_constrain_range") if hasattr(aten, n)}
 
 
-def _asserts_only(n: fx.Node) -> list[bool]:
+def asserts_only(n: fx.Node) -> list[bool]:
     return [u.target in _CHECKS or
             (u.op == "call_function" and not isinstance(u.target, torch._ops.OpOverload)
-             and bool(u.users) and all(_asserts_only(u))) for u in n.users] or [False]
+             and bool(u.users) and all(asserts_only(u))) for u in n.users] or [False]
 
 
 def _bool_indices(graph: fx.Graph) -> None:
@@ -336,7 +336,7 @@ def _bool_indices(graph: fx.Graph) -> None:
         if node.target is aten.index_put.default and _static(_val(node.args[2])):
             continue
         m = masks[0]
-        m = firsts.setdefault(_key(m, keys), m)  # ``flat == i`` written twice: one mask
+        m = firsts.setdefault(expr_key(m, keys), m)  # ``flat == i`` written twice: one mask
         if m not in made:
             with graph.inserting_after(m):
                 nz = graph.call_function(aten.nonzero.default, (m,))
@@ -348,30 +348,30 @@ def _bool_indices(graph: fx.Graph) -> None:
                     cols.append(graph.call_function(operator.getitem, (ub, k)))
             for n in (nz, ub, *cols):  # where the model wrote the mask's use
                 n.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-            _fake(nz)
-            _fake(ub)
+            fake_val(nz)
+            fake_val(ub)
             for c in cols:
-                _fake(c)
+                fake_val(c)
             made[m] = cols
         d = idx.index(masks[0])
         node.args = (node.args[0], idx[:d] + made[m] + idx[d + 1:], *node.args[2:])
 
 
-def _key(n: Any, keys: dict[fx.Node, Any]) -> Any:
+def expr_key(n: Any, keys: dict[fx.Node, Any]) -> Any:
     """What ``n`` computes, as a hashable expression: equal for two nodes that run the same
     pure ops on the same inputs; the node itself where it reads anything else."""
     if not isinstance(n, fx.Node):
-        return tuple(_key(a, keys) for a in n) if isinstance(n, (list, tuple)) else n
+        return tuple(expr_key(a, keys) for a in n) if isinstance(n, (list, tuple)) else n
     if n not in keys:
         t = n.target
         pure = n.op == "call_function" and isinstance(t, torch._ops.OpOverload) \
             and not t._schema.is_mutable and torch.Tag.nondeterministic_seeded not in t.tags
-        keys[n] = (t, _key(n.args, keys), tuple(sorted((k, _key(v, keys)) for k, v in n.kwargs.items()))) \
+        keys[n] = (t, expr_key(n.args, keys), tuple(sorted((k, expr_key(v, keys)) for k, v in n.kwargs.items()))) \
             if pure else n
     return keys[n]
 
 
-def _fake(node: fx.Node) -> None:
+def fake_val(node: fx.Node) -> None:
     """The node's meta value, from its inputs' (in the export's fake mode)."""
     def arg(a: Any) -> Any:
         return a.meta["val"] if isinstance(a, fx.Node) else a
@@ -405,8 +405,8 @@ def _rewrite(graph: fx.Graph, region: _Region) -> int:
             if u.target in _CHECKS:
                 graph.erase_node(u)
             elif u.op == "call_function" and not isinstance(u.target, torch._ops.OpOverload) \
-                    and all(_asserts_only(u)):
-                _erase_tree(graph, u)
+                    and all(asserts_only(u)):
+                erase_tree(graph, u)
         s.replace_all_uses_with(bound)
         graph.erase_node(s)
     for w, dim in region.writes:
@@ -432,13 +432,13 @@ def _rewrite(graph: fx.Graph, region: _Region) -> int:
         {n for w, _ in region.writes for n in (w, w.args[0], *w.users)}
     for n in graph.nodes:
         if n in redo:
-            _fake(n)
+            fake_val(n)
     return bound
 
 
-def _erase_tree(graph: fx.Graph, n: fx.Node) -> None:
+def erase_tree(graph: fx.Graph, n: fx.Node) -> None:
     for u in list(n.users):
-        _erase_tree(graph, u)
+        erase_tree(graph, u)
     graph.erase_node(n)
 
 

@@ -79,8 +79,10 @@ FIXED_SIZE = ("shardc lays out every tensor when it compiles, so a size known on
               "step runs (boolean-mask indexing `h[mask]`, `nonzero`, `masked_select`, "
               "`unique`) cannot be sharded, unless the rows picked are only written back "
               "where they came from (`out.index_add_(0, rows, f(x[rows]))`, `y[mask] = "
-              "f(x[mask])`), which shardc computes at their bound. Give it a fixed size "
-              "instead: pick the rows by "
+              "f(x[mask])`), which shardc computes at their bound, or a classification loss "
+              "reads them (`F.cross_entropy(logits[mask], labels[mask])`, a mean or a sum), "
+              "which shardc computes over every row with the others ignored. Give it a fixed "
+              "size instead: pick the rows by "
               "index (`h[torch.arange(B), idx]` with `idx` from `argmax` or a count), or keep "
               "every row and zero the others (`torch.where`).")
 

@@ -46,6 +46,7 @@ from shardc.passes.branch_checks import Unchecked, add_branch_checks, mark_branc
 from shardc.passes.causal_masks import fold_causal_masks
 from shardc.passes.data_sized import pad_data_sized
 from shardc.passes.lower import FIXED_SIZE, data_sized_origin
+from shardc.passes.masked_losses import unpick_losses
 from shardc.passes.recompute_calls import record_recompute_calls, unique
 from shardc.passes.rules import RULES
 from shardc.passes.rules.common import existing_ops
@@ -101,6 +102,8 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
                     f"step on torch {torch.__version__}.)") from e
         _refuse_valueless_constants(model, ep)
         _detach_no_grad_regions(ep.graph_module)
+        # before the decompositions, which cannot take the picked rows' size
+        unpick_losses(ep.graph_module)
         if not all(_has_rule(n.target, RULES) for n in ep.graph.nodes if n.op == "call_function"):
             # decompose what has no rule (re-tracing costs about as much as the export)
             table = torch.export.default_decompositions()
@@ -385,6 +388,17 @@ def _explain_trace_failure(model: torch.nn.Module, e: Exception) -> str:
     if "fake tensor in the exported program constant" in str(e):
         # torch's own words name an internal attribute (lifted_tensor_0), not the cause
         return _data_read(model, f"{type(e).__name__}: {first}")
+    if "Size-like symbols" in str(e):
+        # a guard on a size the data decides: torch's advice (insert torch._check) does
+        # not apply to a model the user did not write; what shardc can take does
+        return (f"shardc.compile: torch {torch.__version__}'s export could not trace "
+                f"{type(model).__name__}{where}: {type(e).__name__}: {first}\nThe guard is on "
+                "a size the data decides: the rows of a boolean index `x[mask]`, `nonzero` or "
+                "`masked_select`, or the trip count of a Python loop over such a tensor "
+                "(`for e in expert_hit:`, transformers' `eager` experts kernel and DBRX's "
+                "experts; transformers' default `grouped_mm` kernel sorts instead). Older "
+                "torches guard on more of these (2.8's export cannot take a `log_softmax` "
+                f"of picked rows). {FIXED_SIZE}")
     return (f"shardc.compile: torch.export could not trace {type(model).__name__}{where}: "
             f"{type(e).__name__}: {first}\nshardc needs a model torch.export can trace "
             "(non-strict; a branch on tensor values is traced on the example inputs' side "

@@ -25,7 +25,9 @@ layer), Mamba (selective scan, transformers' PyTorch path), XLNet (relative atte
 einsum) and Llama with transformers' gradient checkpointing switched on; Mixtral and GPT-OSS
 with transformers' default experts kernel (grouped_mm) and tests/test_routing.py's
 ``Routed``, whose sort by expert runs on each rank's own token-expert pairs; Qwen3-Next
-(linear attention, whose step program needed passes/strides.py).
+(linear attention, whose step program needed passes/strides.py); BERT's masked language
+model with its loss written by hand over the labelled tokens (``logits.view(-1, V)[active]``,
+traced as the loss over every token, passes/masked_losses.py).
 Each of the following once gathered the batch on a data axis: a segmentation head
 (cross-entropy over (N, C, H, W) with class weights, label smoothing and probability
 targets), within-sample ops (var_mean, cumprod, scatter_add, index_add, F.unfold), a
@@ -709,6 +711,38 @@ def _depth():
                              for _ in range(3)]
 
 
+class HandMaskedLM(torch.nn.Module):
+    """A masked language model whose loss the training script writes over the labelled
+    tokens only, ``cross_entropy(logits.view(-1, V)[active], labels.view(-1)[active])``:
+    traced as the loss over every token with the unlabelled ones ignored
+    (passes/masked_losses.py), so every rank keeps its own tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, intermediate_size=64,
+                                      max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0)
+        self.m = transformers.BertForMaskedLM(cfg)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.m(input_ids=ids).logits
+        active = labels.view(-1) != -100
+        return F.cross_entropy(logits.view(-1, 64)[active], labels.view(-1)[active])
+
+
+def _hand_masked_lm():
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(3):
+        ids = torch.randint(0, 64, (8, 16), generator=g)
+        labels = ids.masked_fill(torch.rand(8, 16, generator=g) > 0.3, -100)  # 30% labelled
+        batches.append((ids, labels))
+    return HandMaskedLM, batches
+
+
 # (model, its batches) for those that are not causal language models
 def _routed():
     from test_routing import Routed
@@ -766,6 +800,8 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           # the batch whole on every rank: every rank picks the same rows
           "looped-experts-x": (lambda: _tokens(lambda: LoopedExperts("where")), "x2y2z1d1"),
           "masked-depth-loss": (_depth, "x1y1z2d2"),
+          # a loss over the labelled tokens, picked by a boolean mask
+          "hand-masked-lm": (_hand_masked_lm, "x2y1z1d2"),
           "looped-experts-inductor": (lambda: _tokens(lambda: LoopedExperts("mask")), "x1y1z2d2",
                                       {"backend": "inductor"})}
 

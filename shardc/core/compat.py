@@ -33,6 +33,13 @@ NEWER_THAN_FLOOR: dict[str, str] = {
 # did not do; 2.9 and 2.10 were not run. Below this, compile refuses the pair.
 RECOMPUTE_COMPILED_FROM = (2, 11)
 
+# A classification loss over rows a boolean mask picks (passes/masked_losses.py) is
+# rewritten on the export, so the export must take it first: 2.8's and 2.9's guard on
+# whether the picked rows are empty (log_softmax's meta function), a TraceError naming the
+# size the data decides, unless draft_export fixes that branch; 2.10, 2.13 and 2.15 take
+# it (the same mask computed twice only from 2.13: 2.10 compares the two sizes).
+PICKED_LOSSES_FROM = (2, 10)
+
 
 def torch_version(version: str | None = None) -> tuple[int, int]:
     """(major, minor) of ``version`` (default: the installed torch), e.g. "2.13.0+cpu"."""

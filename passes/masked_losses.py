@@ -1,0 +1,153 @@
+"""A classification loss over the rows a boolean mask picks (``F.cross_entropy(logits[mask],
+labels[mask])``), computed over every row with the unpicked ones ignored. Not a pass:
+``trace.py`` runs it on the export, before the decompositions.
+
+Why: a loss written by hand over the valid tokens (a masked language model's, a token
+classifier's ``logits.view(-1, C)[active]``, transformers' older heads) picks as many rows
+as the mask holds, a number known only when the step runs. torch's own decomposition of
+``cross_entropy_loss`` cannot take that size (it asks whether ``n * C == 0``), so such a
+model failed to trace at all, on every mesh, a mesh of one included. And were it
+traced, the lowering could not lay the picked rows out over the batch's ranks.
+
+The loss does not need the rows picked. ``cross_entropy(x[m], t[m], w, reduction, ii,
+smoothing)`` with reduction mean or sum equals ``cross_entropy(x', t', w, reduction, ii,
+smoothing)`` over every row, where ``t'`` is ``t`` with the unpicked rows set to the
+ignore index ``ii`` and ``x'`` is ``x`` with the unpicked rows zeroed: an ignored row adds
+nothing to the sum, nothing to a mean's count or weight total, and its gradient is an
+exact zero (zeroed, not just ignored: a row the mask leaves out may hold infinities or
+NaNs, which would reach the gradient through log-softmax's backward). The same holds
+for ``nll_loss`` of a ``log_softmax``, and for dtype casts, copies and scalings on the way
+to the loss, which treat each row alone. Every size is then fixed, and the rows keep the
+batch's layout (each rank its own rows, as for any cross-entropy).
+
+Left as they were (and refused later, naming the index): a loss with ``reduction="none"``
+(its size is the rows'), probability targets (no ignore index), a mask over other dims
+than the leading ones, and picked rows read by anything else.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from shardc.passes.data_sized import asserts_only, erase_tree, expr_key, fake_val
+
+aten = torch.ops.aten
+
+_LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.nll_loss.default}
+_METADATA_CHECK = getattr(getattr(aten, "_assert_tensor_metadata", None), "default", None)
+# ops that compute each row from that row alone and keep zeros finite
+_ROW_WISE = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.contiguous.default,
+             aten.alias.default, aten.log_softmax.int, aten._log_softmax.default,
+             aten.mul.Scalar, aten.div.Scalar, aten.mul.Tensor, aten.div.Tensor}
+
+
+def _arg(node: fx.Node, pos: int, name: str, default: Any) -> Any:
+    if len(node.args) > pos:
+        return node.args[pos]
+    return node.kwargs.get(name, default)
+
+
+def _picked(n: Any) -> tuple[fx.Node, fx.Node] | None:
+    """(the tensor, the mask) of ``x[mask]`` with one boolean mask over x's leading dims."""
+    if not (isinstance(n, fx.Node) and n.target is aten.index.Tensor):
+        return None
+    x, idx = n.args[0], n.args[1]
+    if not (isinstance(x, fx.Node) and isinstance(idx, (list, tuple)) and len(idx) == 1
+            and isinstance(idx[0], fx.Node)):
+        return None
+    m = idx[0]
+    xv, mv = x.meta.get("val"), m.meta.get("val")
+    if not (isinstance(xv, torch.Tensor) and isinstance(mv, torch.Tensor)) or mv.dtype != torch.bool:
+        return None
+    if tuple(xv.shape[:mv.dim()]) != tuple(mv.shape) or not all(type(s) is int for s in xv.shape):
+        return None
+    return x, m
+
+
+def _row_wise(n: fx.Node) -> bool:
+    if n.target not in _ROW_WISE:
+        return False
+    if n.target in (aten.log_softmax.int, aten._log_softmax.default):
+        dim = n.args[1]
+        return dim in (-1, n.meta["val"].dim() - 1)
+    if n.target in (aten.mul.Tensor, aten.div.Tensor):  # by a number, not a tensor
+        return not isinstance(n.args[1], fx.Node)
+    return True
+
+
+def _chain(loss: fx.Node, start: fx.Node) -> list[fx.Node] | None:
+    """The row-wise nodes from a picked ``x[mask]`` to ``start`` (the loss's operand), the
+    pick first; None when the path leaves the row-wise ops or a node on it has another
+    reader than the next (size checks and metadata asserts aside)."""
+    path = [start]
+    while _picked(path[-1]) is None:
+        n = path[-1]
+        if not _row_wise(n) or not isinstance(n.args[0], fx.Node):
+            return None
+        path.append(n.args[0])
+    path.reverse()
+    for a, b in zip(path, [*path[1:], loss]):
+        others = [u for u in a.users if u is not b and u.target is not _METADATA_CHECK
+                  and not (u.target is aten.sym_size.int and all(asserts_only(u)))]
+        if others:
+            return None
+    return path
+
+
+def _rewrite(graph: fx.Graph, loss: fx.Node, keys: dict[fx.Node, Any]) -> bool:
+    reduction = _arg(loss, 3, "reduction", 1)
+    ignore = _arg(loss, 4, "ignore_index", -100)
+    if reduction not in (1, 2):  # "none": a value per picked row
+        return False
+    x_in, t_in = loss.args[0], loss.args[1]
+    if not (isinstance(x_in, fx.Node) and isinstance(t_in, fx.Node)):
+        return False
+    xs, ts = _chain(loss, x_in), _chain(loss, t_in)
+    if xs is None or ts is None:
+        return False
+    (x, m), (t, tm) = _picked(xs[0]), _picked(ts[0])  # type: ignore[misc]
+    tv, mv = t.meta["val"], m.meta["val"]
+    if expr_key(m, keys) != expr_key(tm, keys) or tv.dim() != mv.dim() or tv.dtype.is_floating_point \
+            or x.meta["val"].dim() != mv.dim() + 1:
+        return False
+    rows = math.prod(mv.shape)
+    classes = x.meta["val"].shape[-1]
+    new: list[fx.Node] = []
+    with graph.inserting_before(xs[0]):
+        off = graph.call_function(aten.logical_not.default, (m,))
+        off_x = graph.call_function(aten.unsqueeze.default, (off, -1))
+        kept = graph.call_function(aten.masked_fill.Scalar, (x, off_x, 0))
+        flat = graph.call_function(aten.reshape.default, (kept, [rows, classes]))
+        new += [off, off_x, kept, flat]
+    with graph.inserting_before(ts[0]):
+        labels = graph.call_function(aten.masked_fill.Scalar, (t, off, ignore))
+        flat_t = graph.call_function(aten.reshape.default, (labels, [rows]))
+        new += [labels, flat_t]
+    for n in new:  # where the model wrote the pick, for the readouts
+        n.meta.update({k: v for k, v in xs[0].meta.items() if k != "val"})
+        fake_val(n)
+    for pick, rep in ((xs[0], flat), (ts[0], flat_t)):
+        for u in list(pick.users):
+            if u.target is aten.sym_size.int:  # the picked count and export's checks on it
+                erase_tree(graph, u)
+        pick.replace_all_uses_with(rep)
+        graph.erase_node(pick)
+    for n in [*xs[1:], *ts[1:], loss]:  # now over every row: shapes anew
+        fake_val(n)
+    return True
+
+
+def unpick_losses(gm: fx.GraphModule) -> None:
+    """Rewrite every classification loss over mask-picked rows into the same loss over
+    every row, the unpicked ones ignored (exact; see the module's docstring)."""
+    graph = gm.graph
+    keys: dict[fx.Node, Any] = {}
+    changed = False
+    for loss in [n for n in graph.nodes if n.target in _LOSSES]:
+        changed |= _rewrite(graph, loss, keys)
+    if changed:
+        graph.eliminate_dead_code()
+        gm.recompile()
