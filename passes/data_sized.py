@@ -149,16 +149,19 @@ def _follow(region: _Region, user: fx.Node, src: fx.Node) -> None:
     region, or raises _Reject."""
     t = user.target
     if src is region.nonzero:
-        if t in _SIZES and user.args[1] == 0:
+        # the dim the op reads; unbind's and squeeze's may be left at their default (0: a
+        # loop over the picked positions, which torch 2.8's draft_export traces)
+        dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
+        if t in _SIZES and dim == 0:
             region.sizes.append(user)
             return
-        if t is aten.unbind.int and user.args[1] in (1, -1) \
+        if t is aten.unbind.int and dim in (1, -1) \
                 and all(g.target is operator.getitem for g in user.users):
             region.cols.update({g: int(g.args[1]) for g in user.users})
             region.tuples.add(user)
             return
         if (t is aten.select.int or t is aten.squeeze.dim and _val(src).shape[1] == 1) \
-                and user.args[1] in (1, -1):
+                and dim in (1, -1):
             # ``nz[:, j]``, and ``nz.squeeze(1)`` of a 1-d mask's
             region.cols[user] = int(user.args[2]) if t is aten.select.int else 0
             return
