@@ -802,6 +802,9 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "masked-depth-loss": (_depth, "x1y1z2d2"),
           # a loss over the labelled tokens, picked by a boolean mask
           "hand-masked-lm": (_hand_masked_lm, "x2y1z1d2"),
+          # the rewritten loss in the last stage of a pipeline, and compiled whole by inductor
+          "hand-masked-lm-pipe": (_hand_masked_lm, "p2x1y1z1d2"),
+          "hand-masked-lm-inductor": (_hand_masked_lm, "x1y1z2d2", {"backend": "inductor"}),
           "looped-experts-inductor": (lambda: _tokens(lambda: LoopedExperts("mask")), "x1y1z2d2",
                                       {"backend": "inductor"})}
 
