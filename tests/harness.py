@@ -379,3 +379,15 @@ def built_once(makers: dict[str, Callable[[], torch.nn.Module]]) -> Callable[[st
             return built[name]
         return make
     return model
+
+
+def traced_beside_model(model: torch.nn.Module, traced: torch.nn.Module, *inputs: Any
+                        ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[str, torch.Tensor, torch.Tensor]]]:
+    """A scalar-valued model and its trace (``ep.module()``) run on the same inputs: (the
+    model's value, the trace's, [(parameter name, the trace's gradient, the model's)])."""
+    want, got = model(*inputs), traced(*inputs)
+    names = [n for n, _ in model.named_parameters()]
+    gw = torch.autograd.grad(want, list(model.parameters()))
+    params = dict(traced.named_parameters())
+    gg = torch.autograd.grad(got, [params[n] for n in names])
+    return want, got, list(zip(names, gg, gw))

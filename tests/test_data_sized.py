@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from harness import traced_beside_model
 from test_more_models_gloo import LoopedExperts
 from torch.fx.experimental import symbolic_shapes
 
@@ -45,15 +46,9 @@ def test_looped_experts_are_traced_at_their_bound_and_compute_the_model(style: s
     assert _unbacked(ep) == []
     assert sum(n.target is aten.nonzero_static.default for n in ep.graph.nodes) == 4
     assert not any(n.target is aten.nonzero.default for n in ep.graph.nodes)
-    traced = ep.module()
-    want = model(ids, tgt)
-    got = traced(ids, tgt)
+    want, got, grads = traced_beside_model(model, ep.module(), ids, tgt)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    names = [n for n, _ in model.named_parameters()]
-    gw = torch.autograd.grad(want, list(model.parameters()))
-    params = dict(traced.named_parameters())
-    gg = torch.autograd.grad(got, [params[n] for n in names])
-    for n, a, b in zip(names, gg, gw):
+    for n, a, b in grads:
         assert b.abs().sum() > 0 or n.startswith("experts"), n  # the batch reaches every weight
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=n)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from harness import traced_beside_model
 from torch.fx.experimental import symbolic_shapes
 
 import shardc
@@ -109,15 +110,10 @@ def test_a_loss_over_picked_rows_is_traced_over_every_row_and_computes_the_model
     if ep is None:
         return
     assert _picks(ep) == []
-    traced = ep.module()
-    want, got = model(ids, labels), traced(ids, labels)
+    want, got, grads = traced_beside_model(model, ep.module(), ids, labels)
     assert torch.isfinite(want)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    names = [n for n, _ in model.named_parameters()]
-    gw = torch.autograd.grad(want, list(model.parameters()))
-    params = dict(traced.named_parameters())
-    gg = torch.autograd.grad(got, [params[n] for n in names])
-    for n, a, b in zip(names, gg, gw):
+    for n, a, b in grads:
         assert torch.isfinite(a).all(), n  # the unpicked rows' infinities reach no gradient
         assert b.abs().sum() > 0, n
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=n)
