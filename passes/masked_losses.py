@@ -148,6 +148,5 @@ def unpick_losses(gm: fx.GraphModule) -> None:
     changed = False
     for loss in [n for n in graph.nodes if n.target in _LOSSES]:
         changed |= _rewrite(graph, loss, keys)
-    if changed:
-        graph.eliminate_dead_code()
+    if changed:  # nothing else to clean: each rewrite erased what it left unread
         gm.recompile()
