@@ -27,7 +27,8 @@ with transformers' default experts kernel (grouped_mm) and tests/test_routing.py
 ``Routed``, whose sort by expert runs on each rank's own token-expert pairs; Qwen3-Next
 (linear attention, whose step program needed passes/strides.py); BERT's masked language
 model with its loss written by hand over the labelled tokens (``logits.view(-1, V)[active]``,
-traced as the loss over every token, passes/masked_losses.py).
+traced as the loss over every token, passes/masked_losses.py), and ELECTRA's
+discriminator, whose binary loss over the attended tokens is traced alike.
 Each of the following once gathered the batch on a data axis: a segmentation head
 (cross-entropy over (N, C, H, W) with class weights, label smoothing and probability
 targets), within-sample ops (var_mean, cumprod, scatter_add, index_add, F.unfold), a
@@ -743,6 +744,25 @@ def _hand_masked_lm():
     return HandMaskedLM, batches
 
 
+# ELECTRA's discriminator: a binary loss over the attended tokens only,
+# ``logits.view(-1, S)[attention_mask == 1]``, traced over every token with the padding
+# zeroed out of the sum (passes/masked_losses.py); it gathered the mask's nonzero before
+_ELECTRA = _hf_loss("ElectraConfig", "ElectraForPreTraining", _PAD_KEYS, vocab_size=64,
+                    embedding_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                    intermediate_size=64, max_position_embeddings=32)
+
+
+def _replaced_tokens():
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(3):
+        lengths = torch.randint(8, 17, (8,), generator=g)
+        mask = torch.arange(16)[None] < lengths[:, None]
+        ids = torch.randint(3, 64, (8, 16), generator=g).masked_fill(~mask, 0)
+        batches.append((ids, mask.long(), torch.randint(0, 2, (8, 16), generator=g)))
+    return _ELECTRA, batches
+
+
 # (model, its batches) for those that are not causal language models
 def _routed():
     from test_routing import Routed
@@ -805,6 +825,7 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           # the rewritten loss in the last stage of a pipeline, and compiled whole by inductor
           "hand-masked-lm-pipe": (_hand_masked_lm, "p2x1y1z1d2"),
           "hand-masked-lm-inductor": (_hand_masked_lm, "x1y1z2d2", {"backend": "inductor"}),
+          "electra-discriminator": (_replaced_tokens, "x1y1z2d2"),
           "looped-experts-inductor": (lambda: _tokens(lambda: LoopedExperts("mask")), "x1y1z2d2",
                                       {"backend": "inductor"})}
 
