@@ -168,25 +168,17 @@ def _rewrite_logits(graph: fx.Graph, loss: fx.Node, keys: dict[fx.Node, Any]) ->
         t0 = graph.call_function(aten.masked_fill.Scalar, (t, off_x, 0))
     _new(graph, xs[0], [off, off_x, x0, t0])
     _unpick(graph, [xs, ts], [x0, t0])
-    made = []
-    with graph.inserting_after(loss):
+    with graph.inserting_before(loss.next):  # in order, where the loss was
         each = graph.call_function(_LOGITS_LOSS, (loss.args[0], loss.args[1], None,
                                                  _arg(loss, 3, "pos_weight", None), 0))
-        made.append(each)
-    with graph.inserting_after(each):
         kept = graph.call_function(aten.masked_fill.Scalar, (each, off_x, 0))
-        made.append(kept)
-    with graph.inserting_after(kept):
         out = graph.call_function(aten.sum.default, (kept,))
-        made.append(out)
-    if reduction == 1:
-        with graph.inserting_after(out):
+        made = [each, kept, out]
+        if reduction == 1:
             count = graph.call_function(aten.sum.default, (m,))
-        with graph.inserting_after(count):
             per = graph.call_function(aten.mul.Tensor, (count, math.prod(trailing)))
-        with graph.inserting_after(per):
             out = graph.call_function(aten.div.Tensor, (out, per))
-        made += [count, per, out]
+            made += [count, per, out]
     _new(graph, loss, made)
     loss.replace_all_uses_with(out)
     graph.erase_node(loss)
