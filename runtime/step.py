@@ -41,7 +41,9 @@ class StepRunner(torch.autograd.Function):
         # saved values (activations, gathered weights) go through save_for_backward, so
         # autograd frees them after backward and refuses a second backward without
         # retain_graph, as it does for any module
-        ctx.save_for_backward(*saved)
+        # (a size the data decided, an index read off a tensor, is a number, kept aside)
+        ctx.numbers = {i: v for i, v in enumerate(saved) if not isinstance(v, torch.Tensor)}
+        ctx.save_for_backward(*[v for v in saved if isinstance(v, torch.Tensor)])
         ctx.n_primals = len(primals)
         nondiff = [o for i, o in enumerate(outs)
                    if isinstance(o, torch.Tensor) and i not in jp.diff_outputs]
@@ -54,7 +56,11 @@ class StepRunner(torch.autograd.Function):
         jp: StepProgram = ctx.jp
         tangents = [gouts[i].contiguous() for i in jp.diff_outputs]
         run = jp.runners()[1]
-        args = [*ctx.saved_tensors, *tangents]
+        tensors = iter(ctx.saved_tensors)
+        n_saved = len(ctx.numbers) + len(ctx.saved_tensors)
+        args = [ctx.numbers[i] if i in ctx.numbers else next(tensors) for i in range(n_saved)]
+        args += tangents
+        del tensors
         del tangents, gouts
         call_boxed = getattr(run, "call_boxed", None)
         if call_boxed is not None and not torch._C._autograd._get_current_graph_task_keep_graph():
