@@ -45,6 +45,7 @@ from shardc.passes.autograd_functions import (
 from shardc.passes.branch_checks import Unchecked, add_branch_checks, mark_branch_checks
 from shardc.passes.causal_masks import fold_causal_masks
 from shardc.passes.data_sized import pad_data_sized
+from shardc.passes.hit_loops import MAX_ITERATIONS, loops_over_hits, mask_hit_loops
 from shardc.passes.lower import FIXED_SIZE, data_sized_origin
 from shardc.passes.masked_losses import unpick_losses
 from shardc.passes.recompute_calls import record_recompute_calls, unique
@@ -84,7 +85,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
             root = model if compute == torch.float32 else CastAtUse(model, compute)
             args = _traced_copies(tuple(example_inputs))
             specialized = ""
-            ep = torch.export.export(root, args, strict=False)
+            ep = _export(root, args)
         except Exception as e:  # noqa: BLE001 - re-raised with the cause named
             if not _data_dependent(e):
                 raise TraceError(_explain_trace_failure(model, e)) from e
@@ -102,6 +103,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
                     f"step on torch {torch.__version__}.)") from e
         _refuse_valueless_constants(model, ep)
         _detach_no_grad_regions(ep.graph_module)
+        mask_hit_loops(ep.graph_module)
         # before the decompositions, which cannot take the picked rows' size
         unpick_losses(ep.graph_module)
         if not all(_has_rule(n.target, RULES) for n in ep.graph.nodes if n.op == "call_function"):
@@ -145,6 +147,27 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
     CHECKPOINTED[ep] = tuple(unique(found))
     per_model[key] = ep
     return ep
+
+
+def _export(root: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram:
+    """``torch.export`` (non-strict). Where it fails on a size the data decides, again with a
+    loop over the entries a mask holds traced over every entry it could hold
+    (``passes/hit_loops.py``): each a constant first, so that the model may branch on it;
+    where that fails too, as data. Where neither helps, the first export's error stands."""
+    try:
+        return torch.export.export(root, args, strict=False)
+    except Exception as e:  # noqa: BLE001 - re-raised below unless a loop was the cause
+        if not _data_dependent(e):
+            raise
+        plain = e
+    for by_value in (False, True):
+        with loops_over_hits(by_value) as loops:
+            try:
+                return torch.export.export(root, args, strict=False)
+            except Exception:  # noqa: BLE001 - the first export's error says more
+                if not loops.loops:
+                    break
+    raise plain
 
 
 def _traced_copies(example_inputs: tuple) -> tuple:
@@ -395,7 +418,9 @@ def _explain_trace_failure(model: torch.nn.Module, e: Exception) -> str:
                 f"{type(model).__name__}{where}: {type(e).__name__}: {first}\nThe guard is on "
                 "a size the data decides: the rows of a boolean index `x[mask]`, `nonzero` or "
                 "`masked_select`, or the trip count of a Python loop over such a tensor "
-                "(`for e in expert_hit:`, transformers' `eager` experts kernel and DBRX's "
+                "that shardc could not trace over every entry the mask could hold (over more "
+                f"than {MAX_ITERATIONS} entries, or, before torch 2.13, a loop whose body "
+                "cannot take an entry the mask never holds and indexes by the entry: DBRX's "
                 "experts; transformers' default `grouped_mm` kernel sorts instead). Older "
                 "torches guard on more of these (2.8's export cannot take a `log_softmax` "
                 f"of picked rows). {FIXED_SIZE}")

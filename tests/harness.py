@@ -384,10 +384,15 @@ def built_once(makers: dict[str, Callable[[], torch.nn.Module]]) -> Callable[[st
 def traced_beside_model(model: torch.nn.Module, traced: torch.nn.Module, *inputs: Any
                         ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[str, torch.Tensor, torch.Tensor]]]:
     """A scalar-valued model and its trace (``ep.module()``) run on the same inputs: (the
-    model's value, the trace's, [(parameter name, the trace's gradient, the model's)])."""
+    model's value, the trace's, [(parameter name, the trace's gradient, the model's)]); a
+    parameter the value does not read has a zero gradient."""
     want, got = model(*inputs), traced(*inputs)
     names = [n for n, _ in model.named_parameters()]
-    gw = torch.autograd.grad(want, list(model.parameters()))
     params = dict(traced.named_parameters())
-    gg = torch.autograd.grad(got, [params[n] for n in names])
+
+    def grads(value: torch.Tensor, ps: list[torch.Tensor]) -> list[torch.Tensor]:
+        gs = torch.autograd.grad(value, ps, allow_unused=True)
+        return [torch.zeros_like(p) if g is None else g for p, g in zip(ps, gs)]
+    gw = grads(want, list(model.parameters()))
+    gg = grads(got, [params[n] for n in names])
     return want, got, list(zip(names, gg, gw))

@@ -3,20 +3,15 @@ rows back where they came from is traced at its bound and computes what the mode
 one that reads them as a set stays refused, with the reason."""
 from __future__ import annotations
 
-import re
-import warnings
-
 import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.nn.functional as F
 from harness import traced_beside_model
 from test_more_models_gloo import LoopedExperts
 from torch.fx.experimental import symbolic_shapes
 
 import shardc
-from shardc.core.errors import ShardcWarning, TraceError
 from shardc.passes.trace import trace
 from shardc.program.backend import direct_calls
 
@@ -108,41 +103,3 @@ def test_each_rank_picks_its_own_rows(fake_world, style: str, spec: str, axes: s
     assert len(picks) == 4 and all(f"over {axes} " in d for d in picks), sm.decisions
     assert all(f"(up to {bound} of" in d for d in picks), picks
 
-
-class _LoopOverHits(nn.Module):
-    """transformers' ``eager`` experts kernel (and DBRX's experts): a Python loop over the
-    experts the batch hit, whose number of iterations the data decides."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-        self.router = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pick = self.router(x).argmax(-1)
-        mask = F.one_hot(pick, 3).permute(1, 0)
-        out = torch.zeros_like(x)
-        for e in torch.greater(mask.sum(-1), 0).nonzero():
-            (rows,) = torch.where(mask[e[0]])
-            out.index_add_(0, rows, self.experts[0](x[rows]))
-        return out.sum()
-
-
-def test_a_loop_over_what_the_data_hit_is_refused_saying_so() -> None:
-    """torch.export cannot trace the loop (its trip count); the refusal says that the size
-    is the data's and names the loop's kernels, instead of torch's advice to insert
-    ``torch._check`` into a model the user did not write. Torch 2.8 to 2.10's draft_export
-    traces the example's trip count instead, which shardc then checks at every step (the
-    warning names the loop's line): a batch that hits other experts stops every rank
-    (``RuntimeError``), never a wrong number."""
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        try:
-            trace(_LoopOverHits(), (torch.randn(16, 8),))
-        except TraceError as e:
-            assert re.search(r"(?s)The guard is on a size the data decides.*trip count of a "
-                             r"Python loop.*Give it a fixed size", str(e)), e
-            return
-    assert any(issubclass(w.category, ShardcWarning) and
-               re.search(r"branches on tensor values at .*for e in torch.greater", str(w.message))
-               for w in seen), [str(w.message) for w in seen]

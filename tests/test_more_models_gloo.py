@@ -28,7 +28,9 @@ with transformers' default experts kernel (grouped_mm) and tests/test_routing.py
 (linear attention, whose step program needed passes/strides.py); BERT's masked language
 model with its loss written by hand over the labelled tokens (``logits.view(-1, V)[active]``,
 traced as the loss over every token, passes/masked_losses.py), and ELECTRA's
-discriminator, whose binary loss over the attended tokens is traced alike.
+discriminator, whose binary loss over the attended tokens is traced alike; Mixtral with
+transformers' ``eager`` experts kernel and DBRX, whose experts loop over the experts the
+batch hit (passes/hit_loops.py).
 Each of the following once gathered the batch on a data axis: a segmentation head
 (cross-entropy over (N, C, H, W) with class weights, label smoothing and probability
 targets), within-sample ops (var_mean, cumprod, scatter_add, index_add, F.unfold), a
@@ -112,6 +114,13 @@ MODELS = {
                        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
                        head_dim=4, layer_types=["linear_attention", "full_attention"], **_LLAMA_LIKE),
                    "x1y1z1d4"),
+    # transformers' ``eager`` experts kernel: a Python loop over the experts the batch hit
+    # (once refused: export cannot trace its trip count), traced over every expert, each a
+    # constant (the loop skips the one-hot's extra class by comparing with it), each
+    # iteration's picks masked by whether its expert was hit (passes/hit_loops.py)
+    "mixtral-eager": (_hf("MixtralConfig", "MixtralForCausalLM", experts="eager",
+                          num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2,
+                          **_LLAMA_LIKE), "x1y1z2d2"),
     "deepseek-v3": (_hf("DeepseekV3Config", "DeepseekV3ForCausalLM", experts="batched_mm",
                         num_key_value_heads=8, n_routed_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=16, first_k_dense_replace=1, kv_lora_rank=8,
@@ -763,6 +772,23 @@ def _replaced_tokens():
     return _ELECTRA, batches
 
 
+def _dbrx():
+    """DBRX, whose only experts kernel loops over the experts the batch hit and indexes its
+    stacked weights by each (``w1.view(-1, F, H)[expert_idx]``): traced with the entry as
+    data (passes/hit_loops.py), since its one-hot has an extra class no weight has."""
+    import transformers
+
+    cfg = transformers.DbrxConfig(d_model=32, n_heads=8, n_layers=2, max_seq_len=16, vocab_size=64,
+                                  use_cache=False, tie_word_embeddings=False,
+                                  attn_config={"kv_n_heads": 4, "clip_qkv": 8.0},
+                                  ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4,
+                                              "moe_top_k": 2})
+    # transformers 5.24's DbrxAttention reads the rotary base from the attention's config,
+    # which its config class no longer holds
+    cfg.attn_config.rope_theta = cfg.rope_parameters["rope_theta"]
+    return HFCausalLM(transformers.DbrxForCausalLM(cfg))
+
+
 # (model, its batches) for those that are not causal language models
 def _routed():
     from test_routing import Routed
@@ -826,6 +852,7 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "hand-masked-lm-pipe": (_hand_masked_lm, "p2x1y1z1d2"),
           "hand-masked-lm-inductor": (_hand_masked_lm, "x1y1z2d2", {"backend": "inductor"}),
           "electra-discriminator": (_replaced_tokens, "x1y1z2d2"),
+          "dbrx": (lambda: _tokens(_dbrx), "x2y1z1d2"),
           "looped-experts-inductor": (lambda: _tokens(lambda: LoopedExperts("mask")), "x1y1z2d2",
                                       {"backend": "inductor"})}
 

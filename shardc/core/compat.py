@@ -40,6 +40,13 @@ RECOMPUTE_COMPILED_FROM = (2, 11)
 # it (the same mask computed twice only from 2.13: 2.10 compares the two sizes).
 PICKED_LOSSES_FROM = (2, 10)
 
+# A loop over the entries a mask holds traced with each entry as data (passes/hit_loops.py,
+# DBRX's experts, which index their stacked weights by the entry): 2.8's and 2.10's export
+# cannot take a select at an index the data decides ("could not extract specialized
+# integer"), so the model stays refused there, naming the size; 2.13 and 2.15 take it
+# (2.11 and 2.12 were not run).
+LOOP_ENTRIES_AS_DATA_FROM = (2, 13)
+
 
 def torch_version(version: str | None = None) -> tuple[int, int]:
     """(major, minor) of ``version`` (default: the installed torch), e.g. "2.13.0+cpu"."""
