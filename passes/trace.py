@@ -22,6 +22,7 @@ import contextlib
 import logging
 import operator
 import random
+import re
 import warnings
 import weakref
 from typing import Any, Iterator
@@ -411,7 +412,7 @@ def _explain_trace_failure(model: torch.nn.Module, e: Exception) -> str:
     if "fake tensor in the exported program constant" in str(e):
         # torch's own words name an internal attribute (lifted_tensor_0), not the cause
         return _data_read(model, f"{type(e).__name__}: {first}")
-    if "Size-like symbols" in str(e):
+    if re.search(r"Size-like symbols: (?!none)", str(e)):
         # a guard on a size the data decides: torch's advice (insert torch._check) does
         # not apply to a model the user did not write; what shardc can take does
         return (f"shardc.compile: torch {torch.__version__}'s export could not trace "
