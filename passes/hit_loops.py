@@ -1,31 +1,34 @@
 """A Python loop over the entries a mask holds (``for e in hit.nonzero(): ...``), traced as
 a loop over every entry the mask could hold, each iteration's picks cut to nothing where
-its entry is not held. Not a pass: ``trace.py`` runs the export under
-``loops_over_hits`` and then ``mask_hit_loops`` on the export.
+its entry is not held. Not a pass: ``trace.py`` exports under ``loops_over_hits`` where the
+plain export fails on a size the data decides, then runs ``mask_hit_loops`` on the export.
 
-Why: a mixture of experts written as a loop over the experts the batch hit (DBRX's
-experts, NLLB-MoE's and Switch's, transformers' ``eager`` experts kernel, its Mixtral and
-Qwen2-MoE before 4.5x) runs as many iterations as the data decides. ``torch.export``
-cannot trace that (``unbind`` of a tensor of unknown length), so such a model failed to
-trace on every mesh, a mesh of one included.
+Why: a mixture of experts written as a loop over the experts the batch hit (transformers'
+``eager`` experts kernel, DBRX's and Switch Transformers' experts) runs as many iterations
+as the data decides. ``torch.export`` cannot trace that (``unbind`` of a tensor of unknown
+length), so such a model failed to trace on every mesh, a mesh of one included.
 
 The loop over the hit entries is the loop over all of them, in the same (increasing)
-order, with the entries not hit skipped. So the export iterates every entry ``k`` of the
-mask ``B`` (``B.numel()`` iterations, at most ``MAX_ITERATIONS``), and ``mask_hit_loops``
-makes iteration ``k`` exactly nothing when ``B[k]`` is zero: every row pick the iteration
-makes (``torch.where``, ``nonzero``, a boolean index) is ANDed with ``B[k] != 0``, so
-its row count is then zero, and the rewrite is refused unless everything the iteration
-computes reaches the program's result only through a write of those rows
-(``index_add_``, ``index_put_``, ``index_copy_``, ``scatter_add_``): a write of no rows
-leaves its destination as it was. The picked rows are then padded to their bound by
-``data_sized.py`` as for a loop over a fixed range.
+order, with the entries not held skipped. So the export iterates every entry ``k`` of the
+mask ``B`` (``B.numel()`` iterations, at most ``MAX_ITERATIONS``), each iteration's start
+marked in the graph (an always-true ``_assert_async`` that export keeps in program order,
+reading the predicate ``B[k] != 0``). ``mask_hit_loops`` then ANDs every row pick an
+iteration makes (``torch.where``, ``nonzero``, a boolean index) with that predicate, so an
+iteration whose entry is not held picks no rows. It refuses the loop unless everything the
+iteration computes leaves it only through a write of those rows (``index_add_``,
+``index_put_``, ``index_copy_``, ``scatter_add_``; a write of no rows leaves its
+destination as it was): then an iteration not held is exactly nothing. The nodes are the
+iteration's by their place between two marks, not by what they read, so a value the model
+burns in from the entry (``self.bias[int(e)]``) is the iteration's too. The picked rows
+are then padded to their bound by ``data_sized.py``, as for a loop over a fixed range.
 
-The iteration's entry is first a constant (``torch.tensor([k])``: a model may branch on
-it, ``if expert_idx == self.num_experts: continue``, or look a module up by it,
-``self.experts[expert_idx]``). A loop whose body cannot take an entry the mask never
-holds (DBRX indexes its weights by every entry of a one-hot over ``E + 1`` classes, the
-last never hit) is traced again with the entry as data: the ``j``-th entry held, padded
-with entry 0 past the last, iteration ``j`` nothing when ``j`` is past the count.
+Each entry is first a constant (``torch.tensor([k])``: a model may branch on it, ``if
+expert_idx == self.num_experts: continue``, or look a module up by it,
+``self[f"expert_{idx}"]``). A loop whose body cannot take an entry the mask never holds
+(DBRX indexes its weights by every entry of a one-hot over ``E + 1`` classes, the last
+never hit) is exported again with the entry as data: the ``j``-th entry held
+(``nonzero_static``, entry 0 past the last), iteration ``j`` held when ``j`` is below the
+count.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A Python loop over the entries a mask holds (``for e in hit.nonzero():``, transformers'
-``eager`` experts kernel, DBRX's, NLLB-MoE's and Switch's experts; ``passes/hit_loops.py``)
+``eager`` experts kernel, DBRX's and Switch Transformers' experts; ``passes/hit_loops.py``)
 is traced over every entry the mask could hold, each iteration nothing where its entry is
 not held: the traced program computes what the model does, values and gradients, with
 some experts never hit; a loop whose iterations reach the result other than through writes

@@ -29,8 +29,8 @@ with transformers' default experts kernel (grouped_mm) and tests/test_routing.py
 model with its loss written by hand over the labelled tokens (``logits.view(-1, V)[active]``,
 traced as the loss over every token, passes/masked_losses.py), and ELECTRA's
 discriminator, whose binary loss over the attended tokens is traced alike; Mixtral with
-transformers' ``eager`` experts kernel and DBRX, whose experts loop over the experts the
-batch hit (passes/hit_loops.py).
+transformers' ``eager`` experts kernel, DBRX and Switch Transformers, whose experts loop
+over the experts the batch hit (passes/hit_loops.py).
 Each of the following once gathered the batch on a data axis: a segmentation head
 (cross-entropy over (N, C, H, W) with class weights, label smoothing and probability
 targets), within-sample ops (var_mean, cumprod, scatter_add, index_add, F.unfold), a
@@ -140,6 +140,28 @@ class T5(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.m(input_ids=ids, labels=labels).loss
+
+
+class SwitchMoE(torch.nn.Module):
+    """Switch Transformers: top-1 experts in a ``ModuleDict`` looked up by the expert's
+    number (``self[f"expert_{idx}"]``) in a loop over the experts the batch hit, traced
+    with each a constant (passes/hit_loops.py), and its router's z-loss and load-balancing
+    loss in the training loss. transformers 5.24 reads the decoder's start token and the
+    encoder's attention mask without defaults: given here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.SwitchTransformersConfig(
+            vocab_size=64, d_model=32, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=2,
+            num_heads=8, num_experts=4, expert_capacity=64, dropout_rate=0.0, use_cache=False,
+            decoder_start_token_id=0, pad_token_id=0)
+        self.m = transformers.SwitchTransformersForConditionalGeneration(cfg)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.m(input_ids=ids, labels=labels, attention_mask=torch.ones_like(ids),
+                      decoder_attention_mask=torch.ones_like(labels)).loss
 
 
 class DebertaV2(torch.nn.Module):
@@ -853,6 +875,7 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "hand-masked-lm-inductor": (_hand_masked_lm, "x1y1z2d2", {"backend": "inductor"}),
           "electra-discriminator": (_replaced_tokens, "x1y1z2d2"),
           "dbrx": (lambda: _tokens(_dbrx), "x2y1z1d2"),
+          "switch-transformers": (lambda: _tokens(SwitchMoE), "x1y1z2d2"),
           "looped-experts-inductor": (lambda: _tokens(lambda: LoopedExperts("mask")), "x1y1z2d2",
                                       {"backend": "inductor"})}
 
