@@ -258,7 +258,7 @@ def _masked(graph: fx.Graph, user: fx.Node, a: fx.Node, held: fx.Node) -> fx.Nod
     """``a & held``, for ``user`` (after both: ``held`` precedes the iteration)."""
     with graph.inserting_before(user):
         n = graph.call_function(aten.logical_and.default, (a, held))
-    n.meta.update({k: v for k, v in a.meta.items() if k != "val"})
+    n.meta.update({k: v for k, v in a.meta.items() if k not in ("val", "unbacked_bindings")})
     fake_val(n)
     return n
 
@@ -270,14 +270,14 @@ def _entry_value(graph: fx.Graph, node: fx.Node, rows: dict[fx.Node, fx.Node]) -
         with graph.inserting_after(hits):
             rows[hits] = graph.call_function(aten.nonzero_static.default, (hits,),
                                              {"size": math.prod(_val(hits).shape), "fill_value": 0})
-        rows[hits].meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        rows[hits].meta.update({k: v for k, v in node.meta.items() if k not in ("val", "unbacked_bindings")})
         fake_val(rows[hits])
     with graph.inserting_before(node):
         v = graph.call_function(aten.select.int, (rows[hits], 0, j))
         if flat:
             v = graph.call_function(aten.select.int, (v, 0, 0))
     for n in ((_arg(v, 0), v) if flat else (v,)):
-        n.meta.update({k: x for k, x in node.meta.items() if k != "val"})
+        n.meta.update({k: x for k, x in node.meta.items() if k not in ("val", "unbacked_bindings")})
         fake_val(n)
     return v
 

@@ -49,6 +49,7 @@ from shardc.passes.data_sized import pad_data_sized
 from shardc.passes.hit_loops import MAX_ITERATIONS, loops_over_hits, mask_hit_loops
 from shardc.passes.lower import FIXED_SIZE, data_sized_origin
 from shardc.passes.masked_losses import unpick_losses
+from shardc.passes.masked_reductions import unpick_reductions
 from shardc.passes.recompute_calls import record_recompute_calls, unique
 from shardc.passes.rules import RULES
 from shardc.passes.rules.common import existing_ops
@@ -107,6 +108,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
         mask_hit_loops(ep.graph_module)
         # before the decompositions, which cannot take the picked rows' size
         unpick_losses(ep.graph_module)
+        unpick_reductions(ep.graph_module)
         if not all(_has_rule(n.target, RULES) for n in ep.graph.nodes if n.op == "call_function"):
             # decompose what has no rule (re-tracing costs about as much as the export)
             table = torch.export.default_decompositions()
