@@ -721,9 +721,10 @@ class LoopedExperts(torch.nn.Module):
 
 class MaskedDepthLoss(torch.nn.Module):
     """GLPN's scale-invariant log loss: the pixels with a depth (``target > 0``) picked by
-    a boolean mask and read as a set (means over them). Their number is the data's, so
-    they run whole on every rank, the rows gathered (``pred[valid]`` is the mask's
-    nonzero and a lookup by it, passes/data_sized.py)."""
+    a boolean mask and averaged (means over them, and over their squares). Their number
+    is the data's: they once ran whole on every rank, the mask's nonzero gathered; traced
+    as sums over every pixel with the others zeroed out (passes/masked_reductions.py), each
+    rank sums its own and nothing is gathered."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -741,6 +742,39 @@ def _depth():
     g = torch.Generator().manual_seed(1)
     return MaskedDepthLoss, [(torch.randn(8, 3, 8, 8, generator=g), torch.rand(8, 8, 8, generator=g) - 0.3)
                              for _ in range(3)]
+
+
+class MaskedRegression(torch.nn.Module):
+    """A per-token regression head on BERT whose loss is a mean squared error over the
+    tokens with a target (``F.mse_loss(pred[has], target[has])``) plus an L1 term over
+    them: traced over every token with the others zeroed out (passes/masked_reductions.py),
+    on a mesh that cuts the hidden dim (x) and the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, intermediate_size=64,
+                                      max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0)
+        self.m = transformers.BertModel(cfg, add_pooling_layer=False)
+        self.head = torch.nn.Linear(32, 3)
+
+    def forward(self, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        pred = self.head(self.m(input_ids=ids).last_hidden_state)
+        has = ~torch.isnan(target[..., 0])
+        return F.mse_loss(pred[has], target[has]) + 0.1 * F.l1_loss(pred[has], target[has])
+
+
+def _regression():
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(3):
+        target = torch.randn(8, 16, 3, generator=g)
+        target[torch.rand(8, 16, generator=g) > 0.6] = float("nan")  # 40% without a target
+        batches.append((torch.randint(0, 64, (8, 16), generator=g), target))
+    return MaskedRegression, batches
 
 
 class HandMaskedLM(torch.nn.Module):
@@ -868,6 +902,7 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           # the batch whole on every rank: every rank picks the same rows
           "looped-experts-x": (lambda: _tokens(lambda: LoopedExperts("where")), "x2y2z1d1"),
           "masked-depth-loss": (_depth, "x1y1z2d2"),
+          "masked-regression": (_regression, "x2y1z1d2"),
           # a loss over the labelled tokens, picked by a boolean mask
           "hand-masked-lm": (_hand_masked_lm, "x2y1z1d2"),
           # the rewritten loss in the last stage of a pipeline, and compiled whole by inductor
@@ -892,9 +927,7 @@ _ALLOWED = {"longformer": lambda f: not f.gathered or f.op == "aten.as_strided.d
             "hubert-ctc": lambda f: not f.gathered or f.op in ("aten.masked_select.default",
                                                                "shardc.ctc_loss.default"),
             "ctc-head": lambda f: not f.gathered or f.op in ("aten.masked_select.default",
-                                                             "shardc.ctc_loss.default"),
-            # the valid pixels' positions, whose number is the data's: the batch's
-            "masked-depth-loss": lambda f: not f.gathered or f.op == "aten.nonzero.default"}
+                                                             "shardc.ctc_loss.default")}
 
 
 def _one(rank: int, world_size: int, name: str) -> None:
