@@ -192,12 +192,15 @@ def _rewrite(graph: fx.Graph, inner: set, picks: list, ends: dict, mask: fx.Node
         nd = _val(x).dim()
         with graph.inserting_before(p):
             m = spread(p, nd)
-            kept = _call(graph, p, aten.where.ScalarOther, m, x, 0.0)
-            total = _call(graph, p, aten.sum.dim_IntList, kept, list(range(lead)))
-            mean = _call(graph, p, aten.div.Tensor, total, denom)
-            # where nothing is picked: 1, at which the usual domains (log, sqrt) are finite
-            fill = _call(graph, p, aten.where.ScalarOther, some, mean, 1.0)
-            full = _call(graph, p, aten.where.self, m, x, fill)
+            if _val(x).is_floating_point():
+                kept = _call(graph, p, aten.where.ScalarOther, m, x, 0)
+                total = _call(graph, p, aten.sum.dim_IntList, kept, list(range(lead)))
+                mean = _call(graph, p, aten.div.Tensor, total, denom)
+                # where nothing is picked: 1, at which the usual domains (log, sqrt) are finite
+                fill = _call(graph, p, aten.where.ScalarOther, some, mean, 1)
+                full = _call(graph, p, aten.where.self, m, x, fill)
+            else:  # no gradient: any value of the dtype does
+                full = _call(graph, p, aten.where.ScalarOther, m, x, False if _val(x).dtype == torch.bool else 0)
         for u in list(p.users):
             if u.target is aten.sym_size.int:
                 erase_tree(graph, u)
@@ -222,7 +225,9 @@ def _rewrite(graph: fx.Graph, inner: set, picks: list, ends: dict, mask: fx.Node
                 averaged = e.target in (aten.mean.default, aten.mean.dim)
             nd = _val(y).dim()
             over = list(range(nd)) if kind == "all" else list(range(lead))
-            kept = _call(graph, e, aten.where.ScalarOther, spread(e, nd), y, 0.0)
+            # an integer zero keeps the dtype (a count of picked booleans stays an integer)
+            kept = _call(graph, e, aten.where.ScalarOther, spread(e, nd), y,
+                         False if _val(y).dtype == torch.bool else 0)
             out = _call(graph, e, aten.sum.dim_IntList, kept, over)
             if averaged:
                 per = math.prod(_val(y).shape[lead:]) if kind == "all" else 1

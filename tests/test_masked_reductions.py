@@ -51,6 +51,10 @@ class Masked(nn.Module):
             return F.smooth_l1_loss(pred[valid], target[valid], beta=0.5)
         if s == "huber":
             return F.huber_loss(pred[valid], torch.sqrt(target[valid]), delta=0.3)
+        if s == "count":  # a count of picked booleans (an integer) beside a mean
+            over = (pred[valid] > target[valid]).sum()
+            assert over.dtype == torch.int64
+            return F.mse_loss(pred[valid], target[valid]) * (1 + over / 100)
         if s == "sum":  # a plain sum, divided by the batch
             return (pred[valid] / target[valid]).sum() / 2
         raise AssertionError(s)
@@ -67,7 +71,7 @@ def _batch(style: str, empty: bool = False) -> tuple[torch.Tensor, torch.Tensor]
     return x, (t.clamp(max=0) if empty else t)
 
 
-STYLES = ["depth", "mse", "l1-sum", "smooth-l1", "huber", "sum", "rows"]
+STYLES = ["depth", "mse", "l1-sum", "smooth-l1", "huber", "sum", "rows", "count"]
 
 
 @pytest.mark.parametrize("style", STYLES)
