@@ -744,6 +744,15 @@ def _depth():
                              for _ in range(3)]
 
 
+def _small_bert():
+    import transformers
+
+    return transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, intermediate_size=64,
+                                   max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                   attention_probs_dropout_prob=0.0)
+
+
 class MaskedRegression(torch.nn.Module):
     """A per-token regression head on BERT whose loss is a mean squared error over the
     tokens with a target (``F.mse_loss(pred[has], target[has])``) plus an L1 term over
@@ -754,11 +763,7 @@ class MaskedRegression(torch.nn.Module):
         super().__init__()
         import transformers
 
-        cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                      num_attention_heads=4, intermediate_size=64,
-                                      max_position_embeddings=32, hidden_dropout_prob=0.0,
-                                      attention_probs_dropout_prob=0.0)
-        self.m = transformers.BertModel(cfg, add_pooling_layer=False)
+        self.m = transformers.BertModel(_small_bert(), add_pooling_layer=False)
         self.head = torch.nn.Linear(32, 3)
 
     def forward(self, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -787,11 +792,7 @@ class HandMaskedLM(torch.nn.Module):
         super().__init__()
         import transformers
 
-        cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                      num_attention_heads=4, intermediate_size=64,
-                                      max_position_embeddings=32, hidden_dropout_prob=0.0,
-                                      attention_probs_dropout_prob=0.0)
-        self.m = transformers.BertForMaskedLM(cfg)
+        self.m = transformers.BertForMaskedLM(_small_bert())
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self.m(input_ids=ids).logits
