@@ -133,8 +133,8 @@ class _Loops(TorchFunctionMode):
                     yield torch.tensor(coords[0] if flat else coords, dtype=torch.int64,
                                        device=hits.device)
             k = len(helds)
-        finally:  # the loop's end, also where it breaks
-            torch.ops.aten._assert_async.msg(done, f"{_MARK}:{loop}:end:{k}")
+        finally:  # the loop's end, also where it breaks (k below the count)
+            torch.ops.aten._assert_async.msg(done, f"{_MARK}:{loop}:end:{k}:{len(helds)}")
 
 
 @contextlib.contextmanager
@@ -302,6 +302,16 @@ def mask_hit_loops(gm: fx.GraphModule) -> None:
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     plans = []
+    for mark, _, k in marks:
+        parts = _arg(mark, 1).split(":")
+        if k == "end" and parts[3] != parts[4]:
+            # the model's loop stops at an entry the batch may not hold, and would then
+            # go on to the next one held: which entries run is the data's
+            raise TraceError(
+                f"shardc.compile: the loop over the entries of a mask {where(source_of(mark))} "
+                "leaves early (break or return): shardc traces such a loop over every entry "
+                "the mask could hold, and cannot tell where the model's loop would stop. "
+                "Loop over a fixed range instead, or compute what the break decides as a mask.")
     for (mark, loop, k), (end, loop2, _) in zip(marks, marks[1:]):
         if k == "end":
             continue

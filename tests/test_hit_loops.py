@@ -71,6 +71,12 @@ class Hits(nn.Module):
             for e in torch.where(hit[:E])[0]:
                 slot, tok = torch.where(mask[e])
                 out.index_add_(0, tok, self.experts[e](x[tok]) * top.values[tok, slot, None])
+        elif s == "breaks":  # stops at expert 2, whether or not the batch hit it
+            for e in hit[:E].nonzero():
+                if e[0] == 2:
+                    break
+                slot, tok = torch.where(mask[e[0]])
+                out.index_add_(0, tok, self.experts[e[0]](x[tok]))
         elif s == "escapes":  # each hit expert's bias added to every token
             for e in hit[:E].nonzero():
                 out = out + self.bias[e[0]]
@@ -107,6 +113,13 @@ def test_a_loop_reaching_the_result_otherwise_is_refused_saying_so() -> None:
     with pytest.raises(TraceError, match=re.escape("reaches the model's result other than "
                                                    "through a write of the rows it picks")):
         trace(Hits("escapes"), (torch.randn(16, H),))
+
+
+def test_a_loop_that_leaves_early_is_refused_saying_so() -> None:
+    """Traced over every expert, a break at expert 2 would skip the experts after it even
+    where the batch did not hit 2 (the model's loop then goes on): refused."""
+    with pytest.raises(TraceError, match="leaves early"):
+        trace(Hits("breaks"), (torch.randn(16, H),))
 
 
 class _OverTokens(nn.Module):
