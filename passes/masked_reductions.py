@@ -149,16 +149,18 @@ def unpick_reductions(gm: fx.GraphModule) -> None:
     module's doc)."""
     graph = gm.graph
     keys: dict = {}
-    done: set = set()
+    tried: set = set()  # masks (as expressions) whose picks were taken or left
     changed = False
     for start in [n for n in graph.nodes if _pick(n) is not None]:
-        if start in done:
+        m = _pick(start)  # None for a pick a rewrite before this one erased
+        key = expr_key(m, keys)
+        if m is None or key in tried:
             continue
+        tried.add(key)
         try:
             inner, picks, ends, mask = _region(graph, start, keys)
         except _Reject:
             continue
-        done |= set(picks)
         if not ends:
             continue
         _rewrite(graph, inner, picks, ends, mask)
@@ -177,7 +179,7 @@ def _call(graph: fx.Graph, like: fx.Node, target: Any, *args: Any, **kwargs: Any
 
 def _rewrite(graph: fx.Graph, inner: set, picks: list, ends: dict, mask: fx.Node) -> None:
     lead = _val(mask).dim()
-    first = min(picks, key=lambda p: list(graph.nodes).index(p))
+    first = picks[0]  # _region lists them in graph order
 
     def spread(like: fx.Node, nd: int) -> fx.Node:
         """The mask shaped to broadcast over a value of ``nd`` dims."""
