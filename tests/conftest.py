@@ -30,6 +30,9 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests import models.py / harnes
 
 FAST_LIMIT_S = 10.0
 _TOO_SLOW: list[tuple[str, float]] = []
+# seconds per test module (setup, call and teardown): CI's log then says where its time
+# went, which is what keeping the whole run inside its budget needs
+_MODULE_S: dict[str, float] = {}
 
 
 @pytest.fixture
@@ -114,11 +117,18 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    module = report.nodeid.split("::", 1)[0]
+    _MODULE_S[module] = _MODULE_S.get(module, 0.0) + report.duration
     if report.when == "call" and report.duration > FAST_LIMIT_S and "slow" not in report.keywords:
         _TOO_SLOW.append((report.nodeid, report.duration))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if len(_MODULE_S) > 1:
+        total = sum(_MODULE_S.values())
+        terminalreporter.write_sep("=", f"seconds per test module (of {total:.0f} s in tests)")
+        for module, s in sorted(_MODULE_S.items(), key=lambda t: -t[1])[:20]:
+            terminalreporter.write_line(f"{s:7.0f} s  {100 * s / total:4.1f}%  {module}")
     if _TOO_SLOW:
         terminalreporter.write_sep("=", f"tests outside 'slow' that took over {FAST_LIMIT_S:.0f} s")
         for nodeid, s in sorted(_TOO_SLOW, key=lambda t: -t[1]):
