@@ -148,6 +148,66 @@ def _(e: Env) -> None:
     e.sm(e.lx, e.lt.int())
 
 
+@case("an input that requires grad where the example did not", shardc.ShardcError,
+      r"input 0 \('x'\) requires grad, but the example input there did not.*requires_grad_\(\)")
+def _(e: Env) -> None:
+    # traced without x's gradient: a backward would leave x.grad None, silently
+    e.sm(e.lx.clone().requires_grad_(True), e.lt)
+
+
+@case("an input that requires grad, under no_grad (no gradient is wanted)", None)
+def _(e: Env) -> str:
+    with torch.no_grad():
+        loss = e.sm(e.lx.clone().requires_grad_(True), e.lt)
+    want = copy.deepcopy(e.model).double()(e.x.double(), e.t)
+    # fp32 against float64 over sums of 8-16 terms: ~1e-7 relative
+    torch.testing.assert_close(shardc.global_mean(loss, MESH).double(), want, rtol=1e-5, atol=1e-6)
+    return "runs: without gradients nothing is lost"
+
+
+@case("an input that requires grad, compiled from an example that does", None)
+def _(e: Env) -> str:
+    sm = shardc.compile(copy.deepcopy(e.model), MESH, (e.x.clone().requires_grad_(True), e.t))
+    x = e.lx.clone().requires_grad_(True)
+    sm(x, e.lt).backward()
+    ref_x = e.x.double().requires_grad_(True)
+    copy.deepcopy(e.model).double()(ref_x, e.t).backward()
+    # the compiled model trains like one device on the global batch, its input too: this
+    # rank's rows' gradient is their slice of one device's. fp32 against float64 over
+    # sums of 8-16 terms: ~1e-7 relative
+    want = shardc.shard_batch(ref_x.grad, MESH)
+    torch.testing.assert_close(x.grad.double(), want, rtol=1e-5, atol=1e-7)
+    return "x.grad is this rank's slice of one device's gradient"
+
+
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.fc2(F.relu(self.bn(self.fc1(x)))), t)
+
+
+@case("torch.save(sm.state_dict()) and sm.load_state_dict() keep BatchNorm's statistics", None)
+def _(e: Env) -> str:
+    torch.manual_seed(0)
+    model = Normed()
+    sm = shardc.compile(copy.deepcopy(model), MESH, (e.x, e.t))
+    for _ in range(2):
+        sm(e.lx, e.lt).backward()
+    saved = sm.state_dict()  # this rank's pieces of the parameters, the buffers whole
+    assert int(saved["bn.num_batches_tracked"]) == 2
+    again = shardc.compile(copy.deepcopy(model), MESH, (e.x, e.t))
+    again.load_state_dict(saved)
+    want, got = sm.full_state_dict(), again.full_state_dict()
+    for key in model.state_dict():
+        assert torch.equal(got[key], want[key]), key
+    return "the round trip restores every parameter and buffer"
+
+
 @case("the global batch instead of this rank's slice", shardc.ShardcError,
       r"input 0 \('x'\) has shape \[8, 8\], but this rank's piece of the example input \[8, 8\] "
       r"laid out as .* is \[4, 8\].*shard_batch")

@@ -277,6 +277,29 @@ def test_a_number_argument_is_checked_against_the_traced_one(fake_world) -> None
     assert ten == 2 * twenty
 
 
+def test_an_input_that_requires_grad_needs_an_example_that_does(fake_world) -> None:
+    """The program computes the gradients of the inputs whose example required one. A call
+    whose input requires grad where the example's did not used to leave its .grad None
+    silently (an upstream module feeding it would not train): refused, unless no gradient
+    can follow (no_grad); compiled from an example that requires grad, it gets one."""
+    fake_world(1)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    model = _SumOverCount()
+    sm = shardc.compile(model, shardc.Mesh(), (x, y, 10))
+    with pytest.raises(shardc.ShardcError, match=r"input 0 \('x'\) requires grad, but the example "
+                                                 r"input there did not.*requires_grad_\(\)"):
+        sm(x.clone().requires_grad_(True), y, 10)
+    with torch.no_grad():
+        sm(x.clone().requires_grad_(True), y, 10)
+    sm = shardc.compile(model, shardc.Mesh(), (x.clone().requires_grad_(True), y, 10))
+    got, want = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    sm(got, y, 10).backward()
+    model(want, y, 10).backward()
+    # one device, the same fp32 ops; a decomposition may reorder the sum of 8 products
+    # behind each element (a few ulps)
+    torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=1e-6)
+
+
 class _RoundSTE(torch.autograd.Function):
     """A straight-through estimator: round's value, the identity's gradient."""
 
@@ -1074,6 +1097,52 @@ def test_a_parameter_replaced_after_compile_is_read_and_trained(fake_world) -> N
     for name, p in sm.named_parameters():
         assert p.grad is not None, name
         assert torch.equal(p.grad, model.get_parameter(name).grad), name
+
+
+class _Normed(nn.Module):
+    """BatchNorm's running statistics and a plain persistent buffer, a non-persistent one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, 1)
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.out(self.bn(self.lin(x))) * self.scale).pow(2).mean()
+
+
+def test_state_dict_keeps_the_buffers_and_load_state_dict_restores_them(fake_world) -> None:
+    """torch's own ``sm.state_dict()`` and ``sm.load_state_dict()`` carry the model's
+    persistent buffers: they used to hold the parameters alone, so a checkpoint written with
+    torch.save(sm.state_dict()) lost BatchNorm's running statistics and a resume restarted
+    them without a word."""
+    fake_world(1)
+    torch.manual_seed(0)
+    model = _Normed()
+    x = torch.randn(16, 4)
+    sm = shardc.compile(copy.deepcopy(model), shardc.Mesh(), (x,))
+    for _ in range(3):
+        sm(x).backward()
+    saved = sm.state_dict()
+    assert list(saved) and set(saved) == set(model.state_dict())  # names as the model's
+    assert int(saved["bn.num_batches_tracked"]) == 3
+    assert not torch.equal(saved["bn.running_mean"], model.bn.running_mean)  # it moved
+
+    again = shardc.compile(copy.deepcopy(model), shardc.Mesh(), (x,))
+    again.load_state_dict(saved)
+    for key, t in again.full_state_dict().items():
+        assert torch.equal(t, saved[key]), key
+    # a dict of the parameters alone is missing the buffers, as torch's strict load says
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "scale", "bn.running_mean"'):
+        again.load_state_dict({k: v for k, v in saved.items() if "." in k and "running" not in k
+                               and "num_batches" not in k})
+    got = again.load_state_dict({k: v for k, v in saved.items() if k != "scale"}, strict=False)
+    assert got.missing_keys == ["scale"] and got.unexpected_keys == []
+    with pytest.raises(RuntimeError, match=r"size mismatch for bn.running_var"):
+        again.load_state_dict({**saved, "bn.running_var": torch.ones(4)})
 
 
 def test_a_forward_that_draws_from_numpy_is_warned_and_leaves_the_stream_alone(fake_world) -> None:

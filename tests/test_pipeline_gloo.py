@@ -616,6 +616,51 @@ def test_checkpoints_across_stage_counts(ranks: Any, tmp_path: Any) -> None:
     ranks.run(_checkpoints, 4, str(tmp_path / "ckpt"))
 
 
+class _NormedBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.lin(x)))
+
+
+class _Normed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_NormedBlock(), _NormedBlock()])
+        self.out = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x).pow(2).mean()
+
+
+def _state_dict_round_trip(rank: int, world: int) -> None:
+    """torch's ``state_dict()`` of a pipeline (its stage programs' pieces, under
+    ``chunk.<c>.``) holds each stage's BatchNorm statistics, and ``load_state_dict`` puts
+    them back: it walks the stage programs as submodules, strictly."""
+    torch.manual_seed(0)
+    model, x = _Normed(), torch.randn(8, 8)
+    sm = shardc.compile(copy.deepcopy(model), "p2x1y1z1d2", example_inputs=(x,), microbatches=2)
+    sm(shardc.shard_batch(x, sm.mesh)).backward()
+    saved = sm.state_dict()
+    stage = sm.mesh.coords(rank)["pipe"]
+    assert int(saved[f"chunk.0.blocks.{stage}.bn.num_batches_tracked"]) > 0  # the step moved it
+    again = shardc.compile(copy.deepcopy(model), "p2x1y1z1d2", example_inputs=(x,), microbatches=2)
+    again.load_state_dict(saved)
+    want, got = sm.full_state_dict(), again.full_state_dict()
+    assert set(got) == set(model.state_dict())
+    for key, t in want.items():
+        assert torch.equal(got[key], t), key
+
+
+def test_state_dict_round_trip_keeps_each_stages_buffers(ranks: Any) -> None:
+    ranks.run(_state_dict_round_trip, 4)
+
+
 def _guard_and_explain(rank: int, world: int, out: str) -> None:
     """``StepGuard`` over a pipeline: the norm it checks is one device's over every stage
     (the tied weight, held by stages 0 and 3 of 4, counted once), and a NaN gradient on one

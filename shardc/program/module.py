@@ -132,6 +132,7 @@ class ShardedModule(nn.Module):
             if name not in res.storage:
                 self._global_shapes[name] = full.shape
         self._buffers_full = {k: v for k, v in model.named_buffers()}
+        self.register_load_state_dict_post_hook(ShardedModule._buffers_expected)
         self._ep_constants = dict(ep.constants)
         self._out_spec = ep.call_spec.out_spec
         # (output index, buffer): outputs that are a buffer's new value (BatchNorm's
@@ -598,6 +599,54 @@ class ShardedModule(nn.Module):
             piece = buf[i * flat.numel():(i + 1) * flat.numel()].view(local.shape)
             write_local(full, layout, self.mesh.coords(r), self.mesh, piece)
         return full
+
+    # ------------------------------------------- torch's state_dict(), buffers included
+    # The model's buffers are not registered on this module (the program rebinds a running
+    # statistic after every step, and reads the others where the model keeps them), so
+    # nn.Module's own state_dict() left them out: torch.save(sm.state_dict()) lost
+    # BatchNorm's statistics, and a resume through sm.load_state_dict() restarted them
+    # silently. Both now carry the model's persistent buffers, under the model's names,
+    # beside this rank's pieces of the parameters.
+    def _state_buffers(self) -> list[str]:
+        return [k for k in self._state_keys if k not in self._canonical]
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for key in self._state_buffers():
+            t = self._buffers_full[key]
+            destination[prefix + key] = t if keep_vars else t.detach()
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        assign = bool(local_metadata.get("assign_to_params_buffers", False))
+        for key in self._state_buffers():
+            t, have = state_dict.get(prefix + key), self._buffers_full[key]
+            if t is None:
+                missing_keys.append(prefix + key)
+            elif not isinstance(t, torch.Tensor) or t.shape != have.shape:
+                got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                error_msgs.append(f"size mismatch for {prefix + key}: copying a param with shape "
+                                  f"{got} from checkpoint, the shape in current model is "
+                                  f"{list(have.shape)}.")
+            elif assign:
+                self._buffers_full[key] = t
+            else:
+                with torch.no_grad():
+                    have.copy_(t)
+        self._loading_prefix = prefix
+
+    @staticmethod
+    def _buffers_expected(module: "ShardedModule", incompatible: Any) -> None:
+        """After the load (a post hook): the buffers' keys are this module's, though no
+        registered submodule holds them, so torch's walk called them unexpected."""
+        prefix = module.__dict__.pop("_loading_prefix", None)
+        if prefix is None:
+            return
+        mine = {prefix + k for k in module._state_buffers()}
+        incompatible.unexpected_keys[:] = [k for k in incompatible.unexpected_keys if k not in mine]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors with the names and shapes of ``model.state_dict()`` (collective)."""

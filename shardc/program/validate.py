@@ -156,6 +156,15 @@ def check_inputs(sm: Any, inputs: tuple, kwargs: dict, flat: list) -> None:
                 f"{what} has dtype {_dt(x.dtype)}, but the program was traced for {_dt(gval.dtype)}. "
                 f"Cast it (x.to(torch.{_dt(gval.dtype)})), or compile with an example of dtype "
                 f"{_dt(x.dtype)}.")
+        if x.requires_grad and torch.is_grad_enabled() and name not in sm.ctx.grad_inputs:
+            # the program computes gradients for the inputs whose example required one
+            # (the lowering lays out and reduces those alone): another input's .grad would
+            # stay None, and whatever computed it upstream would silently not train
+            raise ShardcError(
+                f"{what} requires grad, but the example input there did not, so the program "
+                "was traced without its gradient: backward would leave it, and whatever "
+                "computed it, without one. Compile with an example that requires grad there "
+                "(example.requires_grad_()), or pass x.detach() where no gradient is wanted.")
         if device is not None and x.device != device:
             raise ShardcError(
                 f"{what} is on device {x.device}, but the program runs on {device} (where its "
