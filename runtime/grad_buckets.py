@@ -43,6 +43,10 @@ What autograd accumulates or hands to ``torch.autograd.grad``:
   end of backward adds the sum to whatever the parameter received (``0 + sum`` is the
   sum bit for bit; ``old + 0 + sum`` is ``old + sum``), so other uses of the parameter add
   up as autograd would have added them;
+- a second gradient of a weight in one backward (forward called twice before one
+  backward: each call's all-gather brings its own): reduce-scattered alone at once and
+  returned as the shard's sum, which autograd adds to the rest (the first one's bucket may
+  be gone already);
 - ``torch.autograd.grad`` (no accumulation, no post-accumulate hook): the returned tensor
   (the hook on the parameter sees it) is overwritten with, or has added to it, the sum
   before ``grad`` returns (autograd runs the end-of-backward callback first).
@@ -265,9 +269,30 @@ class GradBuckets:
         backward adds it."""
         m = self.by_key[key]
         self._begin()
-        self._put(m, g_flat.reshape(self.buckets[m.bucket].rows, -1))
+        b = self.buckets[m.bucket]
+        rows = g_flat.reshape(b.rows, -1)
+        if m.arrived:
+            # a second gradient for the weight in this backward: the step called forward
+            # twice before one backward (a loss over two batches), and each call's
+            # all-gather brings its own. Copied into the slot, it replaced the first one or
+            # missed the bucket already issued, and the gradient came out wrong. Reduced
+            # alone and handed back as the shard's sum (what bucket_mb=0 does for every
+            # gradient); autograd adds it to the rest. Every rank meets it at the same
+            # point of the same backward, so the collectives keep one order
+            return self._alone(b, rows).view(m.param.shape).to(m.param.dtype)
+        self._put(m, rows)
         self._issue_ready()
         return torch.zeros(m.param.shape, dtype=m.param.dtype, device=m.param.device)
+
+    def _alone(self, b: Bucket, rows: torch.Tensor) -> torch.Tensor:
+        """The sum of one gradient (``rows``, G blocks) over the bucket's axis, this rank's
+        block of it, then over its replicas (HSDP), waited here."""
+        out = run_reduce_scatter(rows.to(b.dtype).reshape(-1), "sum", b.rows, "", self.rt, b.axis,
+                                 "backward")
+        run_wait(out)
+        if b.then is not None:
+            out = run_wait(run_all_reduce(out, "sum", "", self.rt, b.then, "step", inplace=True))
+        return out
 
     def accumulated_hook(self, name: str) -> Callable[[torch.Tensor], None]:
         """The post-accumulate hook: autograd put what the parameter received into ``.grad``."""
