@@ -21,13 +21,24 @@ import torch
 
 from shardc.core.ir import DEFERRED, Deferred, StepProgram
 from shardc.runtime import functional as F
+from shardc.runtime.experts import STASH
 from shardc.runtime.pending import Cell, PendingOutput
 
 
 class StepRunner(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, jp: StepProgram, *primals: Any) -> Any:
+        before = dict(STASH.saved)
         res = list(jp.runners()[0](*primals))
+        # An expert region leaves what its backward needs on the rank (runtime/experts.py),
+        # under its node's key: this call's go with this call's backward. Left there, a
+        # second call before the backward (a loss over two batches) replaced the first's
+        # and its backward found nothing; and CUDA runs backward on another thread, whose
+        # stash (per thread) is its own
+        ctx.stashed = {k: v for k, v in STASH.saved.items() if before.get(k) is not v}
+        for k in ctx.stashed:
+            STASH.saved.pop(k)
+            STASH.last.pop(k, None)  # autograd's copy, which no custom-op context takes here
         deferred: list[Deferred] = jp.forward.meta.get(DEFERRED, [])
         extra = sum(d.n_inputs for d in deferred)
         outs, saved = res[:jp.n_outputs], res[jp.n_outputs:len(res) - extra]
@@ -54,6 +65,8 @@ class StepRunner(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *gouts: Any) -> Any:
         jp: StepProgram = ctx.jp
+        STASH.saved.update(ctx.stashed)
+        ctx.stashed = {}
         tangents = [gouts[i].contiguous() for i in jp.diff_outputs]
         run = jp.runners()[1]
         tensors = iter(ctx.saved_tensors)
