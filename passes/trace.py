@@ -46,6 +46,7 @@ from shardc.passes.autograd_functions import (
 from shardc.passes.branch_checks import Unchecked, add_branch_checks, mark_branch_checks
 from shardc.passes.causal_masks import fold_causal_masks
 from shardc.passes.data_sized import pad_data_sized
+from shardc.passes.decompose import decompose
 from shardc.passes.hit_loops import MAX_ITERATIONS, loops_over_hits, mask_hit_loops
 from shardc.passes.lower import FIXED_SIZE, data_sized_origin
 from shardc.passes.masked_losses import unpick_losses
@@ -110,14 +111,15 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
         unpick_losses(ep.graph_module)
         unpick_reductions(ep.graph_module)
         if not all(_has_rule(n.target, RULES) for n in ep.graph.nodes if n.op == "call_function"):
-            # decompose what has no rule (re-tracing costs about as much as the export)
+            # decompose what has no rule: in place where the graph is functional, else
+            # by re-tracing the whole (which costs about twice the export)
             table = torch.export.default_decompositions()
             keep_whole = existing_ops(*_KEEP_WHOLE)
             for op in list(table):
                 if _has_rule(op, RULES) or op in keep_whole:
                     table.pop(op)
             try:
-                ep = ep.run_decompositions(table)
+                ep = decompose(ep, table, lambda op: _has_rule(op, RULES))
             except ShardcError:
                 raise
             except Exception as e:  # noqa: BLE001 - see below

@@ -542,6 +542,32 @@ def _kernel_head():
                         for _ in range(3)]
 
 
+class RuleLess(torch.nn.Module):
+    """Ops with no sharding rule, decomposed where they stand rather than by re-tracing the
+    export (``passes/decompose.py``): a difference along the features, ``aminmax`` (two
+    outputs), a cosine similarity, hardswish and a GLU, between linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 17)
+        self.b = torch.nn.Linear(16, 32)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        d = torch.diff(self.a(x), dim=-1)  # (N, 16)
+        lo, hi = torch.aminmax(d, dim=-1, keepdim=True)
+        h = torch.nn.functional.hardswish((d - lo) / (hi - lo + 1.0))
+        g = torch.nn.functional.glu(self.b(h), dim=-1)  # (N, 16)
+        sim = torch.nn.functional.cosine_similarity(g, x, dim=-1)
+        return ((self.head(g) - y) ** 2).mean() + sim.mean()
+
+
+def _rule_less():
+    g = torch.Generator().manual_seed(1)
+    return RuleLess, [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))
+                      for _ in range(3)]
+
+
 class TorchSeq2Seq(torch.nn.Module):
     """torch's nn.Transformer (its decoder's cross-attention splits the packed in-projection
     into a query and a key-value weight in forward) and a weight-normed head
@@ -887,6 +913,7 @@ OTHERS = {"t5": (lambda: _tokens(T5), "x2y1z1d2"), "vit": (lambda: _images(ViT),
           "segmentation": (_segmentation, "x2y1z1d2"),
           "per-sample": (_per_sample, "x1y1z1d4"),
           "kernel-head": (_kernel_head, "x2y1z1d2"),
+          "rule-less": (_rule_less, "x2y1z1d2"),
           "torch-seq2seq": (lambda: _tokens(TorchSeq2Seq), "x1y1z2d2"),
           "patchtst": (_series, "x2y1z1d2"),
           "gpt-neo": (lambda: _tokens(_GPT_NEO), "x2y1z1d2"),
