@@ -1145,6 +1145,55 @@ def test_state_dict_keeps_the_buffers_and_load_state_dict_restores_them(fake_wor
         again.load_state_dict({**saved, "bn.running_var": torch.ones(4)})
 
 
+def test_the_buffers_are_the_compiled_models_own_and_reachable(fake_world) -> None:
+    """Buffers are copied at compile, as parameters are, and registered under the model's
+    names: named_buffers() lists them, torch.distributed.checkpoint's state-dict helpers
+    resolve their keys (they raised AttributeError on 'bn.running_mean'), and neither a
+    later write into the original model nor load_full_state_dict reaches across."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    fake_world(1)
+    torch.manual_seed(0)
+    model = _Normed()
+    x = torch.randn(16, 4)
+    sm = shardc.compile(model, shardc.Mesh(), (x,))
+    assert {n: t.tolist() for n, t in sm.named_buffers()} == \
+        {n: t.tolist() for n, t in model.named_buffers()}  # the non-persistent one too
+    before = sm(x).item()
+    with torch.no_grad():
+        model.scale.fill_(3.0)  # the user's model, after compile
+    assert sm(x).item() == before  # eval-free BatchNorm: the batch's statistics, same x
+    sd = get_model_state_dict(sm)
+    assert set(sd) == set(model.state_dict())
+    assert int(sd["bn.num_batches_tracked"]) == 2
+    sd["bn.running_mean"] = torch.full((8,), 7.0)
+    set_model_state_dict(sm, sd)
+    assert torch.equal(sm.bn.running_mean, torch.full((8,), 7.0))
+    sm.load_full_state_dict({**sm.full_state_dict(), "bn.running_var": torch.full((8,), 5.0)})
+    assert torch.equal(dict(sm.named_buffers())["bn.running_var"], torch.full((8,), 5.0))
+    assert float(model.scale) == 3.0 and not torch.equal(model.bn.running_var, torch.full((8,), 5.0))
+    assert int(model.bn.num_batches_tracked) == 0  # compile and the steps never wrote it
+
+
+def test_a_compiled_model_refuses_a_change_of_device_or_dtype(fake_world) -> None:
+    """.half(), .double(), .to(dtype or device) after compile: refused before anything
+    changes (a cast used to reach the parameters and fail inside the program with FX's
+    dtype error); a call that changes nothing passes."""
+    fake_world(1)
+    torch.manual_seed(0)
+    x = torch.randn(16, 4)
+    sm = shardc.compile(_Normed(), shardc.Mesh(), (x,))
+    for change in (lambda: sm.half(), lambda: sm.double(), lambda: sm.bfloat16(),
+                   lambda: sm.to(torch.float64), lambda: sm.to("meta")):
+        with pytest.raises(shardc.ShardcError, match="cannot change its device or dtype .*'lin.weight' "
+                           "would go from torch.float32 on cpu to .*Move or cast the model before"):
+            change()
+    assert sm.float() is sm and sm.to("cpu") is sm and sm.cpu() is sm
+    assert {p.dtype for p in sm.parameters()} == {torch.float32}
+    assert {b.dtype for _, b in sm.named_buffers() if b.is_floating_point()} == {torch.float32}
+    assert math.isfinite(sm(x).item())  # and it still runs
+
+
 def test_a_forward_that_draws_from_numpy_is_warned_and_leaves_the_stream_alone(fake_world) -> None:
     """export freezes numpy's draws into constants: the compiled program would reuse one
     mask every step. compile says so, and leaves numpy's and Python's generators where

@@ -649,6 +649,11 @@ def _state_dict_round_trip(rank: int, world: int) -> None:
     saved = sm.state_dict()
     stage = sm.mesh.coords(rank)["pipe"]
     assert int(saved[f"chunk.0.blocks.{stage}.bn.num_batches_tracked"]) > 0  # the step moved it
+    # named_buffers(): the stage's own, under the model's names, as named_parameters()
+    held = {n for n, _ in sm.named_buffers()}
+    assert f"blocks.{stage}.bn.running_mean" in held and f"blocks.{1 - stage}.bn.running_mean" not in held
+    assert torch.equal(dict(sm.named_buffers())[f"blocks.{stage}.bn.running_mean"],
+                       saved[f"chunk.0.blocks.{stage}.bn.running_mean"])
     again = shardc.compile(copy.deepcopy(model), "p2x1y1z1d2", example_inputs=(x,), microbatches=2)
     again.load_state_dict(saved)
     want, got = sm.full_state_dict(), again.full_state_dict()

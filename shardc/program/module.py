@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import MutableMapping
 from typing import Any, Callable, Iterator
 
 import torch
@@ -51,6 +52,52 @@ def _set_param(root: nn.Module, name: str, p: nn.Parameter) -> None:
             mod.add_module(part, child)
         mod = child
     mod.register_parameter(leaf, p)
+
+
+class _Buffers(MutableMapping):
+    """The model's buffers by name, whole, as the program reads them: registered in the
+    module's tree under the model's names (``_set_param``'s submodules), so that
+    ``named_buffers()``, attribute paths (``sm.bn.running_mean``, what
+    ``torch.distributed.checkpoint``'s state-dict helpers resolve each key by) and
+    ``share_memory()`` reach them. Registered as non-persistent: ``ShardedModule``'s own
+    state-dict hooks write the model's persistent ones (``_state_keys``; a pipeline stage
+    answers for the keys it holds). A name that cannot be registered (a root-level buffer
+    named like one of ShardedModule's attributes) is kept aside, still read and written
+    here."""
+
+    def __init__(self, root: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+        self._where: dict[str, tuple[dict[str, Any], str]] = {}
+        for name, t in tensors.items():
+            *path, leaf = name.split(".")
+            mod = root
+            for part in path:
+                child = mod._modules.get(part)
+                if child is None:
+                    child = nn.Module()
+                    mod.add_module(part, child)
+                mod = child
+            try:
+                mod.register_buffer(leaf, t, persistent=False)
+                self._where[name] = (mod._buffers, leaf)
+            except KeyError:
+                self._where[name] = ({leaf: t}, leaf)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        table, leaf = self._where[name]
+        return table[leaf]
+
+    def __setitem__(self, name: str, t: torch.Tensor) -> None:
+        table, leaf = self._where[name]
+        table[leaf] = t
+
+    def __delitem__(self, name: str) -> None:
+        raise TypeError("a compiled model's buffers are the model's: none can be removed")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 def _device_of(args: list[Any]) -> torch.device:
@@ -131,7 +178,10 @@ class ShardedModule(nn.Module):
         for name, full in named.items():
             if name not in res.storage:
                 self._global_shapes[name] = full.shape
-        self._buffers_full = {k: v for k, v in model.named_buffers()}
+        # copies, as the parameters' pieces are: the compiled module neither reads what the
+        # user later writes into the model's buffers nor writes into them itself (a
+        # load_full_state_dict once wrote the loaded statistics into the original model)
+        self._buffers_full = _Buffers(self, {k: v.detach().clone() for k, v in model.named_buffers()})
         self.register_load_state_dict_post_hook(ShardedModule._buffers_expected)
         self._ep_constants = dict(ep.constants)
         self._out_spec = ep.call_spec.out_spec
@@ -139,8 +189,6 @@ class ShardedModule(nn.Module):
         # running statistics), written back after each call; the rest are the user's
         self._mutations = [(i, spec.target) for i, spec in enumerate(ep.graph_signature.output_specs)
                            if spec.kind.name == "BUFFER_MUTATION"]
-        for _, target in self._mutations:  # compile never changes the model it was given
-            self._buffers_full[target] = self._buffers_full[target].detach().clone()
         self._in_spec = ep.call_spec.in_spec
         self._feeds: list[tuple[str, str]] = []
         roles = ctx.role_map
@@ -600,12 +648,36 @@ class ShardedModule(nn.Module):
             write_local(full, layout, self.mesh.coords(r), self.mesh, piece)
         return full
 
-    # ------------------------------------------- torch's state_dict(), buffers included
-    # The model's buffers are not registered on this module (the program rebinds a running
-    # statistic after every step, and reads the others where the model keeps them), so
-    # nn.Module's own state_dict() left them out: torch.save(sm.state_dict()) lost
-    # BatchNorm's statistics, and a resume through sm.load_state_dict() restarted them
-    # silently. Both now carry the model's persistent buffers, under the model's names,
+    # ---------------------------------------------------------- torch's module API
+    # nn.Module's .to(), .cuda(), .half(), .double(), .bfloat16() and to_empty() all come
+    # here. The program was traced for the parameters' dtype and laid out on their device:
+    # a cast went through to the tensors and failed later inside the program (FX's dtype
+    # error), and a move of parameters and buffers still left the program's constants
+    # behind. So a change is refused, before anything is changed; a call that changes
+    # nothing (sm.float() of an fp32 model, sm.to(its own device)) passes.
+    def _apply(self, fn: Any, recurse: bool = True) -> "ShardedModule":
+        for name, t in [*self.named_parameters(), *self.named_buffers()]:
+            try:
+                # what the call would make of this tensor, tried on an empty one like it
+                probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+            except Exception:  # noqa: BLE001 - torch's own call then says what is wrong
+                break
+            if not isinstance(probe, torch.Tensor):
+                break
+            if probe.dtype != t.dtype or probe.device != t.device:
+                raise ShardcError(
+                    f"ShardedModule: a compiled model cannot change its device or dtype ({name!r} "
+                    f"would go from {t.dtype} on {t.device} to {probe.dtype} on {probe.device}): "
+                    "its program was traced for the first and its parameters laid out there. "
+                    "Move or cast the model before shardc.compile (model.to(...), then "
+                    "compile); for mixed precision, compile with precision='bf16'.")
+        return super()._apply(fn, recurse)
+
+    # torch's state_dict(), buffers included. The buffers are registered non-persistent
+    # (_Buffers), so nn.Module's own state_dict() leaves them out, as it once left out all
+    # of them: torch.save(sm.state_dict()) lost BatchNorm's statistics and a resume through
+    # sm.load_state_dict() restarted them silently. These hooks write and read the model's
+    # persistent buffers (a pipeline stage: those it holds), under the model's names,
     # beside this rank's pieces of the parameters.
     def _state_buffers(self) -> list[str]:
         return [k for k in self._state_keys if k not in self._canonical]

@@ -292,6 +292,16 @@ class PipelineModule(nn.Module):
         for name, p in items:
             yield (f"{prefix}.{name}" if prefix else name), p
 
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        # the model's names, as named_parameters() gives them (each stage holds its own)
+        seen: set[str] = set()
+        for program in self.programs:
+            for name, t in program.named_buffers("", recurse, remove_duplicate):
+                if name not in seen:
+                    seen.add(name)
+                    yield (f"{prefix}.{name}" if prefix else name), t
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradient accumulation over calls, as ``ShardedModule.no_sync`` takes it: the
