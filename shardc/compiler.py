@@ -6,6 +6,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from shardc.core.errors import OptionError, ShardcError
 from shardc.core.launch import check_device
@@ -176,12 +177,26 @@ def _prepare(model: nn.Module, mesh: Mesh | str, example_inputs: tuple | list | 
     return mesh, example_inputs, options
 
 
-def shard_batch(batch: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+def shard_batch(batch: Any, mesh: Mesh | str) -> Any:
     """This rank's slice of a global batch: along dim 0 (split over data, then z) and, on a
     mesh with a context axis, along dim 1 (the sequence) over context, as the compiled
-    program expects its inputs."""
+    program expects its inputs. ``batch`` is a tensor, or a tuple, list or dict of them
+    (``(ids, labels)``, a tokenizer's output): each tensor in it is sliced, anything else
+    passes as it is."""
     if not dist.is_initialized():
         raise ShardcError("shardc.shard_batch: torch.distributed is not initialised.")
+    if isinstance(mesh, str):
+        mesh = Mesh.parse(mesh)
+    if isinstance(batch, Mapping) and not isinstance(batch, dict):
+        batch = dict(batch)  # transformers' BatchEncoding, which pytree does not open
+    if not isinstance(batch, torch.Tensor):
+        leaves = pytree.tree_leaves(batch)
+        if not any(isinstance(t, torch.Tensor) for t in leaves):
+            raise ShardcError(
+                f"shardc.shard_batch: the batch is a {type(batch).__name__} that holds no tensor; "
+                "pass a tensor, or a tuple, list or dict of tensors.")
+        return pytree.tree_map(lambda t: shard_batch(t, mesh) if isinstance(t, torch.Tensor) else t,
+                               batch)
     n = mesh.size("data") * mesh.size("z")
     if batch.shape[0] % n:
         raise ShardcError(

@@ -1145,6 +1145,25 @@ def test_state_dict_keeps_the_buffers_and_load_state_dict_restores_them(fake_wor
         again.load_state_dict({**saved, "bn.running_var": torch.ones(4)})
 
 
+def test_shard_batch_takes_a_tuple_list_or_dict_of_tensors(fake_world) -> None:
+    """A batch as users hold it, ``(ids, labels)`` or a tokenizer's dict: each tensor is
+    sliced as alone, anything else passes (it raised AttributeError on ``.shape``)."""
+    from collections import UserDict
+
+    fake_world(8, rank=5)
+    mesh = shardc.Mesh.parse("x1y1z2d2c2")
+    ids, labels = torch.arange(4 * 6).view(4, 6), torch.arange(4 * 6).view(4, 6) + 100
+    one = shardc.shard_batch(ids, mesh)
+    assert one.shape == (1, 3)  # rank 5: data 1 x z 0 -> row 2, context 1 -> its half
+    got = shardc.shard_batch((ids, [labels, 7]), "x1y1z2d2c2")
+    assert torch.equal(got[0], one) and torch.equal(got[1][0], shardc.shard_batch(labels, mesh))
+    assert got[1][1] == 7
+    enc = shardc.shard_batch(UserDict(input_ids=ids, labels=labels), mesh)
+    assert set(enc) == {"input_ids", "labels"} and torch.equal(enc["input_ids"], one)
+    with pytest.raises(shardc.ShardcError, match="holds no tensor"):
+        shardc.shard_batch(["not", "tensors"], mesh)
+
+
 def test_the_buffers_are_the_compiled_models_own_and_reachable(fake_world) -> None:
     """Buffers are copied at compile, as parameters are, and registered under the model's
     names: named_buffers() lists them, torch.distributed.checkpoint's state-dict helpers
