@@ -54,6 +54,10 @@ def decompose(ep: torch.export.ExportedProgram, table: dict, has_rule: Callable[
     return ep
 
 
+def _writes(n: fx.Node) -> bool:
+    return isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+
+
 def _static(v: Any) -> bool:
     return not isinstance(v, torch.Tensor) or all(isinstance(s, int) for s in v.shape)
 
@@ -62,10 +66,8 @@ def _local(gm: fx.GraphModule, missing: list[fx.Node], table: dict,
            has_rule: Callable[[Any], bool]) -> list[fx.GraphModule] | None:
     """Each missing node's decomposition traced alone, or None where one of them (or the
     graph) needs the whole re-trace. Nothing in ``gm`` is changed here."""
-    for n in gm.graph.nodes:
-        t = n.target
-        if n.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable:
-            return None
+    if any(_writes(n) for n in gm.graph.nodes):
+        return None
     out = []
     for n in missing:
         t = n.target
@@ -90,10 +92,19 @@ def _local(gm: fx.GraphModule, missing: list[fx.Node], table: dict,
             args, kwargs = pytree.tree_unflatten(full, _spec)
             return _t(*args, **kwargs)
 
+        args = [vals[i] for i in where]
         with fake_mode:
-            sub = make_fx(call, decomposition_table=table)(*(vals[i] for i in where))
+            sub = make_fx(call, decomposition_table=table)(*args)
+            if any(_writes(s) for s in sub.graph.nodes):
+                # functionalized, as the whole re-trace would be: a decomposition may write
+                # into its own intermediates (cosine_similarity's clamp_min_), and make_fx
+                # applies the table below functionalization, so the ops it wrote are traced
+                # through it once more
+                sub = make_fx(torch.func.functionalize(sub))(*args)
         for s in sub.graph.nodes:
             if s.op == "get_attr" or (s.op == "call_function" and not has_rule(s.target)):
+                return None
+            if _writes(s):
                 return None
         result = sub.graph.output_node().args[0]
         if isinstance(result, (tuple, list)):
