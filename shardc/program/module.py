@@ -40,9 +40,9 @@ def _check_same(name: str, new: torch.Tensor, old: torch.Tensor) -> None:
             "pieces shaped like sm.state_dict()'s (or copy into the parameter), or compile again.")
 
 
-def _set_param(root: nn.Module, name: str, p: nn.Parameter) -> None:
-    """Register ``p`` under a dotted name, creating empty submodules on the way, so that
-    ``named_parameters()`` gives back the original model's names."""
+def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The submodule a dotted name's last part belongs to, empty ones created on the way,
+    so that what is registered there keeps the original model's name."""
     *path, leaf = name.split(".")
     mod = root
     for part in path:
@@ -51,6 +51,13 @@ def _set_param(root: nn.Module, name: str, p: nn.Parameter) -> None:
             child = nn.Module()
             mod.add_module(part, child)
         mod = child
+    return mod, leaf
+
+
+def _set_param(root: nn.Module, name: str, p: nn.Parameter) -> None:
+    """Register ``p`` under a dotted name, so that ``named_parameters()`` gives back the
+    original model's names."""
+    mod, leaf = _owner(root, name)
     mod.register_parameter(leaf, p)
 
 
@@ -68,14 +75,7 @@ class _Buffers(MutableMapping):
     def __init__(self, root: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         self._where: dict[str, tuple[dict[str, Any], str]] = {}
         for name, t in tensors.items():
-            *path, leaf = name.split(".")
-            mod = root
-            for part in path:
-                child = mod._modules.get(part)
-                if child is None:
-                    child = nn.Module()
-                    mod.add_module(part, child)
-                mod = child
+            mod, leaf = _owner(root, name)
             try:
                 mod.register_buffer(leaf, t, persistent=False)
                 self._where[name] = (mod._buffers, leaf)
