@@ -35,7 +35,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 # a decomposed node's own values; its other metadata (module path, source) goes to each
 # node of its subgraph
-_OWN = frozenset({"val", "tensor_meta", "example_value"})
+_OWN = frozenset({"val", "tensor_meta", "example_value", "unbacked_bindings"})
 
 
 def decompose(ep: torch.export.ExportedProgram, table: dict, has_rule: Callable[[Any], bool]
