@@ -712,8 +712,8 @@ class ShardedModule(nn.Module):
 
     @staticmethod
     def _buffers_expected(module: "ShardedModule", incompatible: Any) -> None:
-        """After the load (a post hook): the buffers' keys are this module's, though no
-        registered submodule holds them, so torch's walk called them unexpected."""
+        """After the load (a post hook): the buffers' keys are this module's, but they are
+        registered non-persistent (``_Buffers``), so torch's walk called them unexpected."""
         prefix = module.__dict__.pop("_loading_prefix", None)
         if prefix is None:
             return
