@@ -62,6 +62,7 @@ from shardc.passes.aliases import view_of, written
 from shardc.passes.recompute import BLOCK
 from shardc.passes.reshard import COPY_OF
 from shardc.passes.step_nodes import PART
+from shardc.runtime.ops import MESH_COORD
 
 aten = torch.ops.aten
 DEPTH = 6  # how far back a recompute may reach: a GELU's tanh form is 6 ops deep
@@ -80,6 +81,8 @@ def _bytes(n: fx.Node) -> int:
 
 def _cheap(n: fx.Node) -> bool:
     t = n.target
+    if t is MESH_COORD:  # a constant of the rank, read again for free
+        return True
     if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or t.namespace != "aten":
         return False
     if COMM in n.meta or t._schema.is_mutable or _bytes(n) < 0:
@@ -169,6 +172,8 @@ def _recomputable(n: fx.Node, keep: frozenset) -> bool:
         src = n.args[0]
         return isinstance(src, fx.Node) and _recomputable(src, keep)
     t = n.target
+    if t is MESH_COORD:
+        return True
     if not isinstance(t, torch._ops.OpOverload) or t.namespace != "aten":
         return False
     if COMM in n.meta or t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags:

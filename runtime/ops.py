@@ -13,12 +13,30 @@ from shardc.core.placement import Layout, local_slice
 from shardc.runtime.collectives import get_runtime
 
 
+@torch.library.custom_op("shardc::mesh_coord", mutates_args=())
+def mesh_coord(like: torch.Tensor, rt: str, axis: str) -> torch.Tensor:
+    """This rank's coordinate on ``axis``, a 0-d int64 tensor on ``like``'s device, read
+    when the op runs. A traced step program that offsets by it stays the same program on
+    every coordinate, so the ranks of a tensor-parallel group trace it once between them
+    (``shardc/program/share.py``); a Python int read while tracing would be a constant of
+    each rank's own program."""
+    return torch.full((), get_runtime(rt).coord(axis), dtype=torch.int64, device=like.device)
+
+
+@mesh_coord.register_fake
+def _(like, rt, axis):  # type: ignore[no-untyped-def]
+    return like.new_empty((), dtype=torch.int64)
+
+
+MESH_COORD = torch.ops.shardc.mesh_coord.default  # the op as traced programs hold it
+
+
 def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, rt: str, axis: str,
                              padding_idx: int | None = -1) -> torch.Tensor:
     """Look up the ids that fall in this rank's rows of the table, zeros elsewhere: the
     result is a partial sum over ``axis`` (Megatron's vocabulary-parallel embedding)."""
     rows = weight.shape[0]
-    start = get_runtime(rt).coord(axis) * rows
+    start = mesh_coord(ids, rt, axis) * rows
     local = ids - start
     outside = (local < 0) | (local >= rows)
     out = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)
@@ -70,7 +88,7 @@ def target_logit(x: torch.Tensor, target: torch.Tensor, rt: str, axis: str) -> t
     """The entry of each row's target class (dim 1) if this rank holds that class, else
     0: a partial sum over ``axis``. ``target`` has ``x``'s shape without dim 1."""
     classes = x.shape[1]
-    local = target - get_runtime(rt).coord(axis) * classes
+    local = target - mesh_coord(target, rt, axis) * classes
     inside = (local >= 0) & (local < classes)
     picked = x.gather(1, local.masked_fill(~inside, 0).unsqueeze(1)).squeeze(1)
     # a select, not a multiply by the mask: the stand-in class 0 read for rows whose

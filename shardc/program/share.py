@@ -16,9 +16,14 @@ So ``build`` (``step_program.py``) asks first what each rank would trace:
   and the runtime's agreed GEMM forms. Written with the same encoder as the shared
   program (``_Encoder``), so anything the encoder cannot write makes the rank trace alone.
 * **The coordinates the trace may bake in**: a traced program holds constants computed
-  from the rank's coordinates (a vocabulary shard's first row, a ring's positions), so
-  ranks share only where their coordinates agree on every axis but the batch axes
-  (``data``, ``z``), which the lowering reads at run time, not at trace time.
+  from the rank's coordinates (a weight's block, a dropout mask's rows), so ranks share
+  only where their coordinates agree on the axes the forward program's runtime calls will
+  read while traced (``baked_axes``). Every other coordinate lives in what the signature
+  already holds (the forward program, which the lowering wrote for this rank, and the
+  arguments' shapes) or is read when the program runs (``runtime.ops.mesh_coord``: a
+  vocabulary shard's first row): the ranks of a ``data``/``z`` group, and those of an
+  ``x`` or ``y`` group where no block is cut out by coordinate, trace one program between
+  them.
 
 The lowest rank of each class traces, as before, and sends its program to the others
 (``broadcast_object_list``), who decode it in place of tracing. The trace logs every read of
@@ -52,14 +57,11 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from shardc.core.context import CompileContext
 from shardc.core.ir import StepProgram
-from shardc.core.mesh import ALL_AXES, BATCH_AXES
+from shardc.core.mesh import ALL_AXES
 from shardc.runtime import collectives as C
 from shardc.runtime import functional as F
 from shardc.runtime import ops as R
 
-# axes whose coordinate the lowering reads at run time (dropout's offsets, the batch's
-# rows), so ranks that differ only there may share a trace; the read log checks it
-SHARED_AXES = BATCH_AXES
 ANY = "*"  # Runtime.reads: the rank itself was read (every coordinate)
 
 
@@ -327,8 +329,6 @@ _BAKES: dict[Callable, Callable[[dict[str, Any]], set[str]]] = {
     C.local_chunk: lambda a: {a["axis"]},
     # a gradient that is a slice of the gathered one: this rank's block, by coordinate
     C.all_gather_start: lambda a: set() if a["grad"] == "reduce_scatter" else {a["axis"]},
-    R.vocab_parallel_embedding: lambda a: {a["axis"]},
-    R.target_logit: lambda a: {a["axis"]},
     R.global_dropout: lambda a: _draws(a["p"], a["train"], a["dims"]),
     R.global_bernoulli: lambda a: _cut_axes(a["dims"]),
     R.global_draw_like: lambda a: _cut_axes(a["dims"]),
@@ -368,17 +368,22 @@ class _Shared:
     coords: dict[str, int]  # the tracer's
 
 
+def class_of(key: str, coords: dict[str, int], baked: set[str]) -> tuple:
+    """The class of a rank whose trace has signature ``key`` and will bake in its
+    coordinates on ``baked``: ranks of one class trace one program between them."""
+    return key, tuple((a, coords[a]) for a in ALL_AXES if a in baked)
+
+
 def build_shared(build: Callable[[], StepProgram], ctx: CompileContext,
                  key: str | None, baked: set[str], device: torch.device
                  ) -> tuple[StepProgram | None, str]:
     """``build()``'s result, traced once for each class of ranks with equal ``key`` (the
-    ``signature``, None where it could not be written) and equal coordinates outside
-    ``SHARED_AXES`` and on the ``baked`` axes. Collective over every rank. Returns
+    ``signature``, None where it could not be written) and equal coordinates on the
+    ``baked`` axes. Collective over every rank. Returns
     (program, error) as ``build``."""
     world, me = dist.get_world_size(), dist.get_rank()
     coords = ctx.mesh.coords(ctx.rank)
-    mine = None if key is None or ANY in baked else (
-        key, tuple((a, coords[a]) for a in ALL_AXES if a not in SHARED_AXES or a in baked))
+    mine = None if key is None or ANY in baked else class_of(key, coords, baked)
     classes: list[Any] = [None] * world
     dist.all_gather_object(classes, mine)
     tracer = me if mine is None else classes.index(mine)
