@@ -276,6 +276,13 @@ def _grads_and_state(rank: int, world_size: int, spec: str) -> None:
     assert list(back) == list(sd)
     for k in sd:
         assert torch.equal(back[k], sd[k]), k
+    # the gathers go out in buckets of at most GATHER_BUCKET_BYTES of this rank's pieces: in
+    # buckets of one tensor or a few, every tensor comes back the same
+    for cap in (1, 4096):
+        sm.GATHER_BUCKET_BYTES = cap
+        again, grads_again = sm.full_state_dict(), sm.full_grads()
+        assert all(torch.equal(again[k], back[k]) for k in sd)
+        assert all(torch.equal(grads_again[k], grads[k]) for k in grads)
 
 
 def _sliced_batch(model: torch.nn.Module, mesh: shardc.Mesh) -> None:

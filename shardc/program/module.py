@@ -634,19 +634,50 @@ class ShardedModule(nn.Module):
         object.__setattr__(self, "_runner", runner)
 
     # ------------------------------------------------------------- full tensors
+    # the local pieces one all-gather carries at most: one collective a parameter was most of
+    # full_grads() on a small model (a GPT's 30-odd tensors, each a round trip), and one for
+    # the whole model would hold every rank's copy of it at once
+    GATHER_BUCKET_BYTES = 32 << 20
+
     def _gather_full(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        layout = self.param_layouts[name]
+        return self._gather_full_many([(name, local)])[name]
+
+    def _gather_full_many(self, items: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Parameter name -> the full tensor of each (name, this rank's piece), gathered over
+        the stage's ranks in buckets of one dtype and device (collective: every rank of the
+        stage passes the same names in the same order)."""
         # a pipeline stage's parameters live on its own ranks only (the world when pipe is 1)
         ranks = stage_ranks(self.mesh, self.ctx.rank)
-        flat = local.detach().contiguous().reshape(-1)
-        buf = flat.new_empty(len(ranks) * flat.numel())
-        with C.guarded(self.runtime.key, "all_gather", None, "gathering full tensors"):
-            C.all_gather_flat(buf, flat, group=stage_group(self.mesh))
-        full = local.new_empty(self._global_shapes[name])
-        for i, r in enumerate(ranks):
-            piece = buf[i * flat.numel():(i + 1) * flat.numel()].view(local.shape)
-            write_local(full, layout, self.mesh.coords(r), self.mesh, piece)
-        return full
+        buckets: list[list[tuple[str, torch.Tensor]]] = []
+        open_: dict[tuple[torch.dtype, torch.device], tuple[list, list[int]]] = {}
+        for name, local in items:
+            flat = local.detach().contiguous().reshape(-1)
+            key = (flat.dtype, flat.device)
+            bucket, size = open_.get(key) or ([], [0])
+            if bucket and size[0] + flat.numel() * flat.element_size() > self.GATHER_BUCKET_BYTES:
+                bucket, size = [], [0]
+            if not bucket:
+                buckets.append(bucket)
+                open_[key] = (bucket, size)
+            bucket.append((name, flat))
+            size[0] += flat.numel() * flat.element_size()
+        shapes = {name: local.shape for name, local in items}
+        out: dict[str, torch.Tensor] = {}
+        for bucket in buckets:
+            mine = torch.cat([flat for _, flat in bucket]) if len(bucket) > 1 else bucket[0][1]
+            n = mine.numel()
+            buf = mine.new_empty(len(ranks) * n)
+            with C.guarded(self.runtime.key, "all_gather", None, "gathering full tensors"):
+                C.all_gather_flat(buf, mine, group=stage_group(self.mesh))
+            at = 0
+            for name, flat in bucket:
+                full = flat.new_empty(self._global_shapes[name])
+                for i, r in enumerate(ranks):
+                    piece = buf[i * n + at:i * n + at + flat.numel()].view(shapes[name])
+                    write_local(full, self.param_layouts[name], self.mesh.coords(r), self.mesh, piece)
+                out[name] = full
+                at += flat.numel()
+        return out
 
     # ---------------------------------------------------------- torch's module API
     # nn.Module's .to(), .cuda(), .half(), .double(), .bfloat16() and to_empty() all come
@@ -723,13 +754,11 @@ class ShardedModule(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors with the names and shapes of ``model.state_dict()`` (collective)."""
         out: dict[str, torch.Tensor] = {}
-        gathered: dict[str, torch.Tensor] = {}
+        names = list(dict.fromkeys(self._canonical[k] for k in self._state_keys if k in self._canonical))
+        gathered = self._gather_full_many([(n, self.get_parameter(n).detach()) for n in names])
         for key in self._state_keys:
             if key in self._canonical:
-                name = self._canonical[key]
-                if name not in gathered:
-                    gathered[name] = self._gather_full(name, self.get_parameter(name).detach())
-                out[key] = gathered[name]
+                out[key] = gathered[self._canonical[key]]
             else:
                 out[key] = self._buffers_full[key].detach().clone()
         return out
@@ -769,12 +798,10 @@ class ShardedModule(nn.Module):
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Parameter name -> full gradient (collective); None where there is none."""
-        out: dict[str, torch.Tensor | None] = {}
-        for name, p in self.named_parameters():
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            full = self._gather_full(name, g)
-            out[name] = full if p.grad is not None else None
-        return out
+        params = list(self.named_parameters())
+        full = self._gather_full_many(
+            [(name, p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in params])
+        return {name: full[name] if p.grad is not None else None for name, p in params}
 
     # ----------------------------------------------------------------- inspection
     def measured_comm(self) -> dict[tuple[str, str, str], int | float]:
