@@ -43,7 +43,12 @@ def _worker(rank: int, world_size: int, store: str, fn: Callable, args: tuple, e
 # tests share a RankPool of each size: the ``ranks`` fixture). The server is a clean process
 # started on first use, not the test process, so a rank inherits none of the tests' state
 # (caches, process groups, threads) and no OpenMP pool, which plain fork would copy.
-_PRELOAD = ["torch", "torch.distributed", "shardc", "harness", "models"]
+# The test models' libraries too (transformers' modelling core, LitGPT): importing them cost
+# each rank 2-3 s of CPU more, paid again by each pool's ranks. The server skips a module it
+# cannot import (multiprocessing ignores an ImportError there).
+_PRELOAD = ["torch", "torch.distributed", "shardc", "harness", "models", "transformers",
+            "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
+            "transformers.models.gpt2.modeling_gpt2", "litgpt.model"]
 
 
 def _start_method() -> str:
@@ -108,6 +113,8 @@ def _pool_worker(rank: int, world_size: int, store: str, conn: Any, errdir: str)
         conn.send(("error", traceback.format_exc()))
         return
     conn.send(("ok", None))
+    profile_dir = os.environ.get("SHARDC_PROFILE_DIR")
+    profile_rank = int(os.environ.get("SHARDC_PROFILE_RANK", "0"))
     try:
         while True:
             try:
@@ -118,13 +125,29 @@ def _pool_worker(rank: int, world_size: int, store: str, conn: Any, errdir: str)
                 break
             fn, args = job
             try:
-                result = fn(rank, world_size, *args)
+                if profile_dir and rank == profile_rank:
+                    result = _profiled(profile_dir, fn, rank, world_size, *args)
+                else:
+                    result = fn(rank, world_size, *args)
             except BaseException:  # noqa: BLE001
                 conn.send(("error", traceback.format_exc()))
                 break
             conn.send(("ok", result))
     finally:
         dist.destroy_process_group()
+
+
+def _profiled(where: str, fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` under cProfile, its statistics written to a new file in ``where``:
+    SHARDC_PROFILE_DIR=dir (and SHARDC_PROFILE_RANK, default 0) profiles that rank's jobs,
+    for finding where a gloo module's time goes (``pstats.Stats(*glob("dir/*.prof"))``)."""
+    import cProfile  # noqa: PLC0415 - only when asked
+
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(fn, *args)
+    finally:
+        prof.dump_stats(os.path.join(where, f"{os.getpid()}-{time.time_ns()}.prof"))
 
 
 class RankPool:
