@@ -648,20 +648,24 @@ class ShardedModule(nn.Module):
         stage passes the same names in the same order)."""
         # a pipeline stage's parameters live on its own ranks only (the world when pipe is 1)
         ranks = stage_ranks(self.mesh, self.ctx.rank)
-        buckets: list[list[tuple[str, torch.Tensor]]] = []
-        open_: dict[tuple[torch.dtype, torch.device], tuple[list, list[int]]] = {}
+        by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[str, torch.Tensor]]] = {}
+        shapes = {}
         for name, local in items:
             flat = local.detach().contiguous().reshape(-1)
-            key = (flat.dtype, flat.device)
-            bucket, size = open_.get(key) or ([], [0])
-            if bucket and size[0] + flat.numel() * flat.element_size() > self.GATHER_BUCKET_BYTES:
-                bucket, size = [], [0]
-            if not bucket:
-                buckets.append(bucket)
-                open_[key] = (bucket, size)
-            bucket.append((name, flat))
-            size[0] += flat.numel() * flat.element_size()
-        shapes = {name: local.shape for name, local in items}
+            by_kind.setdefault((flat.dtype, flat.device), []).append((name, flat))
+            shapes[name] = local.shape
+        buckets: list[list[tuple[str, torch.Tensor]]] = []
+        for kind in by_kind.values():
+            bucket: list[tuple[str, torch.Tensor]] = []
+            size = 0
+            for name, flat in kind:
+                nbytes = flat.numel() * flat.element_size()
+                if bucket and size + nbytes > self.GATHER_BUCKET_BYTES:
+                    buckets.append(bucket)
+                    bucket, size = [], 0
+                bucket.append((name, flat))
+                size += nbytes
+            buckets.append(bucket)
         out: dict[str, torch.Tensor] = {}
         for bucket in buckets:
             mine = torch.cat([flat for _, flat in bucket]) if len(bucket) > 1 else bucket[0][1]
