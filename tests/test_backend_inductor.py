@@ -229,6 +229,51 @@ def test_block_recompute_runs_every_segment_compiled_between_its_collectives(fak
                      r"collectives \(\d+ compiled pieces, \d+ nodes eager", text), text
 
 
+def _three_blocks(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                  w4: torch.Tensor) -> torch.Tensor:
+    """Blocks cut apart by random draws (eager ops): the pieces between the second and
+    third draws and between the third and fourth compute the same thing, on inputs alike;
+    the last block's weight has another shape."""
+    for w in (w1, w2, w3, w4):
+        x = (x @ w).relu()
+        x = x * torch.rand_like(x)
+    return x
+
+
+def test_pieces_that_compute_the_same_share_one_compiled_function() -> None:
+    """A model's repeated blocks, cut at the same collectives, give pieces that differ only
+    in their nodes' names: they share one compiled function (one dynamo trace, one inductor
+    compile), where each piece of each block was compiled again. Pieces whose inputs have
+    other shapes compile their own. The program computes what the eager graph does."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    ws = [torch.randn(8, 8) for _ in range(3)] + [torch.randn(8, 6)]
+    gm = make_fx(_three_blocks)(x, *ws)
+    program = InductorProgram(gm)
+    torch._dynamo.reset()
+    stats = torch._dynamo.utils.counters["stats"]
+    graphs = stats["unique_graphs"]
+    try:
+        torch.manual_seed(1)
+        out = program(x, *ws)
+        torch.manual_seed(1)
+        ref = gm(x, *ws)
+        # the draws run eagerly on the default generator; the pieces' fused mm, relu and
+        # mul round as the eager ops do up to reordering (fp32, values of order 10)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        pieces = list(program._pieces.values())
+        assert len(pieces) == 5 and all(p.compiled is not None for p in pieces)
+        # first (mm, relu), three alike (mul, mm, relu) of which the last's weight is
+        # 8x6, and the final mul: four compiled functions for five pieces
+        assert pieces[1].compiled is pieces[2].compiled
+        assert len({id(p.compiled) for p in pieces}) == 4
+        assert stats["unique_graphs"] - graphs == 4  # dynamo traced each of them once
+    finally:
+        torch._dynamo.reset()
+
+
 def test_an_in_place_wait_handed_a_copy_fills_the_copy(fake_world) -> None:
     """If inductor cannot reuse the reduced buffer in place, it hands the wait a copy made
     before the wait, of bytes the collective may still be writing; the wait must then

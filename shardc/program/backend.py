@@ -168,41 +168,95 @@ def mutates(piece: fx.GraphModule) -> bool:
     return False
 
 
+def _structure(piece: fx.GraphModule) -> tuple:
+    """What ``piece`` computes, independent of its nodes' names: each node's kind, target
+    and arguments, the arguments as positions of earlier nodes. Two pieces with the same
+    structure called on inputs with the same metadata run the same code (a model's
+    repeated blocks cut at the same collectives give one piece each per block). An
+    attribute a piece reads enters as the object it is, so pieces reading different
+    constants differ."""
+    index: dict[fx.Node, int] = {}
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return ("node", index[a])
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, tuple(arg(x) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple((k, arg(v)) for k, v in a.items()))
+        if isinstance(a, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+            return str(a)
+        return (type(a).__name__, repr(a))
+
+    out = []
+    for i, n in enumerate(piece.graph.nodes):
+        index[n] = i
+        if n.op in ("get_attr", "call_module"):
+            target: Any = ("object", id(piece.get_submodule(n.target) if n.op == "call_module"
+                                      else getattr(piece, str(n.target))))
+        elif callable(n.target):
+            target = (getattr(n.target, "__module__", ""), getattr(n.target, "__qualname__", ""),
+                      str(n.target), id(n.target))
+        else:
+            target = None
+        out.append((n.op, target, arg(n.args), arg(n.kwargs)))
+    return tuple(out)
+
+
+def _inputs_key(args: tuple) -> tuple:
+    return tuple((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad)
+                 if isinstance(a, torch.Tensor) else (type(a).__name__, repr(a)) for a in args)
+
+
 class _CompiledPiece(torch.nn.Module):
     """A compute piece compiled on its first call; if compiling fails, the piece runs
     eagerly from then on and a warning says why (the rest of the program stays compiled).
     A piece that writes in place into an input is never compiled: running it again
-    eagerly after a compiled attempt failed partway would apply its writes twice."""
+    eagerly after a compiled attempt failed partway would apply its writes twice.
 
-    def __init__(self, name: str, piece: fx.GraphModule, options: dict[str, Any]) -> None:
+    Pieces of one program (or of every segment of ``compile_segments``) that compute the
+    same thing on inputs of the same metadata share one compiled function (``shared``):
+    each of a model's repeated blocks would otherwise be traced by dynamo and compiled
+    again (a cache hit in inductor, still half a second of tracing per piece)."""
+
+    def __init__(self, name: str, piece: fx.GraphModule, options: dict[str, Any],
+                 shared: dict[tuple, Callable[..., Any]]) -> None:
         super().__init__()
         self.name = name
         self.eager = piece
         self.tried = False
         self.failure: str | None = None
         self.compiled: Callable[..., Any] | None = None
+        self._options = options
+        self._shared = shared
+        self._structure: tuple = ()
         if mutates(piece):
             self.failure = "writes into an input in place"
         else:
-            self.compiled = torch.compile(piece, backend="inductor", dynamic=False, options=options)
+            self._structure = _structure(piece)
 
     def forward(self, *args: Any) -> Any:
-        if self.compiled is None:
-            return self.eager(*args)
         if self.tried:
-            return self.compiled(*args)
+            return self.eager(*args) if self.compiled is None else self.compiled(*args)
         self.tried = True
+        if self.failure is not None:
+            return self.eager(*args)
+        key = (self._structure, _inputs_key(args))
+        compiled = self._shared.get(key)
+        if compiled is None:
+            compiled = torch.compile(self.eager, backend="inductor", dynamic=False, options=self._options)
         try:
-            return self.compiled(*args)
+            out = compiled(*args)
         except Exception as e:  # noqa: BLE001 - any compiler failure means: run it eagerly
             # A piece holds no collective and no random draw, and the program is functional
             # (export's), so running it again eagerly is the same step even if the compiled
             # code failed partway.
-            self.compiled = None
             self.failure = _reason(e)
             warnings.warn(f"shardc: inductor could not compile {self.name} ({self.failure}); it runs "
                           "eagerly.", RuntimeWarning, stacklevel=2)
             return self.eager(*args)
+        self.compiled = self._shared.setdefault(key, compiled)
+        return out
 
 
 class InductorProgram:
@@ -210,14 +264,15 @@ class InductorProgram:
     random draws eager. ``pieces`` and ``eager_nodes`` count what was cut; ``fallbacks``
     lists the pieces that run eagerly because inductor failed on them."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, shared: dict[tuple, Callable[..., Any]] | None = None) -> None:
         self.split, compute, eager = split_at_collectives(gm)
+        shared = {} if shared is None else shared
         # a random op not recognised by is_random would otherwise draw from inductor's
         # own generator
         options = {"fallback_random": True}
         self._pieces: dict[str, _CompiledPiece] = {}
         for name in compute:
-            piece = _CompiledPiece(name, getattr(self.split, name), options)
+            piece = _CompiledPiece(name, getattr(self.split, name), options, shared)
             self._pieces[name] = piece
             setattr(self.split, name, piece)
         self.eager_nodes = len(eager)
@@ -259,13 +314,14 @@ def compile_segments(split: torch.nn.Module) -> tuple[torch.nn.Module, list[Indu
     so they are freed after forward as eager ones are)."""
     split = copy.deepcopy(split)
     programs = []
+    shared: dict[tuple, Callable[..., Any]] = {}  # the blocks' segments compile their pieces once
     for name, child in list(split.named_children()):
         inner = getattr(child, "inner", None)
         if isinstance(inner, fx.GraphModule):  # a checkpointed segment: compile what it runs
-            program = InductorProgram(inner)
+            program = InductorProgram(inner, shared)
             child.inner = _Compiled(program)
         else:
-            program = InductorProgram(cast(fx.GraphModule, child))
+            program = InductorProgram(cast(fx.GraphModule, child), shared)
             setattr(split, name, _Compiled(program))
         programs.append(program)
     return split, programs
