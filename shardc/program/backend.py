@@ -186,6 +186,8 @@ def _structure(piece: fx.GraphModule) -> tuple:
             return ("dict", tuple((k, arg(v)) for k, v in a.items()))
         if isinstance(a, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
             return str(a)
+        if isinstance(a, torch.Tensor):  # its repr elides the values of a large one
+            return ("tensor", id(a))
         return (type(a).__name__, repr(a))
 
     out = []
@@ -197,8 +199,8 @@ def _structure(piece: fx.GraphModule) -> tuple:
         elif callable(n.target):
             target = (getattr(n.target, "__module__", ""), getattr(n.target, "__qualname__", ""),
                       str(n.target), id(n.target))
-        else:
-            target = None
+        else:  # a method's name, a placeholder's or the output's
+            target = ("name", str(n.target)) if n.op == "call_method" else None
         out.append((n.op, target, arg(n.args), arg(n.kwargs)))
     return tuple(out)
 
