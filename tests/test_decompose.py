@@ -3,6 +3,7 @@ whole re-trace where the graph needs it. One process, no ranks (the training of 
 model against float64 is ``test_more_models_gloo.py``'s ``rule-less`` case)."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -27,10 +28,44 @@ class RuleLess(torch.nn.Module):
 
 
 class WritesInPlace(RuleLess):
+    """Writes into tensors it made that nothing views (a router's ``w /= w.sum()``, an
+    experts' ``index_add_`` into zeros): made out of place where they stand."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.a(x)
+        before = y.sum()  # read before the write: the old value
         y.mul_(2.0)
-        return torch.diff(y, dim=-1).sum()
+        z = torch.zeros(4, 9).index_add_(0, torch.tensor([1, 0, 3, 1]), y)
+        z /= z.abs().sum(-1, keepdim=True) + 1.0
+        return torch.diff(z, dim=-1).sum() + before + y.sum()
+
+
+class WritesThroughAView(RuleLess):
+    """A write a view sees (``v`` read after it), one into a slice, one into a buffer, one
+    whose out-of-place twin would promote the dtype: only the whole re-trace
+    functionalizes those."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        if self.kind == "view":
+            v = y.view(-1)
+            y.mul_(2.0)
+            out = v.sum()
+        elif self.kind == "slice":
+            y[:, :4].mul_(2.0)
+            out = y.sum()
+        elif self.kind == "promotes":  # in place keeps float32 where add makes float64
+            y.add_(torch.ones(9, dtype=torch.float64))
+            out = y.sum()
+        else:
+            self.steps.add_(1.0)
+            out = y.sum() * self.steps
+        return torch.diff(y, dim=-1).sum() + out
 
 
 def _retraces(monkeypatch) -> list[int]:
@@ -66,13 +101,33 @@ def test_rule_less_ops_are_decomposed_where_they_stand(monkeypatch) -> None:
     torch.testing.assert_close(ep.module()(x), model(x), rtol=0, atol=0)
 
 
-def test_a_graph_that_writes_in_place_is_retraced_whole(monkeypatch) -> None:
+def _writers(ep: torch.export.ExportedProgram) -> list[str]:
+    return [str(n.target) for n in ep.graph.nodes if n.op == "call_function"
+            and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable]
+
+
+def test_writes_into_fresh_tensors_are_made_out_of_place_where_they_stand(monkeypatch) -> None:
     calls = _retraces(monkeypatch)
     torch.manual_seed(0)
     model, x = WritesInPlace(), torch.randn(4, 8)
     ep = T.trace(model, (x,))
+    assert calls == [], "writes into tensors the graph made were re-traced whole"
+    assert _writers(ep) == []
+    ops = {n.target for n in ep.graph.nodes if n.op == "call_function"}
+    assert {torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor} <= ops
+    # the read before the write sees the old value, those after it the new one
+    torch.testing.assert_close(ep.module()(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["view", "slice", "buffer", "promotes"])
+def test_a_write_a_view_sees_is_retraced_whole(monkeypatch, kind: str) -> None:
+    calls = _retraces(monkeypatch)
+    torch.manual_seed(0)
+    model, x = WritesThroughAView(kind), torch.randn(4, 8)
+    expected = model(x)  # before the trace: the buffer's write is then the export's to apply
+    model.steps.zero_()
+    ep = T.trace(model, (x,))
     assert calls == [1]
     # run_decompositions functionalizes: no op writes into a tensor any more
-    assert not any(n.op == "call_function" and n.target._schema.is_mutable for n in ep.graph.nodes
-                   if isinstance(n.target, torch._ops.OpOverload))
-    torch.testing.assert_close(ep.module()(x), model(x), rtol=0, atol=0)
+    assert _writers(ep) == []
+    torch.testing.assert_close(ep.module()(x), expected, rtol=0, atol=0)

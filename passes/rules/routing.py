@@ -63,12 +63,14 @@ _SORTS = {aten.sort.default, aten.sort.stable}
 _INDEX_MAKERS = {aten.topk.default: 2, aten.sort.default: 1, aten.max.dim: 1, aten.min.dim: 1}
 _ARG_MAKERS = {aten.argmax.default, aten.argmin.default}
 # ops that carry values through unchanged (dtype aside)
+# (``to`` as export writes a cast, ``_to_copy`` as a re-trace decomposes it)
+_CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout}
 _SAME_VALUES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-                aten.clone.default, aten._to_copy.default, aten.alias.default,
+                aten.clone.default, aten.alias.default, *_CASTS,
                 aten.contiguous.default, aten.detach.default, aten.flatten.using_ints}
 IGNORED = {aten._assert_tensor_metadata.default}
 _ROW_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-_ROW_COPIES = {aten.clone.default, aten._to_copy.default, aten.alias.default,
+_ROW_COPIES = {aten.clone.default, aten.alias.default, *_CASTS,
                aten.contiguous.default, aten.detach.default}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 _DIM_ARG1 = {aten.unsqueeze.default, aten.select.int, aten.slice.Tensor, aten.narrow.default,
@@ -120,7 +122,7 @@ def _index_bound(n: Any) -> int | None:
     """An exclusive upper bound on the values of ``n`` (and 0 the lower) when ``n`` is
     made of the indices of a topk, sort or arg-max over one dim; None when unknown."""
     while isinstance(n, fx.Node) and n.target in _SAME_VALUES:
-        if n.target is aten._to_copy.default and not _integral(n):
+        if n.target in _CASTS and not _integral(n):
             return None  # a cast to a float keeps integers exact only below 2**24
         n = n.args[0]
     if not isinstance(n, fx.Node):
