@@ -150,7 +150,8 @@ def _functionalize_fresh_writes(graph: fx.Graph) -> bool:
                 or not isinstance(a, fx.Node) or not _fresh(a):
             return False
         value = _twin_value(twin, n)
-        if value is None:
+        if value is None or any(u.op == "output" for u in n.users):
+            # (an output keeps its node's name, which the export's signature holds)
             return False
         after: set[fx.Node] = set()
         node = n.next
