@@ -44,6 +44,7 @@ import torch.fx as fx
 from shardc.core.ir import Val
 from shardc.core.placement import Layout
 from shardc.passes.rules.common import existing_ops
+from shardc.runtime.grouped_gemm import GROUPED_MM
 
 if TYPE_CHECKING:  # the lowering calls the rules; they only name its type
     from shardc.passes.lower import Lowering
@@ -73,7 +74,7 @@ _ROW_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default
 _ROW_COPIES = {aten.clone.default, aten.alias.default, *_CASTS,
                aten.contiguous.default, aten.detach.default}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
-_DIM_ARG1 = {aten.unsqueeze.default, aten.select.int, aten.slice.Tensor, aten.narrow.default,
+_DIM_ARG1 = {aten.unsqueeze.default, aten.squeeze.dim, aten.select.int, aten.slice.Tensor, aten.narrow.default,
              aten._softmax.default, aten._log_softmax.default, aten.softmax.int,
              aten.log_softmax.int}
 _REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default}
@@ -89,6 +90,8 @@ def _grouped_gemms() -> dict[Any, tuple[int, int, int | str]]:
     op = transformers_grouped_mm()
     if op is not None:
         out[op] = (0, 1, 2)
+    # shardc's own (passes/picked_weights.py makes picked-weight GEMMs into it)
+    out[GROUPED_MM] = (0, 1, 2)
     return out
 
 
@@ -118,7 +121,7 @@ def _arg(node: fx.Node, i: int, name: str, default: Any) -> Any:
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 
-def _index_bound(n: Any) -> int | None:
+def index_bound(n: Any) -> int | None:
     """An exclusive upper bound on the values of ``n`` (and 0 the lower) when ``n`` is
     made of the indices of a topk, sort or arg-max over one dim; None when unknown."""
     while isinstance(n, fx.Node) and n.target in _SAME_VALUES:
@@ -313,7 +316,7 @@ def find_regions(graph: fx.Graph) -> list[Region]:
 
 def _grow(region: Region) -> None:
     sort = region.sort
-    bound = _index_bound(sort.args[0])
+    bound = index_bound(sort.args[0])
     bounds: dict[fx.Node, int] = {}
     for g in sort.users:
         if g.target is not operator.getitem:
