@@ -634,9 +634,11 @@ def _check_experts_cut(gm: fx.GraphModule, ctx: CompileContext) -> None:
             f"shardc.compile: expert_axes={ctx.options.expert_axes!r}, but no experts were found to cut. Expert "
             "parallelism takes a mixture of experts whose token-expert pairs are sorted by "
             "expert and run by one grouped GEMM per weight (transformers' default "
-            "'grouped_mm' experts kernel; passes/rules/routing.py), with the tokens cut over "
-            f"{' and '.join(axes)}. Experts held as a ModuleList, or transformers' 'batched_mm' kernel, "
-            "are not cut yet; leave expert_axes=None for them.")
+            "'grouped_mm' experts kernel; passes/rules/routing.py), or whose pairs each look "
+            "their expert's weight up by its key (its 'batched_mm' kernel, made the sorted form "
+            f"by passes/picked_weights.py), with the tokens cut over {' and '.join(axes)}. "
+            "Experts held as a ModuleList, or looped over, are not cut yet; leave "
+            "expert_axes=None for them.")
 
 
 def _drop_dead_collectives(g: fx.Graph) -> None:

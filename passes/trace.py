@@ -51,6 +51,7 @@ from shardc.passes.hit_loops import MAX_ITERATIONS, loops_over_hits, mask_hit_lo
 from shardc.passes.lower import FIXED_SIZE, data_sized_origin
 from shardc.passes.masked_losses import unpick_losses
 from shardc.passes.masked_reductions import unpick_reductions
+from shardc.passes.picked_weights import group_picked_gemms
 from shardc.passes.recompute_calls import record_recompute_calls, unique
 from shardc.passes.rules import RULES
 from shardc.passes.rules.common import existing_ops
@@ -133,6 +134,8 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
                 raise TraceError(_explain_trace_failure(model, cause)) from e
     # after the decompositions, which would trace the masks' subgraphs back in
     fold_causal_masks(ep.graph_module)
+    # after them too: a grouped GEMM is an op no decomposition table knows
+    group_picked_gemms(ep.graph_module)
     pad_data_sized(ep.graph_module)
     refuse_gradient_hooks(model, hooks)
     with torch.random.fork_rng(devices=[]):
