@@ -210,16 +210,112 @@ def test_expert_weights_of_a_transformers_model_are_stored_cut(fake_world) -> No
         assert local.shape[0] == 2, (name, local.shape)  # 8 experts over data=4
 
 
-def test_batched_mm_experts_are_refused_with_the_reason(fake_world) -> None:
-    """transformers' batched_mm kernel looks each token's expert weights up by index: no
-    sort and no grouped GEMM to cut the experts around."""
+def test_batched_mm_experts_are_sorted_and_cut(fake_world) -> None:
+    """transformers' batched_mm kernel looks each pair's expert weight up by index and
+    multiplies pair by pair; the trace makes it the sorted form (passes/picked_weights.py),
+    so its experts are cut as the default kernel's are: one segment a layer, both GEMMs
+    shardc's grouped GEMM, each rank storing 1/G of each expert weight."""
     import test_more_models_gloo as M
     import test_train_gloo as T
 
     fake_world(4)
     make, batches = T._lm(M.MODELS["mixtral-batched"][0])
-    with pytest.raises(shardc.ShardcError, match="batched_mm"):
-        shardc.compile(make(), shardc.Mesh.parse("x1y1z1d4"), batches[0], expert_axes=("data",))
+    sm = shardc.compile(make(), shardc.Mesh.parse("x1y1z1d4"), batches[0], expert_axes=("data",))
+    segments = _segments(sm)
+    assert len(segments) == 2  # one a layer: the gate between the GEMMs computed sorted
+    for seg in segments:
+        fn = SEGMENTS[seg.args[6]]
+        assert [n.target for n in fn.fn.graph.nodes if n.target is GROUPED_MM] == [GROUPED_MM] * 2
+    experts = {n.meta[PARAM] for n in sm.graph_module.graph.nodes
+               if n.op == "placeholder" and ".experts." in str(n.meta.get(PARAM))}
+    assert experts
+    for name in experts:
+        assert dict(sm.named_parameters())[name].shape[0] == 1, name  # 4 experts over data=4
+
+
+class PickedExperts(nn.Module):
+    """A mixture of experts written as transformers' batched_mm kernel is: each pair's
+    expert weights looked up by its key (``w[keys]``), one ``bmm`` a pair. ``between``
+    is what runs between the two GEMMs: a bias looked up by the keys (row by row, so the
+    rows stay sorted between the GEMMs), dropout (a draw, whose masks must be the
+    model's: each GEMM sorted and put back alone). ``keys="input"`` takes the keys from
+    the batch: nothing bounds them, so nothing is rewritten."""
+
+    def __init__(self, dim: int = 8, hidden: int = 12, experts: int = 4, between: str = "",
+                 keys: str = "router", stored: str = "out,in") -> None:
+        super().__init__()
+        self.between, self.keys, self.stored = between, keys, stored
+        self.router = nn.Linear(dim, experts, bias=False)
+        shape = (experts, hidden, dim) if stored == "out,in" else (experts, dim, hidden)
+        self.up = nn.Parameter(torch.randn(shape) / dim ** 0.5)
+        self.bias = nn.Parameter(torch.randn(experts, hidden))
+        self.down = nn.Parameter(torch.randn(experts, dim, hidden) / hidden ** 0.5)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = x.reshape(-1, d)
+        weights, top = torch.topk(self.router(h).softmax(-1), 2)
+        keys = top.reshape(-1) if self.keys == "router" else ids.reshape(-1)
+        rows = h.repeat_interleave(2, dim=0)
+        if self.stored == "out,in":
+            y = torch.bmm(self.up[keys], rows.unsqueeze(-1)).squeeze(-1)
+        else:
+            y = torch.bmm(rows.unsqueeze(1), self.up[keys]).squeeze(1)
+        if self.between == "bias":
+            y = y + self.bias[keys]
+        y = F.gelu(y)
+        if self.between == "dropout":
+            y = F.dropout(y, 0.1)
+        y = torch.bmm(self.down[keys], y.unsqueeze(-1)).squeeze(-1)
+        y = (y * weights.reshape(-1, 1)).view(-1, 2, d).sum(1)
+        return y.view(b, t, d).pow(2).mean()
+
+
+@pytest.mark.parametrize("kw,sorts,grouped", [
+    ({}, 1, 2),
+    ({"stored": "in,out"}, 1, 2),
+    ({"between": "bias"}, 1, 2),
+    ({"between": "dropout"}, 1, 2),
+    ({"keys": "input"}, 0, 0),
+], ids=["weights-out-in", "weights-in-out", "bias-between", "dropout-between", "keys-unbounded"])
+def test_picked_weight_gemms_become_grouped_gemms_with_the_models_values(kw, sorts, grouped) -> None:
+    """What passes/picked_weights.py makes of each form, and the values and gradients it
+    computes against the model's, in float64 (the same products; only the order of a
+    weight gradient's sum over rows differs, so 1e-12 is far above what that changes and
+    far below any wrong row). With dropout between the GEMMs the masks must be the
+    model's: both run from the same seed."""
+    from shardc.passes.rules.routing import find_regions
+    from shardc.passes.trace import trace
+
+    torch.manual_seed(0)
+    model = PickedExperts(**kw).double()
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    ids = torch.randint(0, 4, (2, 6, 2))
+    ep = trace(model, (x, ids))
+    nodes = list(ep.graph.nodes)
+    assert sum(n.target is torch.ops.aten.sort.stable for n in nodes) == sorts
+    assert sum(n.target is GROUPED_MM for n in nodes) == grouped
+    assert sum(n.target is torch.ops.aten.bmm.default for n in nodes) == 2 - grouped
+    regions = find_regions(ep.graph)
+    assert len(regions) == sorts
+    if kw.get("between") == "dropout":  # each GEMM sorted and put back on its own
+        assert len(regions[0].exits) == 2
+    elif sorts:  # the rows stay sorted from the first GEMM to the last
+        assert len(regions[0].exits) == 1
+    traced = ep.module()
+    torch.manual_seed(1)
+    want = model(x, ids)
+    want.backward()
+    torch.manual_seed(1)
+    got = traced(x, ids)
+    grads = torch.autograd.grad(got, [dict(traced.named_parameters())[k] for k, _ in model.named_parameters()],
+                                allow_unused=True)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for (name, p), g in zip(model.named_parameters(), grads):
+        if p.grad is None:  # the bias is read only with between="bias"
+            assert g is None, name
+        else:
+            torch.testing.assert_close(g, p.grad, rtol=1e-12, atol=1e-12, msg=name)
 
 
 def test_the_planner_ranks_meshes_with_the_experts_cut_among_the_rest(fake_world) -> None:

@@ -21,7 +21,7 @@ import shardc
 pytestmark: list = []  # the cases are slow and distributed, one by one
 
 
-def _moe(config: str, model: str, layers: int = 2, **kw):
+def _moe(config: str, model: str, layers: int = 2, experts: str | None = None, **kw):
     def make():
         import transformers
 
@@ -30,6 +30,8 @@ def _moe(config: str, model: str, layers: int = 2, **kw):
         cfg = getattr(transformers, config)(vocab_size=64, hidden_size=32, num_hidden_layers=layers,
                                             use_cache=False, tie_word_embeddings=False,
                                             num_attention_heads=8, max_position_embeddings=16, **kw)
+        if experts is not None:  # which of transformers' experts kernels runs
+            cfg._experts_implementation = experts
         for k in ("attention_dropout", "hidden_dropout", "router_jitter_noise"):
             if hasattr(cfg, k):
                 setattr(cfg, k, 0.0)
@@ -64,6 +66,16 @@ MOES = {
                         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
                         first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4,
                         qk_nope_head_dim=4, v_head_dim=4, n_group=1, topk_group=1, intermediate_size=32),
+    # transformers' batched_mm kernel: each pair's expert weight looked up by its key and
+    # multiplied pair by pair, made the sorted grouped form at the trace
+    # (passes/picked_weights.py); the gate between the GEMMs computed in the sorted order
+    "mixtral-batched": _moe("MixtralConfig", "MixtralForCausalLM", experts="batched_mm", num_key_value_heads=4,
+                            num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    # the same with the weights stored [E, in, out] and biases looked up by the keys (the
+    # first GEMM's bias between the GEMMs: by the sorted keys)
+    "gpt-oss-batched": _moe("GptOssConfig", "GptOssForCausalLM", experts="batched_mm", num_key_value_heads=4,
+                            num_local_experts=8, num_experts_per_tok=2, intermediate_size=16, head_dim=4,
+                            sliding_window=8),
     "granite-moe": _moe("GraniteMoeConfig", "GraniteMoeForCausalLM", num_key_value_heads=4, num_local_experts=8,
                         num_experts_per_tok=2, intermediate_size=16),
     "minimax": _moe("MiniMaxConfig", "MiniMaxForCausalLM", num_key_value_heads=4, num_local_experts=8,
@@ -84,6 +96,8 @@ CASES = [
     ("gpt-oss", "x1y1z2d2", "data,z"),
     ("granite-moe", "x1y1z1d4", "data"),
     ("minimax", "x1y1z4d1", "z"),
+    ("mixtral-batched", "x2y1z1d2", "data"),
+    ("gpt-oss-batched", "x1y1z2d2", "z,data"),
 ]
 
 
@@ -205,7 +219,9 @@ PIPE_CASES = [("mixtral", "p2x1y1z1d2", "1f1b", 2, "data"), ("mixtral", "p2x1y1z
               # a block recomputed in backward runs its segment again, for that backward
               ("mixtral", "p2x1y1z1d2", "1f1b", 2, "data", {"activation_checkpoint": "blocks"}),
               # two chunks a rank, each with its own experts and routing
-              ("mixtral-4", "p2x1y1z1d2", "interleaved", 2, "data")]
+              ("mixtral-4", "p2x1y1z1d2", "interleaved", 2, "data"),
+              # transformers' batched_mm experts, sorted at the stage's trace
+              ("gpt-oss-batched", "p2x1y1z2d1", "1f1b", 2, "z")]
 
 
 def _in_stages(rank: int, world_size: int, case: tuple) -> None:

@@ -60,6 +60,9 @@ CASES = [
     ("gpt", "x1y1z1d4", "bf16", {"backend": "inductor"}),
     # experts cut over data: bf16 rows travel to them and back
     ("mixtral", "x1y1z2d2", "bf16", {"expert_axes": ("data",)}),
+    # ... and transformers' batched_mm experts, sorted at the trace, cut over z, with the
+    # bf16 gradient reductions
+    ("mixtral-batched", "x1y1z2d2", BF16_REDUCE, {"expert_axes": ("z",)}),
     # the sequence cut over context: a ring attention on bf16 keys and values, its
     # arithmetic in fp32 (runtime/ring.py), with data, and with x under block recompute
     ("llama", "x1y1c2z1d2", "bf16", {}),
@@ -216,7 +219,7 @@ def _case(rank: int, world_size: int, index: int) -> None:
 
     # the float64 reference of a grouped_mm MoE: transformers' own kernel (test_experts_gloo)
     moe._can_use_grouped_mm = lambda *args, **kwargs: False
-    makers = {"gpt": GPT, "llama": llama, "mixtral": E.MOES["mixtral"]}
+    makers = {"gpt": GPT, "llama": llama, "mixtral": E.MOES["mixtral"], "mixtral-batched": E.MOES["mixtral-batched"]}
     if index is None:
         failures = _report_failures("x1y1z2d2") + _pipe_report_failures("p2x1y1z1d2")
     else:
