@@ -40,6 +40,20 @@ class WritesInPlace(RuleLess):
         return torch.diff(z, dim=-1).sum() + before + y.sum()
 
 
+class WritesIntoParts(RuleLess):
+    """A tensor made empty and filled part by part (DeepSeek-V3's attention builds its
+    query so: ``q = k.new_empty(...); q[..., :d] = a; q[..., d:] = b``): each copy into a
+    slice or a row made a scatter where it stands."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        q = y.new_empty(4, 13)
+        q[:, :9] = y
+        q[:, 9:] = self.b(x)[:, :4]
+        q[2] = torch.diff(q[2].clone(), prepend=q[2, :1].clone())  # a row, from what it held
+        return torch.diff(q, dim=-1).sum() + q[:, 3].pow(2).sum()
+
+
 class WritesThroughAView(RuleLess):
     """A write a view sees (``v`` read after it), one into a slice, one into a buffer, one
     whose out-of-place twin would promote the dtype: only the whole re-trace
@@ -59,6 +73,17 @@ class WritesThroughAView(RuleLess):
         elif self.kind == "slice":
             y[:, :4].mul_(2.0)
             out = y.sum()
+        elif self.kind == "cast":  # a copy into a part that casts its value
+            q = y.new_empty(4, 13)
+            q[:, :9] = y
+            q[:, 9:] = y[:, :4].double() / 3.0
+            out = q.sum()
+        elif self.kind == "part-viewed":  # a view of the base taken before a part's write
+            q = y.new_empty(4, 13)
+            q[:, 9:] = y[:, :4]
+            head = q[:, 8:]
+            q[:, :9] = y
+            out = head.sum()
         elif self.kind == "promotes":  # in place keeps float32 where add makes float64
             y.add_(torch.ones(9, dtype=torch.float64))
             out = y.sum()
@@ -119,7 +144,20 @@ def test_writes_into_fresh_tensors_are_made_out_of_place_where_they_stand(monkey
     torch.testing.assert_close(ep.module()(x), model(x), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("kind", ["view", "slice", "buffer", "promotes"])
+def test_a_tensor_filled_part_by_part_is_scattered_where_it_stands(monkeypatch) -> None:
+    calls = _retraces(monkeypatch)
+    torch.manual_seed(0)
+    model, x = WritesIntoParts(), torch.randn(4, 8)
+    ep = T.trace(model, (x,))
+    assert calls == [], "a tensor filled part by part was re-traced whole"
+    assert _writers(ep) == []
+    ops = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.aten.slice_scatter.default) == 2
+    assert ops.count(torch.ops.aten.select_scatter.default) == 1
+    torch.testing.assert_close(ep.module()(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["view", "slice", "buffer", "promotes", "cast", "part-viewed"])
 def test_a_write_a_view_sees_is_retraced_whole(monkeypatch, kind: str) -> None:
     calls = _retraces(monkeypatch)
     torch.manual_seed(0)
