@@ -407,3 +407,26 @@ def test_the_trace_lines_say_what_a_capacity_dropped(tmp_path) -> None:
     lines = expert_load_lines(sorted(str(p) for p in tmp_path.glob("rank*.json")))
     assert lines[0].endswith("; 1 of its own rows dropped past the capacity"), lines
     assert "dropped" not in lines[1] and "computed 12 rows (1.00x the mean)" in lines[1]
+
+
+def test_the_cost_model_counts_the_experts_grouped_gemms(fake_world) -> None:
+    """torch's flop counter has no formula for a grouped GEMM: the cost model counted the
+    experts' GEMMs as memory traffic and the MFU count left them out (a batched_mm
+    model's per-pair bmm had been counted as an attention). Both count 2 x rows x in x out
+    a GEMM now, forward; the cost model and MFU three times that for the step."""
+    from shardc.passes.trace import trace
+    from shardc.planning.cost import work
+    from shardc.planning.throughput import count_flops
+
+    torch.manual_seed(0)
+    model = PickedExperts()
+    x, ids = torch.randn(2, 6, 8), torch.randint(0, 4, (2, 6, 2))
+    tokens, pairs = 12, 24
+    forward = 2 * tokens * 8 * 4 + 2 * (2 * pairs * 8 * 12)  # the router, the experts' two
+    flops = count_flops(trace(model, (x, ids)), tokens)
+    assert (flops.gemm_flops, flops.attention_flops) == (3 * forward, 0)
+    fake_world(2)
+    sm = shardc.compile(model, shardc.Mesh.parse("x1y1z1d2"), (x, ids))
+    terms, _ = work(sm.graph_module, recompute=False)
+    assert sum(f for f, _ in terms) == 3 * forward
+    assert all(divs == ("data",) for _, divs in terms), terms  # each rank its own rows

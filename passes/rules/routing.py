@@ -82,7 +82,7 @@ _NORMS = set(existing_ops("layer_norm.default", "native_layer_norm.default", "rm
 _GEMMS_LEFT = {aten.linear.default, aten.mm.default, aten.matmul.default}
 
 
-def _grouped_gemms() -> dict[Any, tuple[int, int, int | str]]:
+def grouped_gemms() -> dict[Any, tuple[int, int, int | str]]:
     """Grouped GEMM ops: op -> (rows arg, weight arg, offsets arg or kwarg name)."""
     out: dict[Any, tuple[int, int, int | str]] = {}
     if hasattr(aten, "_grouped_mm"):
@@ -113,7 +113,7 @@ class Region:
     exits: list[fx.Node] = field(default_factory=list)
     aranges: list[fx.Node] = field(default_factory=list)  # arange(n) of the inverse alone
     axes: tuple[str, ...] | None = None  # set at lowering when taken
-    # the grouped GEMM ops torch and transformers have (``_grouped_gemms``), looked up once
+    # the grouped GEMM ops torch and transformers have (``grouped_gemms``), looked up once
     gemms: dict[Any, tuple[int, int, int | str]] = field(default_factory=dict)
 
 
@@ -297,7 +297,7 @@ def _row_wise(user: fx.Node, src: fx.Node, kinds: dict) -> bool:
 
 def find_regions(graph: fx.Graph) -> list[Region]:
     regions = []
-    gemms = _grouped_gemms()
+    gemms = grouped_gemms()
     for node in graph.nodes:
         if node.target not in _SORTS:
             continue

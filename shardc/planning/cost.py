@@ -31,11 +31,12 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
 
 from shardc.core.context import GLOBAL_VAL, PLACEMENT
 from shardc.core.machine import Machine
 from shardc.core.mesh import CUT_AXES, Mesh
+from shardc.passes.rules.routing import grouped_gemms
 from shardc.passes.schedule import SCHEDULE
 from shardc.passes.step_nodes import collective_nodes
 from shardc.planning.memory import alias_of
@@ -118,6 +119,7 @@ def work(gm: fx.GraphModule, recompute: bool
 
 
     factor = 1.0 + BACKWARD_FLOPS + (1.0 if recompute else 0.0)
+    _count_grouped_gemms()
 
     def glob(a: Any) -> Any:
         return a.meta.get(GLOBAL_VAL) if isinstance(a, fx.Node) else a
@@ -153,6 +155,24 @@ def work(gm: fx.GraphModule, recompute: bool
         else:
             traffic.append((factor * READ_WRITE * val.numel() * val.element_size(), divs))
     return flops_out, traffic
+
+
+def _grouped_flops(x_shape: Any, w_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """A grouped GEMM's FLOPs: each output element is a dot product over the weight's
+    input dim (``x @ w[e]`` row by row: torch's, transformers' and shardc's forms, whose
+    weight is [E, in, out]; torch's 2-D by 2-D form cuts the contraction instead)."""
+    if len(w_shape) == 2:
+        return 2 * math.prod(out_shape[1:]) * w_shape[0]
+    return 2 * math.prod(out_shape) * w_shape[-2]
+
+
+def _count_grouped_gemms() -> None:
+    """Give torch's flop counter the grouped GEMMs (a mixture of experts' expert GEMMs),
+    which it has no formula for: without it the cost model counted them as memory
+    traffic. Lazily, since transformers registers its own when it is imported."""
+    for op in grouped_gemms():
+        if op.overloadpacket not in flop_registry:
+            register_flop_formula(op.overloadpacket)(_grouped_flops)
 
 
 def _composite(op: torch._ops.OpOverload) -> bool:

@@ -13,6 +13,9 @@ Model FLOPs of one training step, read from the model's traced graph (the same
   2·M·k·n FLOPs forward and twice that backward (dI and dW), so 6·k·n per row; every
   GEMM of a transformer sees each of the T tokens once, which gives 6·N·T. Embedding
   lookups read parameters but multiply nothing and are not in N.
+- A mixture of experts' grouped GEMM (torch's, transformers' or shardc's, rows by a
+  stacked [E, in, out] weight) counts each row once, through its own expert's weight:
+  6·in·out a row, the experts the router chose and no other; its N counts every expert.
 - Attention (``scaled_dot_product_attention``, or a matmul of two activations) costs
   2·B·h·S_q·S_kv·d for the scores and as much for the weighted sum, forward, and twice
   that backward; counted at its full S_q × S_kv even when causal, as PaLM's appendix B
@@ -36,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from shardc.passes.rules.routing import grouped_gemms
 from shardc.passes.trace import trace
 
 _aten = torch.ops.aten
@@ -101,11 +105,13 @@ def count_flops(ep: torch.export.ExportedProgram, tokens: int) -> ModelFlops:
     gemm = attention = 0.0
     weights: set[str] = set()
     layers = seq = hidden = 0
+    # a mixture of experts' grouped GEMMs: rows x [E, in, out], each row through one expert
+    gemms = {**_GEMMS, **{op: (0, 1) for op in grouped_gemms()}}
     for n in ep.graph.nodes:
         if n.op != "call_function":
             continue
-        if n.target in _GEMMS:
-            ia, ib = _GEMMS[n.target]
+        if n.target in gemms:
+            ia, ib = gemms[n.target]
             a, b = n.args[ia], n.args[ib]
             sa, sb = _shape(a), _shape(b)
             if not sa or not sb:
