@@ -23,14 +23,17 @@ and fills part by part (DeepSeek-V3's attention: ``q = k.new_empty(...); q[..., 
 q[..., d:] = b``) has each copy into a slice or a row made a ``slice_scatter`` or
 ``select_scatter`` of it, read by every later reader, where the copied value has the
 part's shape and dtype and every other view of the tensor is read before the next write
-(a view read across a write would see it); DeepSeek-V3's trace went from 1.28 s to
-0.51 s (one process, interleaved, 2026-12-07). An op with no rule that
+(a view read across a write would see it), and a copy into a slice of a row (Qwen3-Next's
+delta rule, ``attn[..., i, :i] = ...``) a ``slice_scatter`` into the row and a
+``select_scatter`` of the row; DeepSeek-V3's trace went from 1.28 s to 0.51 s (one
+process, interleaved, 2026-12-07). An op without a rule that is not in the table but
+decomposes as it is dispatched (``tensor_split``), or takes no tensor (``eye``), is
+decomposed where it stands too. An op with no rule that
 no trace decomposes (not in the table, no implicit decomposition: transformers'
 ``grouped_mm_fallback``) stays as it is. Anything else takes the whole
 ``run_decompositions`` as before:
 
-* a write into an input, a parameter, a buffer, a view (other than the parts above:
-  Qwen3-Next's delta rule writes a row's slice it has just read through another view), a
+* a write into an input, a parameter, a buffer, a view (other than the parts above), a
   tensor a view aliases, or by an op without an out-of-place twin;
 * an op without a rule that is not an ATen op of the table, that draws random numbers, or
   whose values have sizes the data decides (symbolic);
@@ -79,8 +82,11 @@ def decompose(ep: torch.export.ExportedProgram, table: dict, has_rule: Callable[
 def _leaf(op: Any, table: dict) -> bool:
     """An op any trace keeps as it is: not in the table and with no implicit decomposition
     (transformers' ``grouped_mm_fallback``, an opaque custom op the routing rules read)."""
-    return (isinstance(op, torch._ops.OpOverload) and op not in table
-            and not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"))
+    return isinstance(op, torch._ops.OpOverload) and op not in table and not _implicit(op)
+
+
+def _implicit(op: torch._ops.OpOverload) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
 
 
 def _writes(n: fx.Node) -> bool:
@@ -149,9 +155,9 @@ def _functionalize_fresh_writes(graph: fx.Graph) -> bool:
     and leave the rest: the whole re-trace functionalizes it. What was rewritten computes
     what the graph did, so the re-trace may run on it."""
     for n in [n for n in graph.nodes if _writes(n)]:
-        scatter = _scatter_twin(n)
-        if scatter is not None:
-            if not _scatter_in_place(graph, n, *scatter):
+        views = _part_write(n)
+        if views is not None:
+            if not _scatter_in_place(graph, n, views):
                 return False
             continue
         op = n.target
@@ -199,47 +205,43 @@ def _functionalize_fresh_writes(graph: fx.Graph) -> bool:
 
 
 # a view of one part of a tensor -> the op that writes a value into that part of a copy
-_SCATTERS = {aten.slice.Tensor: aten.slice_scatter.default, aten.select.int: aten.select_scatter.default}
+_SCATTERS: dict[Any, Any] = {aten.slice.Tensor: aten.slice_scatter.default,
+                             aten.select.int: aten.select_scatter.default}
 
 
-def _scatter_twin(n: fx.Node) -> tuple[Any, tuple, Any] | None:
-    """(scatter op, its arguments, its value) where ``n`` copies a value into one slice of
-    a tensor the graph made (DeepSeek-V3's and Qwen3-Next's ``q = k.new_empty(...);
-    q[..., :d] = a; q[..., d:] = b``): ``copy_(base[...], src)`` with ``src`` of the
-    slice's shape and dtype (no broadcast, no cast) and the slice read by nothing else.
-    None for any other write."""
+def _part_write(n: fx.Node) -> list[fx.Node] | None:
+    """The views from a tensor the graph made down to the part ``n`` copies into, base
+    side first, where ``n`` fills one part of such a tensor (DeepSeek-V3's ``q =
+    k.new_empty(...); q[..., :d] = a; q[..., d:] = b``; Qwen3-Next's ``attn[..., i, :i] =
+    ...``, a slice of a row): ``copy_(base[...][...], src)`` through slices and rows each
+    read by nothing else, with ``src`` of the part's shape and dtype (no broadcast, no
+    cast). None for any other write."""
     if n.target is not aten.copy_.default or n.users or len(n.args) != 2 or n.kwargs.get("non_blocking"):
         return None
-    view, src = n.args
-    if not isinstance(view, fx.Node) or view.target not in _SCATTERS or len(view.users) != 1:
+    part, src = n.args
+    views: list[fx.Node] = []
+    v = part
+    while isinstance(v, fx.Node) and v.target in _SCATTERS and len(v.users) == 1:
+        views.append(v)
+        v = v.args[0]
+    if not views or not isinstance(v, fx.Node) or not _fresh(v) or not isinstance(src, fx.Node):
         return None
-    base = view.args[0]
-    if not isinstance(base, fx.Node) or not _fresh(base) or not isinstance(src, fx.Node):
+    sv, pv = src.meta.get("val"), views[0].meta.get("val")
+    if not (isinstance(sv, torch.Tensor) and isinstance(pv, torch.Tensor) and _static(sv) and _static(pv)
+            and sv.dtype == pv.dtype and tuple(sv.shape) == tuple(pv.shape)):
         return None
-    sv, vv = src.meta.get("val"), view.meta.get("val")
-    if not (isinstance(sv, torch.Tensor) and isinstance(vv, torch.Tensor) and _static(sv) and _static(vv)
-            and sv.dtype == vv.dtype and tuple(sv.shape) == tuple(vv.shape)):
-        return None
-    op = _SCATTERS[view.target]
-    args = (base, src, *view.args[1:])
-    fake_mode = detect_fake_mode((base.meta.get("val"), sv))
-    if fake_mode is None:
-        return None
-    try:
-        with fake_mode:
-            value = op(base.meta["val"], sv, *view.args[1:])
-    except Exception:  # noqa: BLE001 - whatever the scatter cannot take, the re-trace does
-        return None
-    return op, args, value
+    return views[::-1]
 
 
 def _pair(u: fx.Node) -> fx.Node | None:
-    """The write of ``u`` when ``u`` is a part that a write of ``_scatter_twin``'s kind
-    copies into (and nothing else reads); None otherwise."""
-    if u.target in _SCATTERS and len(u.users) == 1:
-        w = next(iter(u.users))
-        if _scatter_twin(w) is not None:
-            return w
+    """The write of ``u`` when ``u`` is the first view of a part that a write of
+    ``_part_write``'s kind copies into; None otherwise."""
+    w = u
+    while w.target in _SCATTERS and len(w.users) == 1:
+        w = next(iter(w.users))
+        if w.target is aten.copy_.default:
+            views = _part_write(w)
+            return w if views is not None and views[0] is u else None
     return None
 
 
@@ -256,21 +258,22 @@ def _read_before(u: fx.Node, limit: int, order: dict[fx.Node, int]) -> bool:
     return True
 
 
-def _scatter_in_place(graph: fx.Graph, n: fx.Node, op: Any, args: tuple, value: Any) -> bool:
-    """Rewrite the write ``n`` (``_scatter_twin``) as ``op``: readers of the base after the
-    write read the scatter's result, readers before it the base. Another view of the base
-    is taken where everything that reads it reads before the next write (a view read
-    across a write would see it); a later write of the same kind through another part
-    takes the scatter's result as its base and is rewritten in its turn. False (nothing
-    changed) otherwise."""
-    view: Any = n.args[0]
-    base = args[0]
+def _scatter_in_place(graph: fx.Graph, n: fx.Node, views: list[fx.Node]) -> bool:
+    """Rewrite the write ``n`` through ``views`` (``_part_write``) as scatters of its value
+    into each view's input, innermost first (a ``slice_scatter`` into the row, then a
+    ``select_scatter`` of the row into the base): readers of the base after the write
+    read the result, readers before it the base. Another view of the base is taken where
+    everything that reads it reads before the next write (a view read across a write
+    would see it); a later write of the same kind through another part takes the result
+    as its base and is rewritten in its turn. False (nothing changed) otherwise."""
+    base, src = views[0].args[0], n.args[1]
+    assert isinstance(base, fx.Node) and isinstance(src, fx.Node)
     order = {x: i for i, x in enumerate(graph.nodes)}
-    later = [w for w in (_pair(u) for u in base.users if u is not view and order[u] > order[n])
+    later = [w for w in (_pair(u) for u in base.users if u is not views[0] and order[u] > order[n])
              if w is not None]
     writes = sorted([order[n], *(order[w] for w in later)])
     for u in base.users:
-        if u is view or (order[u] > order[n] and _pair(u) is not None):
+        if u is views[0] or (order[u] > order[n] and _pair(u) is not None):
             continue
         if u.op != "call_function" or not isinstance(u.target, torch._ops.OpOverload):
             return False
@@ -281,15 +284,31 @@ def _scatter_in_place(graph: fx.Graph, n: fx.Node, op: Any, args: tuple, value: 
         # a view read across a write would see it: its readers come before the next one
         if not _read_before(u, next((w for w in writes if w > order[u]), len(order)), order):
             return False
+    fake_mode = detect_fake_mode((base.meta.get("val"), src.meta.get("val")))
+    if fake_mode is None:
+        return False
+    values: list[Any] = []
+    inner = src.meta["val"]
+    try:
+        with fake_mode:
+            for v in reversed(views):
+                into: Any = v.args[0]
+                inner = _SCATTERS[v.target](into.meta["val"], inner, *v.args[1:])
+                values.append(inner)
+    except Exception:  # noqa: BLE001 - whatever a scatter cannot take, the re-trace does
+        return False
+    new: fx.Node = src
     with graph.inserting_before(n):
-        new = graph.call_function(op, args)
-    new.meta.update({k: v for k, v in n.meta.items() if k not in ("val", "tensor_meta")})
-    new.meta["val"] = value
+        for v, value in zip(reversed(views), values):
+            op: Any = _SCATTERS[v.target]
+            new = graph.call_function(op, (v.args[0], new, *v.args[1:]))
+            new.meta.update({k: x for k, x in n.meta.items() if k not in ("val", "tensor_meta")})
+            new.meta["val"] = value
     for u in list(base.users):
-        if u is not new and u is not view and order.get(u, -1) > order[n]:
+        if u is not views[0] and order.get(u, -1) > order[n]:
             u.replace_input_with(base, new)
     graph.erase_node(n)
-    graph.erase_node(view)
+    graph.erase_node(views[-1])
     return True
 
 
@@ -306,7 +325,9 @@ def _local(gm: fx.GraphModule, missing: list[fx.Node], table: dict,
     out = []
     for n in missing:
         t = n.target
-        if not isinstance(t, torch._ops.OpOverload) or t not in table \
+        # an op of the table, or one that decomposes as it is dispatched (its implicit
+        # decomposition: Qwen3-Next's tensor_split), which make_fx records decomposed
+        if not isinstance(t, torch._ops.OpOverload) or not (t in table or _implicit(t)) \
                 or torch.Tag.nondeterministic_seeded in t.tags:
             return None
         flat, spec = pytree.tree_flatten((n.args, n.kwargs))
@@ -315,7 +336,9 @@ def _local(gm: fx.GraphModule, missing: list[fx.Node], table: dict,
         if any(not isinstance(vals[i], torch.Tensor) or not _static(vals[i]) for i in where) \
                 or not all(_static(v) for v in pytree.tree_leaves(n.meta.get("val"))):
             return None
-        fake_mode = detect_fake_mode(tuple(vals[i] for i in where))
+        # an op of no tensor (``eye(n)``): the mode its own value was made in
+        fake_mode = detect_fake_mode(tuple(vals[i] for i in where) or
+                                     tuple(pytree.tree_leaves(n.meta.get("val"))))
         if fake_mode is None:
             return None
 

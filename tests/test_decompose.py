@@ -42,16 +42,19 @@ class WritesInPlace(RuleLess):
 
 class WritesIntoParts(RuleLess):
     """A tensor made empty and filled part by part (DeepSeek-V3's attention builds its
-    query so: ``q = k.new_empty(...); q[..., :d] = a; q[..., d:] = b``): each copy into a
-    slice or a row made a scatter where it stands."""
+    query so: ``q = k.new_empty(...); q[..., :d] = a; q[..., d:] = b``, and Qwen3-Next's
+    delta rule writes part of a row from what the rows above hold): each copy into a
+    slice, a row or a slice of a row made scatters where it stands. ``tensor_split``
+    (decomposed as it is dispatched) and ``eye`` (no tensor input) have no rule either."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.a(x)
         q = y.new_empty(4, 13)
         q[:, :9] = y
-        q[:, 9:] = self.b(x)[:, :4]
+        q[:, 9:] = torch.tensor_split(self.b(x), [4], dim=1)[0]
         q[2] = torch.diff(q[2].clone(), prepend=q[2, :1].clone())  # a row, from what it held
-        return torch.diff(q, dim=-1).sum() + q[:, 3].pow(2).sum()
+        q[1, :5] = q[1, :5].clone() + (q[1, :5, None] * q[:1, :5]).sum(-2)  # part of a row
+        return torch.diff(q @ torch.eye(13), dim=-1).sum() + q[:, 3].pow(2).sum()
 
 
 class WritesThroughAView(RuleLess):
@@ -152,8 +155,8 @@ def test_a_tensor_filled_part_by_part_is_scattered_where_it_stands(monkeypatch) 
     assert calls == [], "a tensor filled part by part was re-traced whole"
     assert _writers(ep) == []
     ops = [n.target for n in ep.graph.nodes if n.op == "call_function"]
-    assert ops.count(torch.ops.aten.slice_scatter.default) == 2
-    assert ops.count(torch.ops.aten.select_scatter.default) == 1
+    assert ops.count(torch.ops.aten.slice_scatter.default) == 3
+    assert ops.count(torch.ops.aten.select_scatter.default) == 2
     torch.testing.assert_close(ep.module()(x), model(x), rtol=0, atol=0)
 
 
