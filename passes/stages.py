@@ -38,9 +38,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from shardc.core.errors import ShardcError
+from shardc.core.errors import ShardcError, TraceError
 from shardc.passes.causal_masks import fold_causal_masks
 from shardc.passes.recompute import repeated_blocks
+from shardc.passes.trace import explain_trace_failure
 
 _aten = torch.ops.aten
 # GEMM-like ops of the pre-dispatch graph: FLOPs = 2 * output elements * reduced dim
@@ -166,7 +167,13 @@ def balance(flops: list[float], nbytes: list[int], stages: int) -> list[int]:
 def unlifted_graph(model: nn.Module, example_inputs: tuple) -> fx.GraphModule:
     """The model's pre-dispatch export with its parameters as ``get_attr`` nodes (every
     parameter and buffer keeps its qualified name) and no input guard call."""
-    ep = torch.export.export(model, tuple(example_inputs), strict=False)
+    try:
+        ep = torch.export.export(model, tuple(example_inputs), strict=False)
+    except Exception as e:  # noqa: BLE001 - re-raised with the cause named
+        # the stages cut the plain export (no draft export of a branch on values, no
+        # retry of a loop over the entries a mask holds): where it fails, what the
+        # model does that the export cannot take, as compile says it for one stage
+        raise TraceError(explain_trace_failure(model, e)) from e
     gm = ep.module()
     for n in list(gm.graph.nodes):
         # torch >= 2.9 checks the input shapes in a submodule call; a stage has none of

@@ -92,7 +92,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
             ep = _export(root, args)
         except Exception as e:  # noqa: BLE001 - re-raised with the cause named
             if not _data_dependent(e):
-                raise TraceError(_explain_trace_failure(model, e)) from e
+                raise TraceError(explain_trace_failure(model, e)) from e
             ep, guards = _draft(model, root, args, e)
             where = sorted({w for _, _, w in guards})
             specialized, cause = "; ".join(where), e
@@ -102,7 +102,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
                 # traced on the examples' side with no check, a batch taking the other
                 # side would be computed wrong: the export's error stands
                 raise TraceError(
-                    f"{_explain_trace_failure(model, e)}\n(draft_export traced the side the "
+                    f"{explain_trace_failure(model, e)}\n(draft_export traced the side the "
                     f"example inputs take, but shardc cannot check its guard {u} at every "
                     f"step on torch {torch.__version__}.)") from e
         _refuse_valueless_constants(model, ep)
@@ -131,7 +131,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, compute: torch.dtype = 
                 # a draft's fixed branch that its own re-trace contradicts (BatchNorm with
                 # momentum=None divides by its step count, which the draft fixed to 1):
                 # the export's error is the one that says what is wrong
-                raise TraceError(_explain_trace_failure(model, cause)) from e
+                raise TraceError(explain_trace_failure(model, cause)) from e
     # after the decompositions, which would trace the masks' subgraphs back in
     fold_causal_masks(ep.graph_module)
     # after them too: a grouped GEMM is an op no decomposition table knows
@@ -278,7 +278,7 @@ def _draft(model: torch.nn.Module, root: torch.nn.Module, args: tuple, cause: Ex
 
     draft = getattr(torch.export, "draft_export", None)
     if draft is None:  # torch < 2.8 (below the floor) has it only under a private name
-        raise TraceError(_explain_trace_failure(model, cause)) from cause
+        raise TraceError(explain_trace_failure(model, cause)) from cause
     # its report is a page long, and it logs each branch it fixes: the warning says it once
     logs = [logging.getLogger(n) for n in ("torch.export._draft_export",
                                            "torch.fx.experimental.symbolic_shapes")]
@@ -288,14 +288,14 @@ def _draft(model: torch.nn.Module, root: torch.nn.Module, args: tuple, cause: Ex
     try:
         ep = draft(root, args)
     except Exception as e:  # noqa: BLE001 - the export's error is the one to show
-        raise TraceError(_explain_trace_failure(model, cause)) from e
+        raise TraceError(explain_trace_failure(model, cause)) from e
     finally:
         for log, level in zip(logs, levels):
             log.setLevel(level)
     failures = list(getattr(getattr(ep, "_report", None), "failures", None) or [])
     kinds = {getattr(getattr(f, "failure_type", None), "name", None) for f in failures}
     if not failures or kinds != {"DATA_DEPENDENT_ERROR"}:
-        raise TraceError(_explain_trace_failure(model, cause)) from cause
+        raise TraceError(explain_trace_failure(model, cause)) from cause
     return ep, [(str(f.data.get("expr")), str(f.data.get("result")), _user_line(f))
                 for f in failures]
 
@@ -394,7 +394,7 @@ def _decomposition_failure(model: torch.nn.Module, ep: torch.export.ExportedProg
 
     origin = data_sized_origin(ep.graph)
     if origin is None:
-        return _explain_trace_failure(model, e)
+        return explain_trace_failure(model, e)
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     return (f"shardc.compile: torch {torch.__version__}'s export could not decompose "
             f"{type(model).__name__} ({type(e).__name__}: {first}), which works on a size that "
@@ -402,7 +402,7 @@ def _decomposition_failure(model: torch.nn.Module, ep: torch.export.ExportedProg
             f"{FIXED_SIZE}")
 
 
-def _explain_trace_failure(model: torch.nn.Module, e: Exception) -> str:
+def explain_trace_failure(model: torch.nn.Module, e: Exception) -> str:
     msg = str(e).strip().splitlines()
     where = ""
     tb = e.__traceback__

@@ -155,8 +155,10 @@ def test_a_tensor_filled_part_by_part_is_scattered_where_it_stands(monkeypatch) 
     assert calls == [], "a tensor filled part by part was re-traced whole"
     assert _writers(ep) == []
     ops = [n.target for n in ep.graph.nodes if n.op == "call_function"]
-    assert ops.count(torch.ops.aten.slice_scatter.default) == 3
-    assert ops.count(torch.ops.aten.select_scatter.default) == 2
+    # one scatter at least a view a write goes through (torch 2.8's export writes
+    # ``q[:, :9]`` through two slices, the first of the whole dim 0; 2.13's through one)
+    assert ops.count(torch.ops.aten.slice_scatter.default) >= 3
+    assert ops.count(torch.ops.aten.select_scatter.default) >= 2
     torch.testing.assert_close(ep.module()(x), model(x), rtol=0, atol=0)
 
 
