@@ -25,12 +25,12 @@ q[..., d:] = b``) has each copy into a slice or a row made a ``slice_scatter`` o
 part's shape and dtype and every other view of the tensor is read before the next write
 (a view read across a write would see it), and a copy into a slice of a row (Qwen3-Next's
 delta rule, ``attn[..., i, :i] = ...``) a ``slice_scatter`` into the row and a
-``select_scatter`` of the row. DeepSeek-V3's trace went from 1.45 s to 0.56 s and
-Qwen3-Next's from 5.32 s to 2.35 s (one process, medians of 4 interleaved, 2026-12-07). An op without a rule that is not in the table but
+``select_scatter`` of the row. An op without a rule that is not in the table but
 decomposes as it is dispatched (``tensor_split``), or takes no tensor (``eye``), is
-decomposed where it stands too. An op with no rule that
-no trace decomposes (not in the table, no implicit decomposition: transformers'
-``grouped_mm_fallback``) stays as it is. Anything else takes the whole
+decomposed where it stands too. DeepSeek-V3's trace went from 1.45 s to 0.56 s and
+Qwen3-Next's from 5.32 s to 2.35 s (one process, medians of 4 interleaved, 2026-12-07).
+An op with no rule that no trace decomposes (not in the table, no implicit
+decomposition: transformers' ``grouped_mm_fallback``) stays as it is. Anything else takes the whole
 ``run_decompositions`` as before:
 
 * a write into an input, a parameter, a buffer, a view (other than the parts above), a

@@ -134,22 +134,22 @@ def _copy(gm: fx.GraphModule) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
     return g, env
 
 
+def _reached(starts: list[fx.Node], step: Any) -> set[fx.Node]:
+    """``starts`` and every node ``step`` (a node's users, or its inputs) leads to."""
+    seen: set[fx.Node] = set()
+    todo = list(starts)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(step(n))
+    return seen
+
+
 def _chain(picks: list[_Picked]) -> set[fx.Node]:
     """The values on a path from one GEMM's result to another's rows (both included)."""
-    after: set[fx.Node] = set()
-    todo = [p.out for p in picks]
-    while todo:
-        n = todo.pop()
-        if n not in after:
-            after.add(n)
-            todo.extend(n.users)
-    before: set[fx.Node] = set()
-    todo = [p.x for p in picks]
-    while todo:
-        n = todo.pop()
-        if n not in before:
-            before.add(n)
-            todo.extend(n.all_input_nodes)
+    after = _reached([p.out for p in picks], lambda n: n.users)
+    before = _reached([p.x for p in picks], lambda n: n.all_input_nodes)
     chain = after & before
     for n in chain:
         t = n.target
