@@ -33,12 +33,14 @@ rows instead of a sum of per-pair products.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 
 from shardc.passes.data_sized import fake_val
 from shardc.passes.rules.routing import IGNORED, find_regions, index_bound
@@ -174,7 +176,11 @@ class _Rewrite:
         n = self.g.call_function(target, args, kwargs or {})
         src = like or self.picks[0].bmm
         n.meta.update({k: src.meta[k] for k in _ORIGIN if k in src.meta})
-        fake_val(n)
+        if n.all_input_nodes:
+            fake_val(n)
+        else:  # (the arange) in the export's fake mode, as its other values are
+            with detect_fake_mode([_val(self.keys)]) or contextlib.nullcontext():
+                n.meta["val"] = target(*args, **(kwargs or {}))
         return n
 
     def run(self) -> list[fx.Node]:
