@@ -43,7 +43,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from shardc.passes.data_sized import fake_val
-from shardc.passes.rules.routing import IGNORED, find_regions, index_bound
+from shardc.passes.rules.routing import IGNORED, index_bound, region_at
 from shardc.runtime.grouped_gemm import GROUPED_MM
 
 aten = torch.ops.aten
@@ -278,8 +278,11 @@ class _Rewrite:
                 self.g.erase_node(n)
 
 
-def _taken(g: fx.Graph, sort: fx.Node, gemms: list[fx.Node]) -> bool:
-    return any(r.sort is sort and all(x in r.kinds for x in gemms) for r in find_regions(g))
+def _taken(sort: fx.Node, gemms: list[fx.Node]) -> bool:
+    """Does ``sort`` begin a routing region that holds every one of ``gemms``? (That
+    sort's alone: the other layers' are judged in their own turn.)"""
+    region = region_at(sort)
+    return region is not None and all(x in region.kinds for x in gemms)
 
 
 def _groups(g: fx.Graph) -> dict[str, list[_Picked]]:
@@ -311,7 +314,7 @@ def group_picked_gemms(gm: fx.GraphModule) -> int:
             rw = _Rewrite(g, mapped, min(experts), chained)
             gemms = rw.run()
             sort: Any = rw.perm.args[0]
-            if not _taken(g, sort, gemms):
+            if not _taken(sort, gemms):
                 continue
             g.lint()
             gm.graph = g

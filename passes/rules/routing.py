@@ -296,22 +296,22 @@ def _row_wise(user: fx.Node, src: fx.Node, kinds: dict) -> bool:
 
 
 def find_regions(graph: fx.Graph) -> list[Region]:
-    regions = []
     gemms = grouped_gemms()
-    for node in graph.nodes:
-        if node.target not in _SORTS:
-            continue
-        x = node.args[0]
-        if ndim_of(x) != 1 or not isinstance(x.meta["val"].shape[0], int):
-            continue  # a size known only at run time: no even cut to check
-        region = Region(node, int(x.meta["val"].shape[0]), gemms=gemms)
-        try:
-            _grow(region)
-        except _Reject:
-            continue
-        if region.exits:
-            regions.append(region)
-    return regions
+    regions = (region_at(n, gemms) for n in graph.nodes if n.target in _SORTS)
+    return [r for r in regions if r is not None]
+
+
+def region_at(sort: fx.Node, gemms: dict | None = None) -> Region | None:
+    """The routing region the sort ``sort`` begins, or None where its order is read."""
+    x = sort.args[0]
+    if ndim_of(x) != 1 or not isinstance(x.meta["val"].shape[0], int):
+        return None  # a size known only at run time: no even cut to check
+    region = Region(sort, int(x.meta["val"].shape[0]), gemms=grouped_gemms() if gemms is None else gemms)
+    try:
+        _grow(region)
+    except _Reject:
+        return None
+    return region if region.exits else None
 
 
 def _grow(region: Region) -> None:
