@@ -296,17 +296,16 @@ def _row_wise(user: fx.Node, src: fx.Node, kinds: dict) -> bool:
 
 
 def find_regions(graph: fx.Graph) -> list[Region]:
-    gemms = grouped_gemms()
-    regions = (region_at(n, gemms) for n in graph.nodes if n.target in _SORTS)
+    regions = (region_at(n) for n in graph.nodes if n.target in _SORTS)
     return [r for r in regions if r is not None]
 
 
-def region_at(sort: fx.Node, gemms: dict | None = None) -> Region | None:
+def region_at(sort: fx.Node) -> Region | None:
     """The routing region the sort ``sort`` begins, or None where its order is read."""
     x = sort.args[0]
     if ndim_of(x) != 1 or not isinstance(x.meta["val"].shape[0], int):
         return None  # a size known only at run time: no even cut to check
-    region = Region(sort, int(x.meta["val"].shape[0]), gemms=grouped_gemms() if gemms is None else gemms)
+    region = Region(sort, int(x.meta["val"].shape[0]), gemms=grouped_gemms())
     try:
         _grow(region)
     except _Reject:
